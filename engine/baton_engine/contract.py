@@ -1,0 +1,283 @@
+"""What the data plane and the control plane agree on. Torch-free, stdlib-only.
+
+The operator builds engine pods from these names, the router discovers and scrapes pods with
+them, and the engine parses them. Changing a value here changes the wire contract between the
+planes; `tests/test_contract.py` checks that both sides use this module and that neither the
+operator nor the router imports torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Final, Literal
+
+# --------------------------------------------------------------------------- ports
+
+#: Named container ports (Kubernetes port names are at most 15 characters) and their defaults.
+PORT_HTTP: Final = "http"
+PORT_KV_EVENTS: Final = "kv-events"
+PORT_KV_EVENTS_REPLAY: Final = "kv-replay"
+PORT_KV_TRANSFER: Final = "kv-transfer"
+PORT_METRICS: Final = "metrics"  # operator and router expose metrics on their own port
+
+DEFAULT_HTTP_PORT: Final = 8000
+DEFAULT_KV_EVENTS_PORT: Final = 5557
+DEFAULT_KV_EVENTS_REPLAY_PORT: Final = 5558
+DEFAULT_KV_TRANSFER_PORT: Final = 5600
+DEFAULT_ROUTER_PORT: Final = 8080
+DEFAULT_OPERATOR_METRICS_PORT: Final = 8090
+
+DEFAULT_PORTS: Final[dict[str, int]] = {
+    PORT_HTTP: DEFAULT_HTTP_PORT,
+    PORT_KV_EVENTS: DEFAULT_KV_EVENTS_PORT,
+    PORT_KV_EVENTS_REPLAY: DEFAULT_KV_EVENTS_REPLAY_PORT,
+    PORT_KV_TRANSFER: DEFAULT_KV_TRANSFER_PORT,
+}
+
+# --------------------------------------------------------------------------- engine CLI
+
+#: Engine flags (``baton-engine serve``). The operator renders pod args from these names only.
+FLAG_MODEL: Final = "--model"
+FLAG_SERVED_MODEL_NAME: Final = "--served-model-name"
+FLAG_HOST: Final = "--host"
+FLAG_PORT: Final = "--port"
+FLAG_DEVICE: Final = "--device"
+FLAG_DTYPE: Final = "--dtype"
+FLAG_BLOCK_SIZE: Final = "--block-size"
+FLAG_MAX_NUM_SEQS: Final = "--max-num-seqs"
+FLAG_MAX_NUM_BATCHED_TOKENS: Final = "--max-num-batched-tokens"
+FLAG_MAX_MODEL_LEN: Final = "--max-model-len"
+FLAG_NUM_KV_BLOCKS: Final = "--num-kv-blocks"
+FLAG_GPU_MEMORY_UTILIZATION: Final = "--gpu-memory-utilization"
+FLAG_PREFIX_CACHING: Final = "--enable-prefix-caching"  # BooleanOptionalAction: --no-enable-...
+FLAG_CHUNKED_PREFILL: Final = "--enable-chunked-prefill"  # BooleanOptionalAction
+FLAG_MAX_QUEUE: Final = "--max-queued-requests"
+FLAG_KV_ROLE: Final = "--kv-role"
+FLAG_KV_TRANSFER_PORT: Final = "--kv-transfer-port"
+FLAG_KV_LEASE_SECONDS: Final = "--kv-lease-seconds"
+FLAG_KV_ON_FAILURE: Final = "--kv-transfer-on-failure"
+FLAG_KV_EVENTS: Final = "--kv-events"  # BooleanOptionalAction
+FLAG_KV_EVENTS_PORT: Final = "--kv-events-port"
+FLAG_KV_EVENTS_REPLAY_PORT: Final = "--kv-events-replay-port"
+FLAG_KV_EVENTS_BUFFER_STEPS: Final = "--kv-events-buffer-steps"
+FLAG_PREFIX_HASH: Final = "--prefix-hash"  # "fast" | "vllm-sha256-cbor"
+FLAG_SPECULATIVE: Final = "--speculative"
+FLAG_NUM_SPECULATIVE_TOKENS: Final = "--num-speculative-tokens"
+
+KVRole = Literal["producer", "consumer", "both", "none"]
+KV_ROLES: Final[tuple[str, ...]] = ("producer", "consumer", "both", "none")
+KVFailurePolicy = Literal["recompute", "fail"]
+KV_FAILURE_POLICIES: Final[tuple[str, ...]] = ("recompute", "fail")
+
+# --------------------------------------------------------------------------- environment
+
+#: HMAC key shared by one deployment's engine pods (the operator fills it from a Secret).
+ENV_KV_TRANSFER_KEY: Final = "BATON_KV_TRANSFER_KEY"
+#: The address peers use to reach this pod (the operator sets it from status.podIP).
+ENV_POD_IP: Final = "BATON_POD_IP"
+ENV_POD_NAME: Final = "BATON_POD_NAME"
+ENV_POD_NAMESPACE: Final = "BATON_POD_NAMESPACE"
+SECRET_KEY_FIELD: Final = "kv-transfer-key"
+
+# --------------------------------------------------------------------------- labels
+
+LABEL_NAME: Final = "app.kubernetes.io/name"
+LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
+LABEL_COMPONENT: Final = "app.kubernetes.io/component"
+LABEL_PART_OF: Final = "app.kubernetes.io/part-of"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+LABEL_ROLE: Final = "baton.dev/role"
+LABEL_DEPLOYMENT: Final = "baton.dev/deployment"
+APP_NAME: Final = "baton"
+MANAGED_BY: Final = "baton-operator"
+
+ROLE_PREFILL: Final = "prefill"
+ROLE_DECODE: Final = "decode"
+ROLE_AGGREGATED: Final = "engine"  # one pool doing both prefill and decode
+ROLE_ROUTER: Final = "router"
+ENGINE_ROLES: Final[tuple[str, ...]] = (ROLE_PREFILL, ROLE_DECODE, ROLE_AGGREGATED)
+
+#: The KV-transfer role each engine pool runs with.
+KV_ROLE_OF: Final[dict[str, str]] = {
+    ROLE_PREFILL: "producer",
+    ROLE_DECODE: "consumer",
+    ROLE_AGGREGATED: "both",
+}
+
+
+def pod_selector(deployment: str, role: str) -> dict[str, str]:
+    """The label selector of one role's pods in one InferenceDeployment."""
+    return {LABEL_DEPLOYMENT: deployment, LABEL_ROLE: role}
+
+
+# --------------------------------------------------------------------------- HTTP paths
+
+PATH_HEALTH: Final = "/health"
+PATH_READY: Final = "/ready"
+PATH_METRICS: Final = "/metrics"
+
+# --------------------------------------------------------------------------- metrics
+
+# Names as exposed on /metrics. Counters carry prometheus_client's `_total` suffix; create them
+# with the name minus `_total`. Units are base units (seconds, bytes, ratio 0..1).
+M_REQUESTS_WAITING: Final = "baton_num_requests_waiting"
+M_REQUESTS_RUNNING: Final = "baton_num_requests_running"
+M_KV_USAGE: Final = "baton_kv_cache_usage_ratio"
+M_KV_BLOCKS_TOTAL: Final = "baton_kv_cache_blocks"
+M_PREFIX_QUERIES: Final = "baton_prefix_cache_queries_tokens_total"
+M_PREFIX_HITS: Final = "baton_prefix_cache_hits_tokens_total"
+M_PREEMPTIONS: Final = "baton_num_preemptions_total"
+M_PROMPT_TOKENS: Final = "baton_prompt_tokens_total"
+M_GENERATION_TOKENS: Final = "baton_generation_tokens_total"
+M_REQUEST_SUCCESS: Final = "baton_request_success_total"
+M_TTFT: Final = "baton_time_to_first_token_seconds"
+M_ITL: Final = "baton_inter_token_latency_seconds"
+M_E2E: Final = "baton_e2e_request_latency_seconds"
+M_QUEUE_TIME: Final = "baton_request_queue_time_seconds"
+M_KV_TRANSFER_BYTES: Final = "baton_kv_transfer_bytes_total"
+M_KV_TRANSFER_SECONDS: Final = "baton_kv_transfer_seconds"
+M_KV_TRANSFER_FAILURES: Final = "baton_kv_transfer_failures_total"
+M_KV_LEASES_EXPIRED: Final = "baton_kv_transfer_leases_expired_total"
+M_SPEC_DRAFT_TOKENS: Final = "baton_spec_decode_draft_tokens_total"
+M_SPEC_ACCEPTED_TOKENS: Final = "baton_spec_decode_accepted_tokens_total"
+
+#: Baton's engine metric -> the vLLM metric with the same meaning.
+VLLM_EQUIVALENT: Final[dict[str, str]] = {
+    M_REQUESTS_WAITING: "vllm:num_requests_waiting",
+    M_REQUESTS_RUNNING: "vllm:num_requests_running",
+    M_KV_USAGE: "vllm:kv_cache_usage_perc",
+    M_PREFIX_QUERIES: "vllm:prefix_cache_queries_total",
+    M_PREFIX_HITS: "vllm:prefix_cache_hits_total",
+    M_PREEMPTIONS: "vllm:num_preemptions_total",
+    M_PROMPT_TOKENS: "vllm:prompt_tokens_total",
+    M_GENERATION_TOKENS: "vllm:generation_tokens_total",
+    M_REQUEST_SUCCESS: "vllm:request_success_total",
+    M_TTFT: "vllm:time_to_first_token_seconds",
+    M_ITL: "vllm:inter_token_latency_seconds",
+    M_E2E: "vllm:e2e_request_latency_seconds",
+    M_QUEUE_TIME: "vllm:request_queue_time_seconds",
+    M_SPEC_DRAFT_TOKENS: "vllm:spec_decode_num_draft_tokens_total",
+    M_SPEC_ACCEPTED_TOKENS: "vllm:spec_decode_num_accepted_tokens_total",
+}
+
+# --------------------------------------------------------------------------- KV events
+
+KV_EVENTS_TOPIC_PREFIX: Final = "kv"
+
+
+def kv_events_topic(pod_address: str, model_name: str) -> str:
+    """The ZMQ topic indexers parse: ``kv@<pod address>@<model name>``."""
+    return f"{KV_EVENTS_TOPIC_PREFIX}@{pod_address}@{model_name}"
+
+
+# --------------------------------------------------------------------------- kv_transfer_params
+
+KV_TRANSFER_SCHEMA_VERSION: Final = 1
+KV_LAYOUT: Final = "layers,kv,blocks,block_size,kv_heads,head_dim"
+
+
+class KVTransferParamsError(ValueError):
+    """kv_transfer_params failed validation or its signature check."""
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """What a producer returns for a prefilled request and a consumer pulls from.
+
+    Serialised as the JSON object ``kv_transfer_params`` in the producer's response and in the
+    consumer's request. ``signature`` is HMAC-SHA256 (hex) over the canonical JSON of every other
+    field, keyed with the deployment's shared key.
+    """
+
+    engine_id: str  # the producer engine's unique id (changes on restart)
+    host: str  # producer address reachable by the consumer
+    port: int  # producer's KV-transfer port
+    transfer_id: str  # one prefilled request's lease
+    block_ids: list[int]  # producer block ids holding the prompt's KV, in order
+    num_tokens: int  # prompt tokens whose KV the blocks hold
+    first_token: int  # token the producer sampled after the prompt
+    block_size: int
+    dtype: str  # torch dtype name of the KV cache, e.g. "float32", "bfloat16"
+    layout: str = KV_LAYOUT
+    model: str = ""  # served model name
+    lease_expires_at: float = 0.0  # producer wall-clock (unix seconds)
+    version: int = KV_TRANSFER_SCHEMA_VERSION
+    signature: str = field(default="", compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def payload(self) -> bytes:
+        body = {k: v for k, v in asdict(self).items() if k != "signature"}
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+    def signed(self, key: bytes) -> KVTransferParams:
+        sig = hmac.new(key, self.payload(), hashlib.sha256).hexdigest()
+        return KVTransferParams(**{**asdict(self), "signature": sig})
+
+    def verify(self, key: bytes) -> None:
+        """Raise KVTransferParamsError unless signed with ``key``."""
+        if not self.signature:
+            raise KVTransferParamsError("kv_transfer_params.signature: missing (unsigned params)")
+        want = hmac.new(key, self.payload(), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(want, self.signature):
+            raise KVTransferParamsError("kv_transfer_params.signature: does not match (forged or wrong key)")
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> KVTransferParams:
+        """Validate the JSON shape; errors name the offending field."""
+        if not isinstance(raw, dict):
+            raise KVTransferParamsError("kv_transfer_params: must be an object")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise KVTransferParamsError(f"kv_transfer_params.{unknown[0]}: unknown field")
+        types: dict[str, tuple[type, ...]] = {
+            "engine_id": (str,),
+            "host": (str,),
+            "port": (int,),
+            "transfer_id": (str,),
+            "block_ids": (list,),
+            "num_tokens": (int,),
+            "first_token": (int,),
+            "block_size": (int,),
+            "dtype": (str,),
+            "layout": (str,),
+            "model": (str,),
+            "lease_expires_at": (int, float),
+            "version": (int,),
+            "signature": (str,),
+        }
+        required = [n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING]
+        for name in required:
+            if name not in raw:
+                raise KVTransferParamsError(f"kv_transfer_params.{name}: required")
+        for name, value in raw.items():
+            if isinstance(value, bool) or not isinstance(value, types[name]):
+                raise KVTransferParamsError(f"kv_transfer_params.{name}: wrong type {type(value).__name__}")
+        ids = raw["block_ids"]
+        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
+            raise KVTransferParamsError("kv_transfer_params.block_ids: must be non-negative integers")
+        if not 0 < raw["port"] < 65536:
+            raise KVTransferParamsError("kv_transfer_params.port: out of range")
+        if raw["block_size"] <= 0:
+            raise KVTransferParamsError("kv_transfer_params.block_size: must be positive")
+        if raw["num_tokens"] <= 0 or raw["num_tokens"] > len(ids) * raw["block_size"]:
+            raise KVTransferParamsError("kv_transfer_params.num_tokens: inconsistent with block_ids")
+        if raw.get("version", KV_TRANSFER_SCHEMA_VERSION) != KV_TRANSFER_SCHEMA_VERSION:
+            raise KVTransferParamsError("kv_transfer_params.version: unsupported")
+        return cls(**raw)
+
+
+def sign_dict(params: dict[str, Any], key: bytes) -> dict[str, Any]:
+    return KVTransferParams.from_dict(params).signed(key).to_dict()
+
+
+def verify_dict(params: Any, key: bytes) -> KVTransferParams:
+    """Schema check, then signature check; the consumer calls this before any connection."""
+    parsed = KVTransferParams.from_dict(params)
+    parsed.verify(key)
+    return parsed

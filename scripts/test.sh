@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The project's one test command (README: `make test`). On a fresh machine it does all set-up:
+# the venv and its installs (cached), the local Kubernetes binaries (cached Go builds), then lint,
+# type checks and the whole test suite. Extra arguments go to pytest.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+bash scripts/setup.sh
+bash devcluster/scripts/build.sh
+export PATH="$root/.venv/bin:$PATH"
+echo "== ruff"
+ruff check .
+ruff format --check engine operator devcluster bench tests
+echo "== mypy (operator, devcluster)"
+mypy
+echo "== pytest"
+python -m pytest "$@"

@@ -1,0 +1,106 @@
+"""The contract between the planes, and the dependency direction (no torch in operator/router)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from baton_engine import contract
+from baton_engine.contract import KVTransferParams, KVTransferParamsError, verify_dict
+
+KEY = b"k" * 32
+
+
+def _params(**over: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "engine_id": "e1",
+        "host": "127.0.0.5",
+        "port": 5600,
+        "transfer_id": "t-1",
+        "block_ids": [3, 4, 9],
+        "num_tokens": 40,
+        "first_token": 17,
+        "block_size": 16,
+        "dtype": "float32",
+    }
+    base.update(over)
+    return base
+
+
+def test_sign_and_verify_roundtrip() -> None:
+    signed = KVTransferParams.from_dict(_params()).signed(KEY).to_dict()
+    assert len(signed["signature"]) == 64
+    parsed = verify_dict(json.loads(json.dumps(signed)), KEY)
+    assert parsed.block_ids == [3, 4, 9]
+    assert parsed.first_token == 17
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.pop("signature"), "kv_transfer_params.signature: missing"),
+        (lambda d: d.update(signature="00" * 32), "kv_transfer_params.signature: does not match"),
+        (lambda d: d.update(block_ids=[3, 4, 10]), "kv_transfer_params.signature: does not match"),
+        (lambda d: d.update(port="5600"), "kv_transfer_params.port: wrong type str"),
+        (lambda d: d.update(block_ids=[3, -1, 9]), "kv_transfer_params.block_ids: must be non-negative"),
+        (lambda d: d.pop("host"), "kv_transfer_params.host: required"),
+        (lambda d: d.update(extra=1), "kv_transfer_params.extra: unknown field"),
+        (lambda d: d.update(num_tokens=49), "kv_transfer_params.num_tokens: inconsistent"),
+        (lambda d: d.update(first_token=True), "kv_transfer_params.first_token: wrong type bool"),
+    ],
+)
+def test_bad_params_name_the_field(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+    signed = KVTransferParams.from_dict(_params()).signed(KEY).to_dict()
+    mutate(signed)
+    with pytest.raises(KVTransferParamsError, match=message.replace(".", r"\.")):
+        verify_dict(signed, KEY)
+
+
+def test_wrong_key_is_refused() -> None:
+    signed = KVTransferParams.from_dict(_params()).signed(KEY).to_dict()
+    with pytest.raises(KVTransferParamsError, match="does not match"):
+        verify_dict(signed, b"other-key")
+
+
+def test_topic_and_selector() -> None:
+    assert contract.kv_events_topic("127.0.0.9:5557", "smollm2") == "kv@127.0.0.9:5557@smollm2"
+    assert contract.pod_selector("demo", "prefill") == {
+        "baton.dev/deployment": "demo",
+        "baton.dev/role": "prefill",
+    }
+    assert all(len(p) <= 15 for p in contract.DEFAULT_PORTS)
+
+
+def _torch_free_modules() -> list[str]:
+    """Every module of the operator and the router, plus the contract (found, not listed)."""
+    import importlib
+    import pkgutil
+
+    names = ["baton_engine.contract"]
+    for package in ("baton_operator", "baton_engine.router"):
+        try:
+            pkg = importlib.import_module(package)
+        except ModuleNotFoundError:
+            continue
+        names.append(package)
+        names += [m.name for m in pkgutil.walk_packages(pkg.__path__, package + ".")]
+    return names
+
+
+# Each is imported in a fresh interpreter; afterwards neither torch nor anything that pulls it in
+# may be in sys.modules.
+TORCH_FREE = _torch_free_modules()
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_torch_free_modules_do_not_import_torch(module: str) -> None:
+    code = (
+        "import importlib, sys; importlib.import_module(%r); "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'transformers')); "
+        "print(','.join(bad))"
+    ) % module
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"{module} imports {out.stdout.strip()}"
