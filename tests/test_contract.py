@@ -98,9 +98,9 @@ TORCH_FREE = _torch_free_modules()
 @pytest.mark.parametrize("module", TORCH_FREE)
 def test_torch_free_modules_do_not_import_torch(module: str) -> None:
     code = (
-        "import importlib, sys; importlib.import_module(%r); "
+        f"import importlib, sys; importlib.import_module({module!r}); "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'transformers')); "
         "print(','.join(bad))"
-    ) % module
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"{module} imports {out.stdout.strip()}"
