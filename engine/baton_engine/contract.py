@@ -281,3 +281,23 @@ def verify_dict(params: Any, key: bytes) -> KVTransferParams:
     parsed = KVTransferParams.from_dict(params)
     parsed.verify(key)
     return parsed
+
+# =========================================================================== router metrics
+# Exposed by baton-router on its /metrics (prefix baton_router_). Counters carry the `_total`
+# suffix as exposed; create them with the name minus `_total`.
+
+#: Client requests by outcome (label "outcome": success, client_error, upstream_error,
+#: unavailable, unauthorized, cancelled) and mode (label "mode": disaggregated, aggregated).
+M_ROUTER_REQUESTS: Final = "baton_router_requests_total"
+#: Duration of each upstream leg in seconds (label "leg": prefill, decode, direct): prefill is
+#: the whole prefill call; decode and direct run until the last byte reached the client.
+M_ROUTER_LEG_SECONDS: Final = "baton_router_leg_duration_seconds"
+#: Seconds from the client request arriving to the first response byte sent back.
+M_ROUTER_TTFB_SECONDS: Final = "baton_router_time_to_first_byte_seconds"
+#: Requests sent whole to a decode pod because the prefill leg failed (label "reason":
+#: connect, timeout, status, bad_response, no_prefill_pod).
+M_ROUTER_FALLBACKS: Final = "baton_router_fallbacks_total"
+#: Cached prompt tokens on the pods chosen (matched blocks x block size), summed over requests.
+M_ROUTER_PREFIX_HIT_TOKENS: Final = "baton_router_prefix_hit_tokens_total"
+#: Endpoints currently known by role (label "role").
+M_ROUTER_ENDPOINTS: Final = "baton_router_endpoints"

@@ -1,0 +1,257 @@
+"""One client request's trip through the upstream legs, as an ASGI response.
+
+The response object runs the legs itself so that it can (1) watch the client connection the
+whole time and cancel every open leg when the client goes away, and (2) send the upstream status
+and bytes back unchanged: the decode stream is relayed chunk by chunk as it arrives, never
+parsed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import Any
+
+import httpx
+
+from baton_engine.router import errors
+from baton_engine.router.core import NoEndpoint, RouterCore
+from baton_engine.router.endpoints import Endpoint
+from baton_engine.router.prefix import Api
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+REQUEST_ID_HEADER = "x-request-id"
+#: Upstream response headers passed to the client; the rest are hop-by-hop or server-specific.
+_PASSED_HEADERS = frozenset({"content-type", "content-length", "content-encoding", "cache-control"})
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
+class _Fallback(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class ProxyResponse:
+    def __init__(
+        self,
+        core: RouterCore,
+        client: httpx.AsyncClient,
+        *,
+        api: Api,
+        path: str,
+        raw_body: bytes,
+        body: dict[str, Any],
+        request_id: str,
+        arrived: float,
+    ) -> None:
+        self.core = core
+        self.client = client
+        self.api = api
+        self.path = path
+        self.raw_body = raw_body
+        self.body = body
+        self.request_id = request_id
+        self.arrived = arrived
+        self.mode = core.settings.mode
+        self._started = False  # response headers sent
+        self._outcome = "success"
+
+    # ------------------------------------------------------------------ ASGI entry
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        run = asyncio.ensure_future(self._run(send))
+        watch = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait((run, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not run.done():  # the client went away (or the server is stopping): cancel the legs
+                run.cancel()
+                self._outcome = "cancelled"
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            with contextlib.suppress(asyncio.CancelledError):
+                await run
+            self.core.metrics.requests.labels(outcome=self._outcome, mode=self.mode).inc()
+
+    async def _run(self, send: Send) -> None:
+        try:
+            if self.mode == "aggregated":
+                endpoint, _ = self.core.choose_first_leg(self.api, self.body)
+                await self._relay([endpoint], self.raw_body, "direct", send)
+                return
+            try:
+                params = await self._prefill_leg(send)
+            except _Fallback as fb:
+                log.warning(
+                    "request %s: prefill leg failed (%s): %s; sending it whole to decode",
+                    self.request_id,
+                    fb.reason,
+                    fb,
+                )
+                self.core.metrics.fallbacks.labels(reason=fb.reason).inc()
+                await self._relay(self.core.decode_order(), self.raw_body, "direct", send)
+                return
+            if params is None:  # the prefill pod refused the request; its answer was relayed
+                return
+            decode_body = json.dumps({**self.body, "kv_transfer_params": params}).encode()
+            await self._relay(self.core.decode_order(), decode_body, "decode", send)
+        except NoEndpoint as exc:
+            await self._fail(send, 503, str(exc), errors.UNAVAILABLE, "unavailable")
+
+    # ------------------------------------------------------------------ legs
+
+    def _headers(self) -> dict[str, str]:
+        return {"content-type": "application/json", REQUEST_ID_HEADER: self.request_id}
+
+    async def _prefill_leg(self, send: Send) -> dict[str, Any] | None:
+        """The producer's kv_transfer_params; None when its 4xx answer went to the client instead."""
+        try:
+            endpoint, _ = self.core.choose_first_leg(self.api, self.body)
+        except NoEndpoint as exc:
+            raise _Fallback("no_prefill_pod", str(exc)) from None
+        leg = dict(self.body)
+        leg.pop("stream_options", None)  # only valid with stream: true
+        leg.update(kv_transfer_params={"do_remote_decode": True}, max_tokens=1, stream=False)
+        if "max_completion_tokens" in leg:
+            leg["max_completion_tokens"] = 1
+        settings = self.core.settings
+        timeout = httpx.Timeout(settings.prefill_timeout_s, connect=settings.connect_timeout_s)
+        started = time.perf_counter()
+        self.core.in_flight[endpoint.key] += 1
+        try:
+            response = await self.client.post(
+                endpoint.url + self.path,
+                content=json.dumps(leg).encode(),
+                headers=self._headers(),
+                timeout=timeout,
+            )
+        except _CONNECT_ERRORS as exc:
+            raise _Fallback("connect", f"{endpoint.url}: {exc!r}") from None
+        except httpx.TimeoutException as exc:
+            raise _Fallback("timeout", f"{endpoint.url}: {exc!r}") from None
+        except httpx.HTTPError as exc:
+            raise _Fallback("connect", f"{endpoint.url}: {exc!r}") from None
+        finally:
+            self.core.in_flight[endpoint.key] -= 1
+            self.core.metrics.leg_seconds.labels(leg="prefill").observe(time.perf_counter() - started)
+        if response.status_code >= 500:
+            raise _Fallback("status", f"{endpoint.url} answered {response.status_code}")
+        if response.status_code >= 400:
+            self._outcome = "client_error"
+            await self._send_whole(send, response.status_code, response.headers, response.content)
+            return None
+        try:
+            params = response.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        if not isinstance(params, dict):
+            raise _Fallback("bad_response", f"{endpoint.url} returned no kv_transfer_params object")
+        return params
+
+    async def _relay(self, endpoints: list[Endpoint], content: bytes, leg: str, send: Send) -> None:
+        """Send ``content`` to the first endpoint that accepts the connection and relay its answer."""
+        settings = self.core.settings
+        timeout = httpx.Timeout(settings.read_timeout_s, connect=settings.connect_timeout_s)
+        refused: list[str] = []
+        for endpoint in endpoints:
+            request = self.client.build_request(
+                "POST", endpoint.url + self.path, content=content, headers=self._headers(), timeout=timeout
+            )
+            started = time.perf_counter()
+            self.core.in_flight[endpoint.key] += 1
+            try:
+                try:
+                    response = await self.client.send(request, stream=True)
+                except _CONNECT_ERRORS as exc:
+                    refused.append(f"{endpoint.url}: {exc!r}")
+                    continue
+                except httpx.HTTPError as exc:
+                    await self._fail(
+                        send,
+                        502,
+                        f"{leg} leg to {endpoint.url} failed: {exc!r}",
+                        errors.UPSTREAM,
+                        "upstream_error",
+                    )
+                    return
+                try:
+                    await self._stream_back(response, send, endpoint)
+                finally:
+                    await response.aclose()
+                return
+            finally:
+                self.core.in_flight[endpoint.key] -= 1
+                self.core.metrics.leg_seconds.labels(leg=leg).observe(time.perf_counter() - started)
+        await self._fail(
+            send,
+            503,
+            f"{leg} leg: no pod accepted the connection ({'; '.join(refused)})",
+            errors.UNAVAILABLE,
+            "unavailable",
+        )
+
+    async def _stream_back(self, response: httpx.Response, send: Send, endpoint: Endpoint) -> None:
+        status = response.status_code
+        if status >= 500:
+            self._outcome = "upstream_error"
+        elif status >= 400:
+            self._outcome = "client_error"
+        await self._start(send, status, response.headers)
+        try:
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as exc:
+            self._outcome = "upstream_error"
+            log.warning("request %s: stream from %s broke: %r", self.request_id, endpoint.url, exc)
+            if response.headers.get("content-type", "").startswith("text/event-stream"):
+                frame = errors.sse_error_frame(f"upstream {endpoint.url} stream broke: {exc!r}")
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    # ------------------------------------------------------------------ responses
+
+    async def _start(self, send: Send, status: int, headers: Mapping[str, str] | httpx.Headers) -> None:
+        raw = [(k.lower().encode(), v.encode()) for k, v in headers.items() if k.lower() in _PASSED_HEADERS]
+        raw.append((REQUEST_ID_HEADER.encode(), self.request_id.encode()))
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        self._started = True
+        self.core.metrics.ttfb_seconds.observe(time.perf_counter() - self.arrived)
+
+    async def _send_whole(
+        self, send: Send, status: int, headers: Mapping[str, str] | httpx.Headers, body: bytes
+    ) -> None:
+        kept = {k: v for k, v in headers.items() if k.lower() in ("content-type", "cache-control")}
+        kept["content-length"] = str(len(body))
+        await self._start(send, status, kept)
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _fail(self, send: Send, status: int, message: str, type_: str, outcome: str) -> None:
+        self._outcome = outcome
+        if self._started:  # too late for a status: the stream just ends
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        await self._send_whole(
+            send,
+            status,
+            {"content-type": "application/json"},
+            errors.error_bytes(message, type_, code=status),
+        )
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
