@@ -118,7 +118,7 @@ def create_app(
         )
         return _error(401, message, errors.AUTHENTICATION)
 
-    async def proxy(request: Request, api: Api, path: str) -> Response | ProxyResponse:
+    async def proxy(request: Request, api: Api, path: str) -> Response:
         arrived = time.perf_counter()
         denied = unauthorized(request)
         if denied is not None:
@@ -144,11 +144,11 @@ def create_app(
         )
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(request: Request) -> Response | ProxyResponse:
+    async def completions(request: Request) -> Response:
         return await proxy(request, "completions", "/v1/completions")
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(request: Request) -> Response | ProxyResponse:
+    async def chat_completions(request: Request) -> Response:
         return await proxy(request, "chat", "/v1/chat/completions")
 
     @app.get("/v1/models", response_model=None)

@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 import httpx
+from starlette.background import BackgroundTasks
+from starlette.responses import Response
 
 from baton_engine.router import errors
 from baton_engine.router.core import NoEndpoint, RouterCore
@@ -42,7 +44,9 @@ class _Fallback(Exception):
         self.reason = reason
 
 
-class ProxyResponse:
+class ProxyResponse(Response):
+    """A Starlette response only by type (so FastAPI passes it through); it sends its own messages."""
+
     def __init__(
         self,
         core: RouterCore,
@@ -66,6 +70,7 @@ class ProxyResponse:
         self.mode = core.settings.mode
         self._started = False  # response headers sent
         self._outcome = "success"
+        self.background: BackgroundTasks | None = None
 
     # ------------------------------------------------------------------ ASGI entry
 
