@@ -60,8 +60,11 @@ def start_router() -> Iterator[Callable[..., RunningRouter]]:
         **settings: Any,
     ) -> RunningRouter:
         registry = EndpointRegistry()
-        for role, urls in ((contract.ROLE_PREFILL, prefill), (contract.ROLE_DECODE, decode),
-                           (contract.ROLE_AGGREGATED, engine)):
+        for role, urls in (
+            (contract.ROLE_PREFILL, prefill),
+            (contract.ROLE_DECODE, decode),
+            (contract.ROLE_AGGREGATED, engine),
+        ):
             for url in urls:
                 registry.upsert(static_endpoint(role, url))
         app = create_app(RouterSettings(**settings), registry, scorer=scorer)

@@ -51,7 +51,12 @@ class FakeEngine:
             return [r for r in self.requests if r.method == "POST"]
 
     def params_for(self, request_id: str) -> dict[str, Any]:
-        return {"engine_id": self.name, "transfer_id": f"t-{request_id}", "block_ids": [1, 2], "first_token": 7}
+        return {
+            "engine_id": self.name,
+            "transfer_id": f"t-{request_id}",
+            "block_ids": [1, 2],
+            "first_token": 7,
+        }
 
     def stream_bytes(self, request_id: str, n: int | None = None) -> bytes:
         """What a streamed answer of ``n`` chunks looks like on the wire (after HTTP framing)."""
@@ -63,8 +68,13 @@ class FakeEngine:
         return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
     def completion(self, request_id: str, text: str) -> dict[str, Any]:
-        return {"id": request_id, "object": "text_completion", "model": self.model,
-                "choices": [{"index": 0, "text": text, "finish_reason": "stop"}], "served_by": self.name}
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "model": self.model,
+            "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
+            "served_by": self.name,
+        }
 
     # ------------------------------------------------------------------ ASGI
 
@@ -85,8 +95,12 @@ class FakeEngine:
         if scope["method"] == "GET" and scope["path"] == "/metrics":
             await _whole(send, 200, "text/plain", self.metrics_text.encode())
         elif scope["method"] == "GET" and scope["path"] == "/v1/models":
-            await _whole(send, 200, "application/json",
-                         json.dumps({"object": "list", "data": [{"id": self.model, "object": "model"}]}).encode())
+            await _whole(
+                send,
+                200,
+                "application/json",
+                json.dumps({"object": "list", "data": [{"id": self.model, "object": "model"}]}).encode(),
+            )
         elif scope["method"] != "POST":
             await _whole(send, 404, "application/json", b'{"error":{"message":"not found"}}')
         elif (parsed.get("kv_transfer_params") or {}).get("do_remote_decode"):
@@ -104,8 +118,14 @@ class FakeEngine:
                 self.disconnects.append(rid)
             return
         if self.prefill_status != 200:
-            error = {"error": {"message": f"{self.name} refuses", "type": "x", "param": None,
-                               "code": self.prefill_status}}
+            error = {
+                "error": {
+                    "message": f"{self.name} refuses",
+                    "type": "x",
+                    "param": None,
+                    "code": self.prefill_status,
+                }
+            }
             await _whole(send, self.prefill_status, "application/json", json.dumps(error).encode())
             return
         answer = self.completion(rid, "t0")
@@ -122,8 +142,13 @@ class FakeEngine:
             gone.set()
 
         watcher = asyncio.ensure_future(watch())
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+            }
+        )
         i = 0
         while self.stream_forever or i < self.chunks:
             if gone.is_set():
@@ -141,6 +166,14 @@ class FakeEngine:
 
 
 async def _whole(send: Send, status: int, content_type: str, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", content_type.encode()),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -37,8 +37,12 @@ def test_disaggregated_legs_in_order_with_params_passed_through(start_engine, st
     [prefill_leg] = prefill.posts()
     [decode_leg] = decode.posts()
     assert prefill_leg.path == decode_leg.path == "/v1/completions"
-    assert prefill_leg.body == {**BODY, "max_tokens": 1, "stream": False,
-                                "kv_transfer_params": {"do_remote_decode": True}}
+    assert prefill_leg.body == {
+        **BODY,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     assert decode_leg.body == {**BODY, "kv_transfer_params": prefill.params_for("req-1")}
     assert prefill_leg.request_id == decode_leg.request_id == "req-1"
     assert _metric(router.url, 'baton_router_requests_total{mode="disaggregated",outcome="success"}') == 1.0
@@ -49,8 +53,12 @@ def test_stream_is_relayed_byte_for_byte(start_engine, start_router) -> None:
     decode, decode_url = start_engine("d0", chunks=5)
     router = start_router(prefill=[prefill_url], decode=[decode_url])
 
-    with httpx.stream("POST", router.url + "/v1/chat/completions", headers={"X-Request-Id": "s-1"},
-                      json={**STREAM_BODY, "messages": [{"role": "user", "content": "hi"}]}) as response:
+    with httpx.stream(
+        "POST",
+        router.url + "/v1/chat/completions",
+        headers={"X-Request-Id": "s-1"},
+        json={**STREAM_BODY, "messages": [{"role": "user", "content": "hi"}]},
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"] == "text/event-stream"
         received = b"".join(response.iter_raw())
@@ -86,7 +94,9 @@ def test_request_id_is_generated_and_shared_by_both_legs(start_engine, start_rou
         ({"prefill_hang": True}, "timeout"),
     ],
 )
-def test_prefill_failure_sends_the_whole_request_to_decode(start_engine, start_router, behaviour, reason) -> None:
+def test_prefill_failure_sends_the_whole_request_to_decode(
+    start_engine, start_router, behaviour, reason
+) -> None:
     prefill, prefill_url = start_engine("p0", **behaviour)
     decode, decode_url = start_engine("d0")
     router = start_router(prefill=[prefill_url], decode=[decode_url], prefill_timeout_s=0.3)
@@ -132,8 +142,12 @@ def test_aggregated_mode_forwards_the_body_unchanged(start_engine, start_router)
     router = start_router(engine=[engine_url], mode="aggregated")
     raw = b'{"model":"smollm2",  "prompt":"x", "stream":true}'
 
-    with httpx.stream("POST", router.url + "/v1/completions", content=raw,
-                      headers={"content-type": "application/json", "x-request-id": "a-1"}) as response:
+    with httpx.stream(
+        "POST",
+        router.url + "/v1/completions",
+        content=raw,
+        headers={"content-type": "application/json", "x-request-id": "a-1"},
+    ) as response:
         received = b"".join(response.iter_raw())
 
     assert received == engine.stream_bytes("a-1")
@@ -147,14 +161,20 @@ def test_client_disconnect_mid_stream_closes_the_decode_leg(start_engine, start_
     decode, decode_url = start_engine("d0", stream_forever=True, chunk_interval_s=0.02)
     router = start_router(prefill=[prefill_url], decode=[decode_url])
 
-    with httpx.stream("POST", router.url + "/v1/completions", json=STREAM_BODY,
-                      headers={"X-Request-Id": "c-1"}) as response:
+    with httpx.stream(
+        "POST", router.url + "/v1/completions", json=STREAM_BODY, headers={"X-Request-Id": "c-1"}
+    ) as response:
         first = next(response.iter_raw())
         assert first.startswith(b"data: ")
     # leaving the block closed the client connection mid-stream
     wait_for(lambda: decode.disconnects == ["c-1"], what="decode pod to see its stream closed")
-    wait_for(lambda: _metric(router.url, 'baton_router_requests_total{mode="disaggregated",outcome="cancelled"}')
-             == 1.0, what="cancelled outcome")
+    wait_for(
+        lambda: (
+            _metric(router.url, 'baton_router_requests_total{mode="disaggregated",outcome="cancelled"}')
+            == 1.0
+        ),
+        what="cancelled outcome",
+    )
 
 
 def test_client_disconnect_during_prefill_closes_the_prefill_leg(start_engine, start_router) -> None:
@@ -162,8 +182,10 @@ def test_client_disconnect_during_prefill_closes_the_prefill_leg(start_engine, s
     decode, decode_url = start_engine("d0")
     router = start_router(prefill=[prefill_url], decode=[decode_url])
     body = json.dumps(BODY).encode()
-    request = (b"POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n"
-               b"x-request-id: c-2\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n"
+        b"x-request-id: c-2\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
 
     with socket.create_connection(("127.0.0.1", router.server.port)) as client:
         client.sendall(request)
@@ -232,7 +254,9 @@ def test_refused_decode_pod_is_skipped_for_the_next(start_engine, start_router) 
     _, prefill_url = start_engine("p0")
     decode, decode_url = start_engine("d1")
     # the dead pod sorts first by key, so it is tried first
-    router = start_router(prefill=[prefill_url], decode=[dead_url().replace("127.0.0.1", "127.0.0.2"), decode_url])
+    router = start_router(
+        prefill=[prefill_url], decode=[dead_url().replace("127.0.0.1", "127.0.0.2"), decode_url]
+    )
 
     response = httpx.post(router.url + "/v1/completions", json=BODY)
 

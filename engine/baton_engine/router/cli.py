@@ -7,9 +7,9 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from baton_engine import contract
-from baton_engine.router.app import DiscoveryTask, create_app
 from baton_engine.router.discovery import (
     KubernetesDiscovery,
     default_namespace,
@@ -19,6 +19,9 @@ from baton_engine.router.discovery import (
 from baton_engine.router.endpoints import EndpointRegistry
 from baton_engine.router.policy import ROUTINGS
 from baton_engine.router.settings import MODES, RouterSettings
+
+if TYPE_CHECKING:
+    from baton_engine.router.app import DiscoveryTask
 
 ENV_API_KEY = "BATON_ROUTER_API_KEY"
 
@@ -153,7 +156,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
-    import uvicorn
+    import uvicorn  # imported after the flags are checked: a typo fails fast
+
+    from baton_engine.router.app import create_app
 
     app = create_app(settings, registry, discovery=discovery)
     uvicorn.run(
