@@ -41,6 +41,7 @@ class FakeEngine:
     chunks: int = 3  # SSE chunks per streamed answer (before [DONE])
     chunk_interval_s: float = 0.0
     stream_forever: bool = False
+    stream_break_after: int | None = None  # abort the connection after this many chunks
     metrics_text: str = ""
     requests: list[Recorded] = field(default_factory=list)
     disconnects: list[str] = field(default_factory=list)  # request ids whose client went away
@@ -151,6 +152,9 @@ class FakeEngine:
         )
         i = 0
         while self.stream_forever or i < self.chunks:
+            if i == self.stream_break_after:
+                watcher.cancel()
+                raise RuntimeError("fake engine: stream broken on purpose")  # uvicorn drops the connection
             if gone.is_set():
                 with self._lock:
                     self.disconnects.append(rid)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
+import aiohttp
 
 from baton_engine.router.endpoints import EndpointRegistry, static_endpoint
 from baton_engine.router.load import Load, LoadTracker, parse_load
@@ -46,7 +46,7 @@ def test_tracker_reads_live_pods_and_marks_dead_ones(start_engine) -> None:
     live, empty, gone = (static_endpoint("decode", u) for u in (live_url, empty_url, gone_url))
 
     async def scrape() -> list[Load]:
-        async with httpx.AsyncClient() as client:
+        async with aiohttp.ClientSession() as client:
             tracker = LoadTracker(registry, client, timeout_s=2.0)
             for endpoint in (live, empty, gone):
                 registry.upsert(endpoint)

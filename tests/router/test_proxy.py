@@ -57,7 +57,7 @@ def test_stream_is_relayed_byte_for_byte(start_engine, start_router) -> None:
         "POST",
         router.url + "/v1/chat/completions",
         headers={"X-Request-Id": "s-1"},
-        json={**STREAM_BODY, "messages": [{"role": "user", "content": "hi"}]},
+        json={**STREAM_BODY, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9},
     ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"] == "text/event-stream"
@@ -67,9 +67,33 @@ def test_stream_is_relayed_byte_for_byte(start_engine, start_router) -> None:
     [prefill_leg] = prefill.posts()
     assert prefill_leg.path == "/v1/chat/completions"
     assert "stream_options" not in prefill_leg.body and prefill_leg.body["stream"] is False
+    assert (prefill_leg.body["max_tokens"], prefill_leg.body["max_completion_tokens"]) == (1, 1)
     [decode_leg] = decode.posts()
     assert decode_leg.body["stream_options"] == {"include_usage": True}
     assert decode_leg.body["kv_transfer_params"] == prefill.params_for("s-1")
+
+
+def test_upstream_stream_breaking_midway_ends_with_an_sse_error(start_engine, start_router) -> None:
+    _, prefill_url = start_engine("p0")
+    decode, decode_url = start_engine("d0", chunks=5, stream_break_after=2)
+    router = start_router(prefill=[prefill_url], decode=[decode_url])
+
+    with httpx.stream(
+        "POST", router.url + "/v1/completions", json=STREAM_BODY, headers={"X-Request-Id": "b-1"}
+    ) as r:
+        assert r.status_code == 200
+        received = b"".join(r.iter_raw())
+
+    complete = decode.stream_bytes("b-1", 2).removesuffix(b"data: [DONE]\n\n")
+    assert received.startswith(complete)
+    error = json.loads(received[len(complete) :].removeprefix(b"data: "))
+    assert set(error["error"]) == ERROR_KEYS
+    assert error["error"]["type"] == "upstream_error"
+    assert error["error"]["message"].startswith(f"upstream {decode_url} stream broke")
+    assert (
+        _metric(router.url, 'baton_router_requests_total{mode="disaggregated",outcome="upstream_error"}')
+        == 1.0
+    )
 
 
 def test_request_id_is_generated_and_shared_by_both_legs(start_engine, start_router) -> None:

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -59,14 +59,18 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(
-            max_connections=settings.max_connections,
-            max_keepalive_connections=settings.max_connections,
-            keepalive_expiry=60.0,
+        # keep-alive below uvicorn's 5 s: never reuse a socket the pod is about to close
+        connector = aiohttp.TCPConnector(
+            limit=settings.max_connections, limit_per_host=0, keepalive_timeout=2.0
         )
+        scrape_connector = aiohttp.TCPConnector(limit=64, keepalive_timeout=2.0)
         async with (
-            httpx.AsyncClient(limits=limits, http1=True, http2=False, trust_env=False) as client,
-            httpx.AsyncClient(limits=httpx.Limits(max_connections=64), trust_env=False) as scrape_client,
+            aiohttp.ClientSession(
+                connector=connector,
+                auto_decompress=False,
+                skip_auto_headers=("Accept-Encoding", "User-Agent"),
+            ) as client,
+            aiohttp.ClientSession(connector=scrape_connector) as scrape_client,
         ):
             loads = LoadTracker(
                 registry,
@@ -157,14 +161,19 @@ def create_app(
         if denied is not None:
             return denied
         core: RouterCore = state["core"]
-        client: httpx.AsyncClient = state["client"]
+        client: aiohttp.ClientSession = state["client"]
         endpoints = [e for role in settings.roles for e in core.registry.by_role(role)]
 
         async def fetch(url: str) -> list[dict[str, Any]]:
+            timeout = aiohttp.ClientTimeout(total=settings.scrape_timeout_s * 4)
             try:
-                response = await client.get(url + "/v1/models", timeout=settings.scrape_timeout_s * 4)
-                data = response.json().get("data") if response.status_code == 200 else None
-            except (httpx.HTTPError, ValueError, AttributeError):
+                async with client.get(url + "/v1/models", timeout=timeout) as response:
+                    data = (
+                        (await response.json(content_type=None)).get("data")
+                        if response.status == 200
+                        else None
+                    )
+            except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
                 return []
             return [m for m in data if isinstance(m, dict) and "id" in m] if isinstance(data, list) else []
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from baton_engine import contract
 from baton_engine.router.endpoints import Endpoint, EndpointRegistry, EventKind
@@ -78,7 +78,7 @@ class LoadTracker:
     def __init__(
         self,
         registry: EndpointRegistry,
-        client: httpx.AsyncClient,
+        client: aiohttp.ClientSession,
         *,
         interval_s: float = 1.0,
         timeout_s: float = 0.5,
@@ -89,7 +89,7 @@ class LoadTracker:
         self._registry = registry
         self._client = client
         self._interval_s = interval_s
-        self._timeout = httpx.Timeout(timeout_s)
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._limit = asyncio.Semaphore(concurrency)
         self._loads: dict[str, Load] = {}
         self._wake = asyncio.Event()
@@ -112,18 +112,22 @@ class LoadTracker:
         async with self._limit:
             now = time.monotonic()
             try:
-                response = await self._client.get(endpoint.url + contract.PATH_METRICS, timeout=self._timeout)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                async with self._client.get(
+                    endpoint.url + contract.PATH_METRICS, timeout=self._timeout
+                ) as response:
+                    status = response.status
+                    text = await response.text() if status == 200 else ""
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 log.debug("scrape %s: cannot connect: %s", endpoint.url, exc)
                 load = Load(reachable=False, scraped_at=now)
-            except httpx.HTTPError as exc:
+            except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
                 log.debug("scrape %s: %s", endpoint.url, exc)
                 load = Load(scraped_at=now)
             else:
-                if response.status_code != 200:
+                if status != 200:
                     load = Load(scraped_at=now)
                 else:
-                    values = parse_load(response.text)
+                    values = parse_load(text)
                     load = Load(
                         waiting=values.get(contract.M_REQUESTS_WAITING),
                         running=values.get(contract.M_REQUESTS_RUNNING),
