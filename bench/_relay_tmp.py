@@ -162,7 +162,9 @@ def main() -> None:
     ]
     router_cmd = [
         sys.executable,
-        "/tmp/relaytest/relay.py", os.environ["RELAY_KIND"], upstream,
+        "/tmp/relaytest/relay.py",
+        os.environ["RELAY_KIND"],
+        upstream,
         str(router_port),
     ]
     env_key = os.environ.pop("BATON_ROUTER_API_KEY", None)  # the bench client sends no key

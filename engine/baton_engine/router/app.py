@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import aiohttp
@@ -30,7 +30,7 @@ from baton_engine.router.settings import RouterSettings
 log = logging.getLogger(__name__)
 
 #: A discovery source: runs until cancelled, keeping the registry current.
-DiscoveryTask = Callable[[EndpointRegistry], Awaitable[None]]
+DiscoveryTask = Callable[[EndpointRegistry], Coroutine[Any, Any, None]]
 
 _MAX_REQUEST_ID = 200
 
@@ -142,7 +142,7 @@ def create_app(
             api=api,
             path=path,
             raw_body=raw,
-            body=body,
+            request_json=body,
             request_id=_request_id(request),
             arrived=arrived,
         )

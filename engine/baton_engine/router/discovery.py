@@ -50,7 +50,7 @@ def static_endpoints(role_urls: Mapping[str, Sequence[str]]) -> list[Endpoint]:
 def _is_ready(status: Mapping[str, Any]) -> bool:
     for condition in status.get("conditions") or []:
         if condition.get("type") == "Ready":
-            return condition.get("status") == "True"
+            return bool(condition.get("status") == "True")
     return False
 
 
@@ -118,7 +118,7 @@ class KubernetesDiscovery:
         from kubernetes_asyncio import client, config  # imported lazily: static mode never needs it
 
         if os.environ.get("KUBERNETES_SERVICE_HOST"):
-            config.load_incluster_config()
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
         else:
             await config.load_kube_config()
         async with client.ApiClient() as api:

@@ -58,7 +58,7 @@ class ProxyResponse(Response):
         api: Api,
         path: str,
         raw_body: bytes,
-        body: dict[str, Any],
+        request_json: dict[str, Any],
         request_id: str,
         arrived: float,
     ) -> None:
@@ -67,7 +67,7 @@ class ProxyResponse(Response):
         self.api = api
         self.path = path
         self.raw_body = raw_body
-        self.body = body
+        self.request_json = request_json
         self.request_id = request_id
         self.arrived = arrived
         self.mode = core.settings.mode
@@ -96,7 +96,7 @@ class ProxyResponse(Response):
     async def _run(self, send: Send) -> None:
         try:
             if self.mode == "aggregated":
-                endpoint, _ = self.core.choose_first_leg(self.api, self.body)
+                endpoint, _ = self.core.choose_first_leg(self.api, self.request_json)
                 await self._relay([endpoint], self.raw_body, "direct", send)
                 return
             try:
@@ -113,23 +113,23 @@ class ProxyResponse(Response):
                 return
             if params is None:  # the prefill pod refused the request; its answer was relayed
                 return
-            decode_body = json.dumps({**self.body, "kv_transfer_params": params}).encode()
+            decode_body = json.dumps({**self.request_json, "kv_transfer_params": params}).encode()
             await self._relay(self.core.decode_order(), decode_body, "decode", send)
         except NoEndpoint as exc:
             await self._fail(send, 503, str(exc), errors.UNAVAILABLE, "unavailable")
 
     # ------------------------------------------------------------------ legs
 
-    def _headers(self) -> dict[str, str]:
+    def _leg_headers(self) -> dict[str, str]:
         return {"content-type": "application/json", REQUEST_ID_HEADER: self.request_id}
 
     async def _prefill_leg(self, send: Send) -> dict[str, Any] | None:
         """The producer's kv_transfer_params; None when its 4xx answer went to the client instead."""
         try:
-            endpoint, _ = self.core.choose_first_leg(self.api, self.body)
+            endpoint, _ = self.core.choose_first_leg(self.api, self.request_json)
         except NoEndpoint as exc:
             raise _Fallback("no_prefill_pod", str(exc)) from None
-        leg = dict(self.body)
+        leg = dict(self.request_json)
         leg.pop("stream_options", None)  # only valid with stream: true
         leg.update(kv_transfer_params={"do_remote_decode": True}, max_tokens=1, stream=False)
         if "max_completion_tokens" in leg:
@@ -144,7 +144,7 @@ class ProxyResponse(Response):
             async with self.client.post(
                 endpoint.url + self.path,
                 data=json.dumps(leg).encode(),
-                headers=self._headers(),
+                headers=self._leg_headers(),
                 timeout=timeout,
             ) as response:
                 status, headers, content = response.status, response.headers, await response.read()
@@ -184,7 +184,7 @@ class ProxyResponse(Response):
             try:
                 try:
                     response = await self.client.post(
-                        endpoint.url + self.path, data=content, headers=self._headers(), timeout=timeout
+                        endpoint.url + self.path, data=content, headers=self._leg_headers(), timeout=timeout
                     )
                 except _CONNECT_ERRORS as exc:
                     refused.append(f"{endpoint.url}: {exc!r}")
