@@ -65,12 +65,8 @@ def _process(argv: list[str], health_url: str) -> Iterator[subprocess.Popen[byte
             process.wait()
 
 
-async def _stream(
-    client: httpx.AsyncClient, url: str, delay: float, chunk_ms: list[float], ttft_ms: list[float]
-) -> None:
+async def _stream(client: httpx.AsyncClient, url: str, delay: float, chunk_ms: list[float]) -> None:
     await asyncio.sleep(delay)
-    sent = time.monotonic_ns()
-    first = True
     buffer = b""
     async with client.stream("POST", url, json=BODY) as response:
         response.raise_for_status()
@@ -80,23 +76,15 @@ async def _stream(
             *events, buffer = buffer.split(b"\n\n")
             for event in events:
                 stamp = _STAMP.search(event)
-                if stamp is None:
-                    continue
-                chunk_ms.append((now - int(stamp.group(1))) / 1e6)
-                if first:
-                    ttft_ms.append((now - sent) / 1e6)
-                    first = False
+                if stamp is not None:
+                    chunk_ms.append((now - int(stamp.group(1))) / 1e6)
 
 
-async def _phase(
-    client: httpx.AsyncClient, url: str, streams: int, interval_s: float
-) -> tuple[list[float], list[float]]:
+async def _phase(client: httpx.AsyncClient, url: str, streams: int, interval_s: float) -> list[float]:
+    """``streams`` concurrent streams, their starts spread over one event interval."""
     chunk_ms: list[float] = []
-    ttft_ms: list[float] = []
-    await asyncio.gather(
-        *(_stream(client, url, i * interval_s / streams, chunk_ms, ttft_ms) for i in range(streams))
-    )
-    return chunk_ms, ttft_ms
+    await asyncio.gather(*(_stream(client, url, i * interval_s / streams, chunk_ms) for i in range(streams)))
+    return chunk_ms
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -104,6 +92,18 @@ def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _router_stack() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = []
+    for package in ("aiohttp", "uvicorn", "uvloop", "httptools", "fastapi"):
+        try:
+            names.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            names.append(f"{package} -")
+    return ", ".join(names)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -114,23 +114,19 @@ def _pct(values: list[float], q: float) -> float:
 async def _measure(
     direct_url: str, router_url: str, streams: int, rounds: int, interval_s: float, router_pid: int
 ) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {
-        "direct": [],
-        "router": [],
-        "direct_ttft": [],
-        "router_ttft": [],
-        "cpu": [],
-    }
-    limits = httpx.Limits(max_connections=4 * streams, max_keepalive_connections=4 * streams)
+    out: dict[str, list[float]] = {"direct": [], "router": [], "cpu": []}
+    # keep-alive below uvicorn's 5 s, so no request goes out on a socket the server is closing
+    limits = httpx.Limits(
+        max_connections=4 * streams, max_keepalive_connections=4 * streams, keepalive_expiry=1.0
+    )
     async with httpx.AsyncClient(limits=limits, timeout=60, trust_env=False) as client:
         await _phase(client, direct_url, streams, interval_s)  # warm-up: connections, imports, caches
         await _phase(client, router_url, streams, interval_s)
         for _ in range(rounds):
             for name, url in (("direct", direct_url), ("router", router_url)):
                 cpu_before = _cpu_seconds(router_pid)
-                chunks, ttft = await _phase(client, url, streams, interval_s)
+                chunks = await _phase(client, url, streams, interval_s)
                 out[name] += chunks
-                out[name + "_ttft"] += ttft
                 if name == "router":
                     out["cpu"].append((_cpu_seconds(router_pid) - cpu_before) / len(chunks))
     return out
@@ -204,11 +200,11 @@ def main() -> None:
         "added_latency_ms_p50": round(_pct(routed, 0.50) - _pct(direct, 0.50), 3),
         "added_latency_ms_p99": round(_pct(routed, 0.99) - _pct(direct, 0.99), 3),
         "added_latency_ms_mean": round(statistics.fmean(routed) - statistics.fmean(direct), 3),
-        "added_ttft_ms_p50": round(_pct(samples["router_ttft"], 0.5) - _pct(samples["direct_ttft"], 0.5), 3),
         "router_cpu_us_per_chunk": round(statistics.fmean(samples["cpu"]) * 1e6, 1),
         "target_added_latency_ms_p50": 2.0,
         "python": platform.python_version(),
-        "httpx": httpx.__version__,
+        "client": f"httpx {httpx.__version__}",
+        "router_stack": _router_stack(),
     }
     if not args.json:
         for key, value in result.items():
