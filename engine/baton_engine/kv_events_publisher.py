@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUFFER_STEPS: Final = 10_000
 DEFAULT_SNDHWM: Final = 100_000
 DEFAULT_MAX_QUEUE: Final = 100_000
-_IDLE_WAIT_S: Final = 0.01
+_IDLE_WAIT_S: Final = 0.05  # also the longest a replay request waits
 
 
 class _CacheReset:

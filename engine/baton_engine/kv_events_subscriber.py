@@ -45,7 +45,7 @@ from baton_engine.kv_prefix_index import PrefixIndex
 logger = logging.getLogger(__name__)
 
 Pod = Hashable
-_POLL_MS: Final = 10
+_POLL_MS: Final = 50  # also the longest add_pod / remove_pod wait for the thread
 
 
 @dataclass

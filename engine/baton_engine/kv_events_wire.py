@@ -143,7 +143,8 @@ def encode_batch(
     """The msgpack payload of one EventBatch."""
     events = [event_to_wire(r) for r in records]
     stamp = time.time() if ts is None else float(ts)
-    return msgpack.packb([stamp, events, data_parallel_rank], use_bin_type=True)
+    payload: bytes = msgpack.packb([stamp, events, data_parallel_rank], use_bin_type=True)
+    return payload
 
 
 # ----------------------------------------------------------------------------- decoding

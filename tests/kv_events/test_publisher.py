@@ -26,7 +26,9 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     context.destroy(linger=0)
 
 
-def subscribe(ctx: zmq.Context[zmq.Socket[bytes]], pub: KVEventPublisher, topic: str = "") -> zmq.Socket[bytes]:
+def subscribe(
+    ctx: zmq.Context[zmq.Socket[bytes]], pub: KVEventPublisher, topic: str = ""
+) -> zmq.Socket[bytes]:
     """A SUB socket connected to the publisher (live once `publish_until_received` returns)."""
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
@@ -103,7 +105,7 @@ def test_topic_filter_selects_the_pod(make_publisher: MakePublisher, ctx: zmq.Co
     sub.connect(pub_a.endpoint)
     for i in range(20):
         pub_a.publish([stored(i)])
-    wait_until(lambda: pub_a._queue.empty(), what="queue drained")  # noqa: SLF001
+    wait_until(lambda: pub_a._queue.empty(), what="queue drained")
     assert sub.poll(100) == 0
 
 
@@ -111,7 +113,9 @@ def test_replay_from_a_midpoint_then_end_marker(make_publisher: MakePublisher, c
     pub = make_publisher(TOPIC, buffer_steps=100)
     for i in range(10):
         pub.publish([stored(i)], ts=float(i))
-    wait_until(lambda: len(replay(ctx, pub.replay_endpoint or "", (9).to_bytes(8, "big"))) == 2, what="10 sent")
+    wait_until(
+        lambda: len(replay(ctx, pub.replay_endpoint or "", (9).to_bytes(8, "big"))) == 2, what="10 sent"
+    )
     replies = replay(ctx, pub.replay_endpoint or "", (6).to_bytes(8, "big"))
     assert [r[1] for r in replies] == [i.to_bytes(8, "big") for i in (6, 7, 8, 9)] + [b"\xff" * 8]
     assert replies[-1] == [b"", b"\xff" * 8, b""]
@@ -128,7 +132,9 @@ def test_replay_buffer_keeps_the_last_buffer_steps(make_publisher: MakePublisher
     for i in range(8):
         pub.publish([stored(i)])
     endpoint = pub.replay_endpoint or ""
-    wait_until(lambda: replay(ctx, endpoint, (7).to_bytes(8, "big"))[0][1] == (7).to_bytes(8, "big"), what="8 sent")
+    wait_until(
+        lambda: replay(ctx, endpoint, (7).to_bytes(8, "big"))[0][1] == (7).to_bytes(8, "big"), what="8 sent"
+    )
     replies = replay(ctx, endpoint, (0).to_bytes(8, "big"))
     assert [int.from_bytes(r[1], "big", signed=True) for r in replies] == [5, 6, 7, -1]
 
@@ -167,7 +173,9 @@ def test_full_queue_drops_and_then_publishes_all_blocks_cleared(
 
     def last_is_clear() -> bool:
         replies = replay(ctx, endpoint, (0).to_bytes(8, "big"))
-        return len(replies) > 1 and decode_event_batch(replies[-2][2])["events"] == [{"type": "AllBlocksCleared"}]
+        return len(replies) > 1 and decode_event_batch(replies[-2][2])["events"] == [
+            {"type": "AllBlocksCleared"}
+        ]
 
     wait_until(last_is_clear, what="AllBlocksCleared after the overflow")
 
@@ -186,7 +194,7 @@ def test_shutdown_closes_sockets_and_refuses_more(make_publisher: MakePublisher)
     pub.publish([stored(0)])
     pub.shutdown()
     pub.shutdown()  # idempotent
-    assert not pub._thread.is_alive()  # noqa: SLF001
+    assert not pub._thread.is_alive()
     with pytest.raises(RuntimeError, match="KVEventPublisher is shut down"):
         pub.publish([stored(1)])
     # Both ports are free again.

@@ -18,8 +18,8 @@ from baton_engine.kv_events_wire import (
     frames,
     to_event_hash,
 )
-from tests.kv_events.reference_decoder import Float, Int, decode_event_batch, read_msgpack
 from tests.kv_events.records import AllBlocksCleared, BlocksRemoved, BlocksStored
+from tests.kv_events.reference_decoder import Float, Int, decode_event_batch, read_msgpack
 
 U64 = 2**64 - 1
 HASHES = (U64, 0, 127, 128, 255, 256, 65535, 65536, 2**32, 2**63, 12345678901234567)
@@ -154,7 +154,10 @@ def test_sequence_and_frames() -> None:
 @pytest.mark.parametrize(
     ("record", "message"),
     [
-        (BlocksStored((1,), None, (1, 2, 3), 2), "token_ids has 3 tokens, expected block_size * len(block_hashes) = 2 * 1"),
+        (
+            BlocksStored((1,), None, (1, 2, 3), 2),
+            "token_ids has 3 tokens, expected block_size * len(block_hashes) = 2 * 1",
+        ),
         (BlocksStored((), None, (), 2), "BlockStored needs at least one block hash"),
         (BlocksStored((1,), None, (), 0), "block_size must be positive, got 0"),
         (BlocksStored((-1,), None, (1,), 1), "int block hash -1 is outside the unsigned 64-bit range"),
@@ -166,7 +169,9 @@ def test_sequence_and_frames() -> None:
     ],
 )
 def test_bad_records_are_rejected_with_the_reason(record: object, message: str) -> None:
-    with pytest.raises(WireFormatError, match=message.replace("*", r"\*").replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(
+        WireFormatError, match=message.replace("*", r"\*").replace("(", r"\(").replace(")", r"\)")
+    ):
         encode_batch([record], ts=0.0)
 
 

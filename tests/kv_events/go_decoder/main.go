@@ -5,7 +5,7 @@
 //     prints what llm-d-kv-cache's vLLM engine adapter decodes from each, one JSON line each.
 //   - subscribe: connects a ZMQ SUB socket (go-zeromq, the library llm-d's own subscriber uses)
 //     to -endpoint, prints "ready", then prints each received message decoded by the same
-//     adapter until it has seen sequence number -until-seq.
+//     adapter, until its stdin is closed.
 //   - hash:      reads a JSON array of token ids on stdin and prints the vLLM block keys that
 //     llm-d-kv-cache-manager v0.4.0 computes for them (sha256 over canonical CBOR, seeded like
 //     vLLM's NONE_HASH from -seed, 64-bit key from the digest's last 8 bytes).
@@ -19,6 +19,7 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 
 	zmq4 "github.com/go-zeromq/zmq4"
@@ -87,7 +88,7 @@ func runDecode(enc *json.Encoder) error {
 	return scanner.Err()
 }
 
-func runSubscribe(enc *json.Encoder, endpoint, topic string, untilSeq uint64) error {
+func runSubscribe(enc *json.Encoder, endpoint, topic string) error {
 	adapter := engineadapter.NewVLLMAdapter()
 	sub := zmq4.NewSub(context.Background())
 	defer sub.Close()
@@ -97,6 +98,11 @@ func runSubscribe(enc *json.Encoder, endpoint, topic string, untilSeq uint64) er
 	if err := sub.SetOption(zmq4.OptionSubscribe, topic); err != nil {
 		return err
 	}
+	go func() {
+		// The test closes stdin when it has seen what it needs.
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		os.Exit(0)
+	}()
 	fmt.Println("ready")
 	for {
 		msg, err := sub.Recv()
@@ -109,9 +115,6 @@ func runSubscribe(enc *json.Encoder, endpoint, topic string, untilSeq uint64) er
 		seq := binary.BigEndian.Uint64(msg.Frames[1])
 		if err := enc.Encode(decodeMessage(adapter, string(msg.Frames[0]), seq, msg.Frames[2])); err != nil {
 			return err
-		}
-		if seq >= untilSeq {
-			return nil
 		}
 	}
 }
@@ -134,7 +137,6 @@ func main() {
 	mode := flag.String("mode", "decode", "decode | subscribe | hash")
 	endpoint := flag.String("endpoint", "", "subscribe: the PUB endpoint to dial")
 	topic := flag.String("topic", "", "subscribe: topic prefix filter")
-	untilSeq := flag.Uint64("until-seq", 0, "subscribe: exit after this sequence number")
 	seed := flag.String("seed", "", "hash: the seed (vLLM's PYTHONHASHSEED)")
 	blockSize := flag.Int("block-size", 16, "hash: tokens per block")
 	model := flag.String("model", "m", "hash: model name (not part of the hash)")
@@ -146,7 +148,7 @@ func main() {
 	case "decode":
 		err = runDecode(enc)
 	case "subscribe":
-		err = runSubscribe(enc, *endpoint, *topic, *untilSeq)
+		err = runSubscribe(enc, *endpoint, *topic)
 	case "hash":
 		err = runHash(enc, *seed, *blockSize, *model)
 	default:
