@@ -27,16 +27,30 @@ from baton_engine.contract import (
 from .policy_types import EngineLoad, PodSample
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+_REQUIRED = frozenset({M_REQUESTS_WAITING, M_REQUESTS_RUNNING, M_KV_USAGE})
+_OPTIONAL = frozenset({M_KV_BLOCKS_TOTAL, M_PREEMPTIONS})
 
 
 class MetricsParseError(ValueError):
     """An engine's /metrics answer lacks a metric the autoscaler needs, or holds a bad value."""
 
 
-def _values_by_sample_name(text: str) -> dict[str, list[float]]:
+def _is_sample_of(line: str, names: frozenset[str]) -> bool:
+    """True for a sample line of exactly one of ``names`` (not a longer name sharing the prefix)."""
+    for name in names:
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ", "\t"):
+            return True
+    return False
+
+
+def _values_by_sample_name(text: str, wanted: frozenset[str]) -> dict[str, list[float]]:
+    # An engine exposes dozens of histogram buckets the autoscaler never reads, and the parser is
+    # pure Python: hand it only the sample lines it needs (HELP/TYPE are not needed for values).
+    prefixes = tuple(wanted)
+    lines = [ln for ln in text.splitlines() if ln.startswith(prefixes) and _is_sample_of(ln, wanted)]
     values: dict[str, list[float]] = {}
     try:
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families("\n".join(lines) + "\n"):
             for sample in family.samples:
                 values.setdefault(sample.name, []).append(float(sample.value))
     except ValueError as exc:  # the parser's own error for malformed lines
@@ -70,7 +84,8 @@ def parse_engine_metrics(text: str, *, queued_tokens_metric: str | None = None) 
     one, but a fuller cache must never be averaged away). ``queued_tokens_metric`` names a gauge
     of queued prompt tokens when the engines export one.
     """
-    values = _values_by_sample_name(text)
+    wanted = _REQUIRED | _OPTIONAL | ({queued_tokens_metric} if queued_tokens_metric else set())
+    values = _values_by_sample_name(text, frozenset(wanted))
     if M_KV_USAGE not in values:
         raise MetricsParseError(f"{M_KV_USAGE}: missing from /metrics")
     kv_usage = max(_checked(M_KV_USAGE, values[M_KV_USAGE]))

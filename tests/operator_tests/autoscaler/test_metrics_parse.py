@@ -57,7 +57,11 @@ def test_a_missing_required_metric_is_named(missing: str) -> None:
             f"{contract.M_KV_USAGE} 0.5\n{contract.M_REQUESTS_WAITING} -2\n{contract.M_REQUESTS_RUNNING} 0\n",
             f"{contract.M_REQUESTS_WAITING}: bad value -2.0",
         ),
-        ("<html>oops</html>", "not Prometheus text format: invalid metric name:<html>oops</html>"),
+        (
+            f"{contract.M_KV_USAGE} zero\n",
+            "not Prometheus text format: could not convert string to float: 'zero'",
+        ),
+        ("<html>oops</html>", f"{contract.M_KV_USAGE}: missing from /metrics"),
         ("", f"{contract.M_KV_USAGE}: missing from /metrics"),
     ],
 )
@@ -65,6 +69,21 @@ def test_bad_answers_are_refused_with_the_reason(text: str, message: str) -> Non
     with pytest.raises(MetricsParseError) as info:
         parse_engine_metrics(text)
     assert str(info.value) == message
+
+
+def test_only_the_needed_series_are_parsed_and_odd_lines_elsewhere_do_not_matter() -> None:
+    # A malformed line of a metric the autoscaler does not read is not its problem.
+    text = engine_exposition() + 'baton_other_metric{broken="x} 1\n'
+    assert parse_engine_metrics(text).kv_usage == 0.42
+
+
+def test_a_longer_name_sharing_the_prefix_is_not_mistaken_for_a_needed_metric() -> None:
+    text = (
+        f"{contract.M_KV_USAGE}_max 0.9\n{contract.M_KV_USAGE} 0.5\n"
+        f"{contract.M_REQUESTS_WAITING}_peak 40\n{contract.M_REQUESTS_WAITING} 1\n"
+        f"{contract.M_REQUESTS_RUNNING}\t2\n"
+    )
+    assert parse_engine_metrics(text) == EngineLoad(waiting=1.0, running=2.0, kv_usage=0.5)
 
 
 def test_metrics_url() -> None:
