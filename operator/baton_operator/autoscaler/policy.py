@@ -55,8 +55,9 @@ def _num(x: float) -> str:
     return str(round(x)) if abs(x - round(x)) < _EPS else f"{x:.2f}"
 
 
-def _pods(n: int) -> str:
-    return f"{n} pod" if n == 1 else f"{n} pods"
+def _pods(n: int, kind: str = "") -> str:
+    noun = "pod" if n == 1 else "pods"
+    return f"{n} {kind} {noun}" if kind else f"{n} {noun}"
 
 
 @dataclass
@@ -111,7 +112,7 @@ def _measure(pool: PoolPolicy, samples: list[PodSample], policy: AutoscalingPoli
         return _Measured(
             metrics,
             no_data=(
-                f"no usable metrics from {unusable} of {_pods(len(ready))} ready ({', '.join(parts)}), "
+                f"no usable metrics from {unusable} of {_pods(len(ready), 'ready')} ({', '.join(parts)}), "
                 f"above the {policy.max_unknown_fraction:.0%} limit"
             ),
         )
@@ -147,7 +148,9 @@ def _measure(pool: PoolPolicy, samples: list[PodSample], policy: AutoscalingPoli
         measured.no_data = "no signal: " + ", ".join(measured.notes)
         return measured
     if unusable:
-        measured.notes.append(f"{unusable} of {_pods(len(ready))} unknown, assumed at the known mean")
+        measured.notes.append(
+            f"{unusable} of {_pods(len(ready), 'ready')} unknown, assumed at the known mean"
+        )
     raw = max(candidates)
     measured.recommended = min(max(raw, pool.min_replicas), pool.max_replicas)
     if raw < pool.min_replicas:
@@ -223,8 +226,8 @@ def _stabilise(
             return (
                 current,
                 "hold",
-                f"hold at {current}: {explain}; scale-down held while "
-                f"{metrics.ready_pods - metrics.known_pods} of {_pods(metrics.ready_pods)} ready are unknown",
+                f"hold at {current}: {explain}; scale-down held while {metrics.ready_pods - metrics.known_pods} "
+                f"of {_pods(metrics.ready_pods, 'ready')} are unknown",
             )
         last_down = max(
             (a.at for a in history.actions if a.role == pool.role and a.to_replicas < a.from_replicas),

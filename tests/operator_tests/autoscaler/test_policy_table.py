@@ -310,7 +310,7 @@ CASES = [
             "prefill": (
                 2,
                 "hold",
-                "hold at 2: no usable metrics from 2 of 2 pods ready (2 unknown), above the 50% limit",
+                "hold at 2: no usable metrics from 2 of 2 ready pods (2 unknown), above the 50% limit",
             )
         },
     ),
@@ -324,7 +324,7 @@ CASES = [
                 5,
                 "up",
                 "scale up 3 -> 5: recommend 5 (queue depth 18 / target 4 -> 5, "
-                "1 of 3 pods unknown, assumed at the known mean)",
+                "1 of 3 ready pods unknown, assumed at the known mean)",
             )
         },
     ),
@@ -337,8 +337,8 @@ CASES = [
             "prefill": (
                 3,
                 "hold",
-                "hold at 3: recommend 1 (queue depth 0 / target 4 -> 0, 1 of 3 pods unknown, assumed at the "
-                "known mean, raised to minReplicas 1); scale-down held while 1 of 3 pods ready are unknown",
+                "hold at 3: recommend 1 (queue depth 0 / target 4 -> 0, 1 of 3 ready pods unknown, assumed at "
+                "the known mean, raised to minReplicas 1); scale-down held while 1 of 3 ready pods are unknown",
             )
         },
     ),
@@ -353,7 +353,7 @@ CASES = [
             "prefill": (
                 2,
                 "hold",
-                "hold at 2: no usable metrics from 2 of 2 pods ready (2 older than 60s), above the 50% limit",
+                "hold at 2: no usable metrics from 2 of 2 ready pods (2 older than 60s), above the 50% limit",
             )
         },
     ),
@@ -368,7 +368,7 @@ CASES = [
             "prefill": (
                 3,
                 "hold",
-                "hold at 3: no usable metrics from 2 of 3 pods ready (1 unknown, 1 older than 60s), "
+                "hold at 3: no usable metrics from 2 of 3 ready pods (1 unknown, 1 older than 60s), "
                 "above the 50% limit",
             )
         },
@@ -532,7 +532,7 @@ CASES = [
             "prefill": (
                 1,
                 "hold",
-                "hold at 1: no usable metrics from 1 of 1 pod ready (1 unknown), above the 50% limit",
+                "hold at 1: no usable metrics from 1 of 1 ready pod (1 unknown), above the 50% limit",
             ),
             "decode": (3, "hold", "hold at 3: recommend 3 (KV usage 0.60 x 3 pods / target 0.60 -> 3)"),
         },

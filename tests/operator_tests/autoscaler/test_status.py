@@ -47,7 +47,7 @@ def test_decision_status_shape() -> None:
                 "desiredReplicas": 1,
                 "recommendedReplicas": None,
                 "action": "hold",
-                "reason": "hold at 1: no usable metrics from 1 of 1 pod ready (1 unknown), "
+                "reason": "hold at 1: no usable metrics from 1 of 1 ready pod (1 unknown), "
                 "above the 50% limit",
                 "metrics": {
                     "readyPods": 1,
