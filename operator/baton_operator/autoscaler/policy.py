@@ -226,8 +226,9 @@ def _stabilise(
             return (
                 current,
                 "hold",
-                f"hold at {current}: {explain}; scale-down held while {metrics.ready_pods - metrics.known_pods} "
-                f"of {_pods(metrics.ready_pods, 'ready')} are unknown",
+                f"hold at {current}: {explain}; scale-down held while "
+                f"{metrics.ready_pods - metrics.known_pods} of {_pods(metrics.ready_pods, 'ready')} "
+                "are unknown",
             )
         last_down = max(
             (a.at for a in history.actions if a.role == pool.role and a.to_replicas < a.from_replicas),

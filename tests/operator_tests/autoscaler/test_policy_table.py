@@ -337,8 +337,9 @@ CASES = [
             "prefill": (
                 3,
                 "hold",
-                "hold at 3: recommend 1 (queue depth 0 / target 4 -> 0, 1 of 3 ready pods unknown, assumed at "
-                "the known mean, raised to minReplicas 1); scale-down held while 1 of 3 ready pods are unknown",
+                "hold at 3: recommend 1 (queue depth 0 / target 4 -> 0, 1 of 3 ready pods unknown, "
+                "assumed at the known mean, raised to minReplicas 1); "
+                "scale-down held while 1 of 3 ready pods are unknown",
             )
         },
     ),
