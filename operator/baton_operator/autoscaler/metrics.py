@@ -126,6 +126,14 @@ async def _fetch(client: httpx.AsyncClient, url: str) -> str:
     return body.decode("utf-8", errors="replace")
 
 
+def _describe(exc: BaseException) -> str:
+    # Connection errors can arrive wrapped in an ExceptionGroup (a TaskGroup inside the
+    # transport): name the first real cause.
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 async def _scrape_one(
     client: httpx.AsyncClient,
     target: ScrapeTarget,
@@ -146,8 +154,8 @@ async def _scrape_one(
             error = f"timeout after {timeout_s:g}s"
         except MetricsParseError as exc:
             error = str(exc)
-        except httpx.HTTPError as exc:
-            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        except Exception as exc:  # one bad pod must not blank the whole tick
+            error = _describe(exc)
         else:
             return PodSample(target.pod, target.role, target.ready, clock(), load)
     return PodSample(target.pod, target.role, target.ready, clock(), None, error)

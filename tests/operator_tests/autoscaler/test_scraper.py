@@ -86,6 +86,23 @@ async def test_an_incomplete_answer_is_unknown_with_the_missing_metric(start_ser
     assert (sample.load, sample.error) == (None, f"{contract.M_KV_USAGE}: missing from /metrics")
 
 
+async def test_a_bad_pod_address_is_unknown_and_does_not_spoil_the_others(start_server: StartServer) -> None:
+    healthy = start_server(answer(200, engine_exposition()))
+    samples = await scrape_pods(
+        [
+            ScrapeTarget("bad-port", "decode", "http://127.0.0.1:99999/metrics"),
+            ScrapeTarget("no-scheme", "decode", "127.0.0.1:8000/metrics"),
+            ScrapeTarget("good", "decode", healthy.url),
+        ],
+        timeout_s=2,
+    )
+    assert [(s.load, s.error) for s in samples] == [
+        (None, "OverflowError: connect(): port must be 0-65535."),
+        (None, "UnsupportedProtocol: Request URL is missing an 'http://' or 'https://' protocol."),
+        (HEALTHY_LOAD, None),
+    ]
+
+
 @pytest.mark.parametrize("bound", [2, 4])
 async def test_concurrency_is_bounded(start_server: StartServer, bound: int) -> None:
     total = 4
