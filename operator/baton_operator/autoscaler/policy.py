@@ -80,42 +80,51 @@ def _sum_or_none(values: list[float | None]) -> float | None:
     return sum(v for v in values if v is not None)
 
 
-def _measure(pool: PoolPolicy, samples: list[PodSample], policy: AutoscalingPolicy, now: float) -> _Measured:
+def _pool_metrics(samples: list[PodSample], policy: AutoscalingPolicy, now: float) -> PoolMetrics:
+    """Totals over the ready pods; pods without a fresh sample are assumed at the known mean."""
     ready = [s for s in samples if s.ready]
-    stale = [s for s in ready if now - s.scraped_at > policy.max_metric_age_s]
     fresh = [s for s in ready if now - s.scraped_at <= policy.max_metric_age_s]
-    known = [s for s in fresh if s.load is not None]
-    unknown = len(fresh) - len(known)
-    unusable = len(ready) - len(known)
+    loads = [s.load for s in fresh if s.load is not None]
+    counts = (len(ready), len(loads), len(fresh) - len(loads), len(ready) - len(fresh))
     oldest = max((now - s.scraped_at for s in ready), default=None)
-    loads = [s.load for s in known if s.load is not None]
     if not loads:
-        metrics = PoolMetrics(len(ready), 0, unknown, len(stale), None, None, None, None, oldest)
-        if not ready:
-            return _Measured(metrics, no_data="no ready pods to measure")
-        waiting = running = kv_usage = 0.0
-        tokens: float | None = None
-    else:
-        scale = len(ready) / len(loads)
-        waiting = sum(x.waiting for x in loads) * scale
-        running = sum(x.running for x in loads) * scale
-        kv_usage = sum(x.kv_usage for x in loads) / len(loads)
-        tokens_known = _sum_or_none([x.queued_prompt_tokens for x in loads])
-        tokens = tokens_known * scale if tokens_known is not None else None
-        metrics = PoolMetrics(
-            len(ready), len(loads), unknown, len(stale), waiting, running, kv_usage, tokens, oldest
-        )
-    if not known or unusable / len(ready) > policy.max_unknown_fraction:
-        parts = [f"{unknown} unknown"] if unknown else []
-        if stale:
-            parts.append(f"{len(stale)} older than {_num(policy.max_metric_age_s)}s")
-        return _Measured(
-            metrics,
-            no_data=(
-                f"no usable metrics from {unusable} of {_pods(len(ready), 'ready')} ({', '.join(parts)}), "
-                f"above the {policy.max_unknown_fraction:.0%} limit"
-            ),
-        )
+        return PoolMetrics(*counts, None, None, None, None, oldest)
+    scale = len(ready) / len(loads)
+    tokens = _sum_or_none([x.queued_prompt_tokens for x in loads])
+    return PoolMetrics(
+        *counts,
+        waiting=sum(x.waiting for x in loads) * scale,
+        running=sum(x.running for x in loads) * scale,
+        kv_usage=sum(x.kv_usage for x in loads) / len(loads),
+        queued_prompt_tokens=tokens * scale if tokens is not None else None,
+        oldest_sample_age_s=oldest,
+    )
+
+
+def _why_no_data(m: PoolMetrics, policy: AutoscalingPolicy) -> str | None:
+    if m.ready_pods == 0:
+        return "no ready pods to measure"
+    unusable = m.ready_pods - m.known_pods
+    if m.known_pods and unusable / m.ready_pods <= policy.max_unknown_fraction:
+        return None
+    parts = [f"{m.unknown_pods} unknown"] if m.unknown_pods else []
+    if m.stale_pods:
+        parts.append(f"{m.stale_pods} older than {_num(policy.max_metric_age_s)}s")
+    return (
+        f"no usable metrics from {unusable} of {_pods(m.ready_pods, 'ready')} ({', '.join(parts)}), "
+        f"above the {policy.max_unknown_fraction:.0%} limit"
+    )
+
+
+def _measure(pool: PoolPolicy, samples: list[PodSample], policy: AutoscalingPolicy, now: float) -> _Measured:
+    metrics = _pool_metrics(samples, policy, now)
+    no_data = _why_no_data(metrics, policy)
+    if no_data is not None:
+        return _Measured(metrics, no_data=no_data)
+    ready, unusable = metrics.ready_pods, metrics.ready_pods - metrics.known_pods
+    # With a known pod, the totals are set (see _pool_metrics).
+    waiting, running, kv_usage = metrics.waiting or 0.0, metrics.running or 0.0, metrics.kv_usage or 0.0
+    tokens = metrics.queued_prompt_tokens
 
     measured = _Measured(metrics)
     candidates: list[int] = []
@@ -133,10 +142,10 @@ def _measure(pool: PoolPolicy, samples: list[PodSample], policy: AutoscalingPoli
                 f"queued prompt tokens {_num(tokens)} / target {_num(pool.target_queued_tokens)} -> {n}"
             )
     if pool.target_kv_usage is not None:
-        n = _ceil(len(ready) * kv_usage / pool.target_kv_usage)
+        n = _ceil(ready * kv_usage / pool.target_kv_usage)
         candidates.append(n)
         measured.terms.append(
-            f"KV usage {kv_usage:.2f} x {_pods(len(ready))} / target {pool.target_kv_usage:.2f} -> {n}"
+            f"KV usage {kv_usage:.2f} x {_pods(ready)} / target {pool.target_kv_usage:.2f} -> {n}"
         )
     if pool.target_running_requests is not None:
         n = _ceil(running / pool.target_running_requests)
@@ -148,9 +157,7 @@ def _measure(pool: PoolPolicy, samples: list[PodSample], policy: AutoscalingPoli
         measured.no_data = "no signal: " + ", ".join(measured.notes)
         return measured
     if unusable:
-        measured.notes.append(
-            f"{unusable} of {_pods(len(ready), 'ready')} unknown, assumed at the known mean"
-        )
+        measured.notes.append(f"{unusable} of {_pods(ready, 'ready')} unknown, assumed at the known mean")
     raw = max(candidates)
     measured.recommended = min(max(raw, pool.min_replicas), pool.max_replicas)
     if raw < pool.min_replicas:
