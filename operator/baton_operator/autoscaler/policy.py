@@ -264,8 +264,8 @@ def _prune(history: History, policy: AutoscalingPolicy, now: float) -> History:
     for pool in policy.pools:
         horizon = now - max(pool.scale_up.stabilization_window_s, pool.scale_down.stabilization_window_s)
         mine = [r for r in history.recommendations if r.role == pool.role]
-        older = [r for r in mine if r.at < horizon]
-        recommendations += older[-1:] + [r for r in mine if r.at >= horizon]
+        newest_older = max((r for r in mine if r.at < horizon), key=lambda r: r.at, default=None)
+        recommendations += ([newest_older] if newest_older else []) + [r for r in mine if r.at >= horizon]
         actions += [a for a in history.actions if a.role == pool.role and a.at >= horizon]
     return History(
         tuple(sorted(recommendations, key=lambda r: r.at)), tuple(sorted(actions, key=lambda a: a.at))
