@@ -56,6 +56,32 @@ def decision_status(decision: Decision) -> dict[str, Any]:
     }
 
 
+MAX_REASON_CHARS = 4096
+
+
+def flat_metrics(decision: Decision) -> dict[str, float]:
+    """The numbers each pool's decision used, flat: ``{"prefill.waitingRequests": 14.0, ...}``."""
+    flat: dict[str, float] = {}
+    for r in decision.roles:
+        for key, value in (_metrics(r.metrics) or {}).items():
+            if value is not None:
+                flat[f"{r.role}.{key}"] = float(value)
+    return flat
+
+
+def status_summary(decision: Decision) -> dict[str, Any]:
+    """``status.autoscaling`` in the CRD's flat shape: lastDecision, reason, metrics, time."""
+    reason = decision.reason
+    if len(reason) > MAX_REASON_CHARS:
+        reason = reason[: MAX_REASON_CHARS - 3] + "..."
+    return {
+        "lastDecision": decision.desired,
+        "reason": reason,
+        "metrics": flat_metrics(decision),
+        "time": rfc3339(decision.at),
+    }
+
+
 def history_to_dict(history: History) -> dict[str, Any]:
     """Compact: recommendations as [unix time, role, replicas], actions as [time, role, from, to]."""
     return {

@@ -9,7 +9,12 @@ import pytest
 
 from baton_operator.autoscaler.policy import decide
 from baton_operator.autoscaler.policy_types import History, Recommendation, ScaleAction
-from baton_operator.autoscaler.status import decision_status, history_from_dict, history_to_dict
+from baton_operator.autoscaler.status import (
+    decision_status,
+    history_from_dict,
+    history_to_dict,
+    status_summary,
+)
 
 from .factories import NOW, decode_pool, observe, policy, prefill_pool, sample, steady, unknown
 
@@ -62,6 +67,32 @@ def test_decision_status_shape() -> None:
                 },
             },
         },
+    }
+
+
+def test_status_summary_is_flat() -> None:
+    pol = policy(prefill_pool(), decode_pool())
+    obs = observe({"prefill": 1, "decode": 1}, sample("p0", waiting=9), unknown("d0", "decode"))
+    decision, _ = decide(pol, obs, History(), NOW)
+    assert status_summary(decision) == {
+        "lastDecision": {"prefill": 3, "decode": 1},
+        "reason": decision.reason,
+        "metrics": {
+            "prefill.readyPods": 1.0,
+            "prefill.knownPods": 1.0,
+            "prefill.unknownPods": 0.0,
+            "prefill.stalePods": 0.0,
+            "prefill.waitingRequests": 9.0,
+            "prefill.runningRequests": 0.0,
+            "prefill.kvUsage": 0.0,
+            "prefill.oldestSampleAgeSeconds": 0.0,
+            "decode.readyPods": 1.0,
+            "decode.knownPods": 0.0,
+            "decode.unknownPods": 1.0,
+            "decode.stalePods": 0.0,
+            "decode.oldestSampleAgeSeconds": 0.0,
+        },
+        "time": "1970-01-01T02:46:40.000000Z",
     }
 
 
