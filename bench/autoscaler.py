@@ -156,7 +156,7 @@ def _scrape_ms(text: str, pods: int, rounds: int = 5) -> float:
     operator keeps it (creating an httpx client costs ~0.1 s: its TLS context)."""
     server = _Server(text.encode())
     host, port = server.httpd.server_address[:2]
-    targets = [ScrapeTarget(f"p{i}", "decode", f"http://{host}:{port}/metrics") for i in range(pods)]
+    targets = [ScrapeTarget(f"p{i}", "decode", f"http://{host!s}:{port}/metrics") for i in range(pods)]
 
     async def measure() -> list[float]:
         times = []

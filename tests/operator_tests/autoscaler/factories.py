@@ -32,7 +32,7 @@ def prefill_pool(**over: object) -> PoolPolicy:
         "target_queue_depth": 4.0,
     }
     fields.update(over)
-    return PoolPolicy(**fields)  # type: ignore[arg-type]
+    return PoolPolicy(**fields)  # type: ignore[arg-type,unused-ignore]
 
 
 def decode_pool(**over: object) -> PoolPolicy:
@@ -45,7 +45,7 @@ def decode_pool(**over: object) -> PoolPolicy:
         "target_kv_usage": 0.6,
     }
     fields.update(over)
-    return PoolPolicy(**fields)  # type: ignore[arg-type]
+    return PoolPolicy(**fields)  # type: ignore[arg-type,unused-ignore]
 
 
 def policy(*pools: PoolPolicy, ratio: RatioBounds | None = None) -> AutoscalingPolicy:

@@ -39,7 +39,7 @@ class MetricsServer:
     @property
     def url(self) -> str:
         host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}/metrics"
+        return f"http://{host!s}:{port}/metrics"
 
     def stop(self) -> None:
         self.release.set()

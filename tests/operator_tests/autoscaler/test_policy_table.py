@@ -11,6 +11,7 @@ from baton_operator.autoscaler.policy_types import (
     AutoscalingPolicy,
     History,
     Observations,
+    PodSample,
     PoolPolicy,
     RatioBounds,
     StepPolicy,
@@ -46,15 +47,15 @@ class Case:
     expect: dict[str, tuple[int, str, str]]  # role -> (desired, action, reason)
 
 
-def _idle(n: int, role: str = "prefill") -> tuple:  # type: ignore[type-arg]
+def _idle(n: int, role: str = "prefill") -> tuple[PodSample, ...]:
     return tuple(sample(f"{role}-{i}", role) for i in range(n))
 
 
-def _busy(n: int, waiting: float) -> tuple:  # type: ignore[type-arg]
+def _busy(n: int, waiting: float) -> tuple[PodSample, ...]:
     return tuple(sample(f"prefill-{i}", waiting=waiting) for i in range(n))
 
 
-def _kv(n: int, kv: float, running: float = 0) -> tuple:  # type: ignore[type-arg]
+def _kv(n: int, kv: float, running: float = 0) -> tuple[PodSample, ...]:
     return tuple(sample(f"decode-{i}", "decode", kv=kv, running=running) for i in range(n))
 
 

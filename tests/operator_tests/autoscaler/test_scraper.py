@@ -122,5 +122,5 @@ async def test_concurrency_is_bounded(start_server: StartServer, bound: int) -> 
 )
 async def test_bad_scrape_settings(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError) as info:
-        await scrape_pods([], **kwargs)  # type: ignore[arg-type]
+        await scrape_pods([], **kwargs)
     assert str(info.value) == message

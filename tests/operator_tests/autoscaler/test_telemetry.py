@@ -5,13 +5,13 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 
 from baton_operator.autoscaler.policy import decide
-from baton_operator.autoscaler.policy_types import History
+from baton_operator.autoscaler.policy_types import Decision, History, PodSample
 from baton_operator.autoscaler.telemetry import AutoscalerMetrics, scale_events
 
 from .factories import GPU_REASON, NOW, decode_pool, observe, pending, policy, prefill_pool, sample, unknown
 
 
-def _decision():  # type: ignore[no-untyped-def]
+def _decision() -> tuple[Decision, tuple[PodSample, ...]]:
     obs = observe(
         {"prefill": 1, "decode": 2},
         sample("p0", waiting=12),
