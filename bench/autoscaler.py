@@ -25,6 +25,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from baton_engine import contract
+from baton_operator.autoscaler.collect import collect
 from baton_operator.autoscaler.metrics import ScrapeTarget, parse_engine_metrics, scrape_pods
 from baton_operator.autoscaler.policy import decide
 from baton_operator.autoscaler.policy_types import (
@@ -127,9 +128,10 @@ def engine_exposition() -> str:
 
 
 class _Server:
-    def __init__(self, body: bytes) -> None:
+    def __init__(self, render: Callable[[], bytes]) -> None:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                body = render()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -154,7 +156,8 @@ class _Server:
 def _scrape_ms(text: str, pods: int, rounds: int = 5) -> float:
     """Median wall time of one scrape of ``pods`` pods, with one client kept across ticks as the
     operator keeps it (creating an httpx client costs ~0.1 s: its TLS context)."""
-    server = _Server(text.encode())
+    body = text.encode()
+    server = _Server(lambda: body)
     host, port = server.httpd.server_address[:2]
     targets = [ScrapeTarget(f"p{i}", "decode", f"http://{host!s}:{port}/metrics") for i in range(pods)]
 
@@ -175,6 +178,58 @@ def _scrape_ms(text: str, pods: int, rounds: int = 5) -> float:
         server.stop()
 
 
+def _decision_reaction_s(interval_s: float, phases: tuple[float, ...] = (0.1, 0.5, 0.9)) -> list[float]:
+    """Seconds from an engine's queue depth crossing the target to the first "up" decision of a
+    loop that ticks every ``interval_s`` (collect = real scrape over loopback, then decide). The
+    crossing lands at a different phase of the interval in each trial. No Deployment is patched."""
+    registry = CollectorRegistry()
+    waiting = Gauge(contract.M_REQUESTS_WAITING, "w", ["model_name"], registry=registry).labels("m")
+    Gauge(contract.M_REQUESTS_RUNNING, "r", ["model_name"], registry=registry).labels("m").set(0)
+    Gauge(contract.M_KV_USAGE, "kv", ["model_name"], registry=registry).labels("m").set(0.1)
+    server = _Server(lambda: generate_latest(registry))
+    host, port = server.httpd.server_address[:2]
+    pod = {
+        "metadata": {"name": "prefill-0", "labels": {contract.LABEL_ROLE: contract.ROLE_PREFILL}},
+        "spec": {"containers": [{"ports": [{"name": contract.PORT_HTTP, "containerPort": port}]}]},
+        "status": {
+            "phase": "Running",
+            "podIP": str(host),
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+    policy = AutoscalingPolicy(
+        pools=(PoolPolicy("prefill", 1, 4, StepPolicy(2, 0), StepPolicy(1, 300), target_queue_depth=4),),
+        max_metric_age_s=3 * interval_s,
+    )
+
+    async def trial(client: httpx.AsyncClient, phase: float) -> float:
+        waiting.set(0)
+        crossed: list[float] = []
+
+        def cross() -> None:
+            waiting.set(12)  # 12 waiting / target 4 -> 3 replicas
+            crossed.append(time.time())
+
+        asyncio.get_running_loop().call_later((2 + phase) * interval_s, cross)
+        start, hist = time.monotonic(), History()
+        for tick in range(10):
+            await asyncio.sleep(max(0.0, start + tick * interval_s - time.monotonic()))
+            obs = await collect([pod], {"prefill": 1}, client=client, timeout_s=interval_s)
+            decision, hist = decide(policy, obs, hist, time.time())
+            if decision.action == "up":
+                return time.time() - crossed[0]
+        raise RuntimeError("no scale-up decision within 10 ticks")
+
+    async def trials() -> list[float]:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            return [await trial(client, phase) for phase in phases]
+
+    try:
+        return asyncio.run(trials())
+    finally:
+        server.stop()
+
+
 def run() -> dict[str, object]:
     policy = _policy(window_s=300)
     obs, hist = _inputs(prefill=8, decode=16, window_s=300, interval_s=15)
@@ -184,6 +239,8 @@ def run() -> dict[str, object]:
     text = engine_exposition()
     parse_us = _per_call_us(lambda: parse_engine_metrics(text), calls=500)
     pods = 24
+    interval_s = 1.0
+    reactions = _decision_reaction_s(interval_s)
     return {
         "bench": "autoscaler",
         "decide_cpu_us": decide_us,
@@ -195,9 +252,14 @@ def run() -> dict[str, object]:
         "cpu_us_per_resource": round(decide_us + pods * parse_us, 1),
         "cpu_per_resource_inputs": f"decide + parse of {pods} pods",
         "scrape_ms_24_pods_loopback_concurrency16": _scrape_ms(text, pods),
+        "decision_reaction_s_max": round(max(reactions), 3),
+        "decision_reaction_s_mean": round(statistics.mean(reactions), 3),
+        "decision_interval_s": interval_s,
         "reaction_s": None,
         "interval_s": None,
-        "note": "reaction_s, interval_s: need the operator timer loop end to end (later wave)",
+        "note": "reaction_s/interval_s (crossing -> replicas patched) need the operator timer loop "
+        "end to end (later wave); decision_reaction_s is crossing -> first 'up' decision of an "
+        "in-process loop (real scrape + decide, no patch), crossing at 0.1/0.5/0.9 of the interval",
         "python": platform.python_version(),
         "prometheus_client": metadata.version("prometheus-client"),
         "httpx": metadata.version("httpx"),
