@@ -14,7 +14,7 @@ from baton_operator.autoscaler.policy_types import History
 from .exposition import engine_exposition
 from .factories import decode_pool, policy, prefill_pool
 from .metrics_servers import MetricsServer, answer
-from .test_pods import GPU_MESSAGE, pod
+from .pod_json import GPU_MESSAGE, pod
 
 
 @pytest.fixture
