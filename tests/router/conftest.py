@@ -8,7 +8,8 @@ import pytest
 from baton_engine import contract
 from baton_engine.router.app import create_app
 from baton_engine.router.core import RouterCore
-from baton_engine.router.endpoints import EndpointRegistry, static_endpoint
+from baton_engine.router.endpoints import Endpoint, EndpointRegistry, static_endpoint
+from baton_engine.router.kv_index import KVEventIndex
 from baton_engine.router.prefix import PrefixScorer
 from baton_engine.router.settings import RouterSettings
 from tests.router.fake_engine import FakeEngine
@@ -56,10 +57,14 @@ def start_router() -> Iterator[Callable[..., RunningRouter]]:
         prefill: list[str] = (),  # type: ignore[assignment]
         decode: list[str] = (),  # type: ignore[assignment]
         engine: list[str] = (),  # type: ignore[assignment]
+        endpoints: list[Endpoint] = (),  # type: ignore[assignment]
         scorer: PrefixScorer | None = None,
+        kv_index: KVEventIndex | None = None,
         **settings: Any,
     ) -> RunningRouter:
         registry = EndpointRegistry()
+        for endpoint in endpoints:
+            registry.upsert(endpoint)
         for role, urls in (
             (contract.ROLE_PREFILL, prefill),
             (contract.ROLE_DECODE, decode),
@@ -67,7 +72,7 @@ def start_router() -> Iterator[Callable[..., RunningRouter]]:
         ):
             for url in urls:
                 registry.upsert(static_endpoint(role, url))
-        app = create_app(RouterSettings(**settings), registry, scorer=scorer)
+        app = create_app(RouterSettings(**settings), registry, scorer=scorer, kv_index=kv_index)
         server = ServerThread(app, lifespan="on").start()
         servers.append(server)
         return RunningRouter(server, app)

@@ -42,8 +42,10 @@ def router_process(start_engine) -> Iterator[tuple[str, object]]:
             decode_url,
             "--log-level",
             "warning",
+            "--prefix-hash",
+            "vllm-sha256-cbor",
         ],
-        env=env,
+        env={**env, "PYTHONHASHSEED": "0"},
     )
     url = f"http://127.0.0.1:{port}"
 

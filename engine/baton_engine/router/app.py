@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from baton_engine.router import errors
 from baton_engine.router.core import RouterCore
 from baton_engine.router.endpoints import EndpointRegistry
+from baton_engine.router.kv_index import KVEventIndex
 from baton_engine.router.load import LoadTracker
 from baton_engine.router.metrics import RouterMetrics
 from baton_engine.router.prefix import Api, PrefixScorer
@@ -52,8 +53,11 @@ def create_app(
     *,
     discovery: list[DiscoveryTask] | None = None,
     scorer: PrefixScorer | None = None,
+    kv_index: KVEventIndex | None = None,
 ) -> FastAPI:
-    """The router app. ``discovery`` tasks run for the app's lifetime and fill ``registry``."""
+    """The router app. ``discovery`` tasks run for the app's lifetime and fill ``registry``;
+    ``kv_index`` (if given, usually also ``scorer.index``) follows the registry's pods until shutdown.
+    """
     metrics = RouterMetrics()
     state: dict[str, Any] = {}
 
@@ -81,6 +85,8 @@ def create_app(
             )
             state["client"] = client
             state["core"] = RouterCore(settings, registry, loads, scorer or PrefixScorer(), metrics)
+            if kv_index is not None:
+                kv_index.attach(registry)
             tasks = [asyncio.create_task(loads.run(), name="baton-router-load")]
             tasks += [
                 asyncio.create_task(d(registry), name="baton-router-discovery") for d in discovery or []
@@ -93,6 +99,8 @@ def create_app(
                 for task in tasks:
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
+                if kv_index is not None:
+                    await asyncio.to_thread(kv_index.close)
 
     app = FastAPI(title="baton-router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 

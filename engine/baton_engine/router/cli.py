@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from baton_engine import contract
+from baton_engine.router.block_hashes import PREFIX_HASH_NONE, PREFIX_HASHES
 from baton_engine.router.discovery import (
     KubernetesDiscovery,
     default_namespace,
@@ -45,6 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--block-size", type=int, default=16, help="KV block size of the engines, in tokens")
     p.add_argument(
+        "--prefix-hash",
+        choices=PREFIX_HASHES,
+        default=PREFIX_HASH_NONE,
+        help="the engines' --prefix-hash, to compute their KV-event block keys from prompts; "
+        "none: route by load only (vllm-sha256-cbor also needs the engines' PYTHONHASHSEED)",
+    )
+    p.add_argument(
+        "--kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="subscribe to the prefill pods' KV events for prefix routing (needs --prefix-hash)",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help=f"require 'Authorization: Bearer <key>' from clients (default: ${ENV_API_KEY} if set)",
@@ -54,6 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     static.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill pods' HTTP URLs")
     static.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode pods' HTTP URLs")
     static.add_argument("--engine", nargs="+", default=[], metavar="URL", help="aggregated pods' HTTP URLs")
+    static.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=contract.DEFAULT_KV_EVENTS_PORT,
+        help="static pods' KV-event port",
+    )
+    static.add_argument(
+        "--kv-replay-port",
+        type=int,
+        default=contract.DEFAULT_KV_EVENTS_REPLAY_PORT,
+        help="static pods' replay port",
+    )
 
     k8s = p.add_argument_group("kubernetes discovery (watches Pods; in-cluster config or KUBECONFIG)")
     k8s.add_argument(
@@ -112,7 +138,11 @@ def _discovery(
                 flag = "--engine" if role == contract.ROLE_AGGREGATED else f"--{role}"
                 p.error(f"--mode {settings.mode} needs {flag} URLs")
         try:
-            for endpoint in static_endpoints({r: by_role[r] for r in settings.roles}):
+            ports = {
+                contract.PORT_KV_EVENTS: args.kv_events_port,
+                contract.PORT_KV_EVENTS_REPLAY: args.kv_replay_port,
+            }
+            for endpoint in static_endpoints({r: by_role[r] for r in settings.roles}, ports=ports):
                 registry.upsert(endpoint)
         except ValueError as exc:
             p.error(str(exc))
@@ -159,8 +189,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn  # imported after the flags are checked: a typo fails fast
 
     from baton_engine.router.app import create_app
+    from baton_engine.router.block_hashes import block_hasher
+    from baton_engine.router.kv_index import KVEventIndex
+    from baton_engine.router.prefix import PrefixScorer
 
-    app = create_app(settings, registry, discovery=discovery)
+    hasher = block_hasher(args.prefix_hash, args.block_size)
+    kv_index = KVEventIndex() if hasher is not None and args.kv_events and args.routing == "prefix" else None
+    scorer = PrefixScorer(hasher=hasher, index=kv_index)
+    app = create_app(settings, registry, discovery=discovery, scorer=scorer, kv_index=kv_index)
     uvicorn.run(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, timeout_keep_alive=75
     )

@@ -30,13 +30,16 @@ _RETRY_S = (0.5, 1.0, 2.0, 5.0)
 # --------------------------------------------------------------------------- static lists
 
 
-def static_endpoints(role_urls: Mapping[str, Sequence[str]]) -> list[Endpoint]:
-    """Endpoints from command-line URLs by role; duplicate URLs within a role are an error."""
+def static_endpoints(
+    role_urls: Mapping[str, Sequence[str]], ports: Mapping[str, int] | None = None
+) -> list[Endpoint]:
+    """Endpoints from command-line URLs by role (all with the same named ``ports``); duplicate URLs
+    within a role are an error."""
     out: list[Endpoint] = []
     for role, urls in role_urls.items():
         seen: set[str] = set()
         for url in urls:
-            endpoint = static_endpoint(role, url)
+            endpoint = static_endpoint(role, url, ports)
             if endpoint.url in seen:
                 raise ValueError(f"{role} endpoints: {endpoint.url} given twice")
             seen.add(endpoint.url)

@@ -70,12 +70,12 @@ class Endpoint:
         )
 
 
-def static_endpoint(role: str, url: str) -> Endpoint:
+def static_endpoint(role: str, url: str, ports: Mapping[str, int] | None = None) -> Endpoint:
     """An endpoint from a command-line URL; a bare host:port gets http://."""
     url = url.strip().rstrip("/")
     if "://" not in url:
         url = "http://" + url
-    return Endpoint(role=role, url=url)
+    return Endpoint(role=role, url=url, ports=dict(ports or {}))
 
 
 Listener = Callable[[EventKind, Endpoint], None]
