@@ -282,6 +282,7 @@ def verify_dict(params: Any, key: bytes) -> KVTransferParams:
     parsed.verify(key)
     return parsed
 
+
 # =========================================================================== router metrics
 # Exposed by baton-router on its /metrics (prefix baton_router_). Counters carry the `_total`
 # suffix as exposed; create them with the name minus `_total`.
