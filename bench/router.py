@@ -2,10 +2,11 @@
 
 Three processes: a fixed-rate streaming upstream (``bench.router_upstream``), the real
 ``baton-router`` CLI in disaggregated mode (the upstream plays both prefill and decode pod), and
-this client. The client runs ``--streams`` concurrent streams (starts spread over one chunk
+this client. The client runs ``--streams`` concurrent streams (starts spread over one event
 interval) straight to the upstream, then the same through the router, alternating for
-``--rounds`` rounds. Each SSE event carries the upstream's send time; its latency is receive
-time minus send time. The added latency is the router's percentile minus the direct percentile.
+``--rounds`` rounds (running both sets at once made the Python client the bottleneck). Each SSE
+event carries the upstream's send time; its latency is receive time minus send time. The added
+latency is the routed percentile minus the direct percentile.
 
 Run: ``python -m bench.router --json``.
 """
@@ -80,11 +81,21 @@ async def _stream(client: httpx.AsyncClient, url: str, delay: float, chunk_ms: l
                     chunk_ms.append((now - int(stamp.group(1))) / 1e6)
 
 
-async def _phase(client: httpx.AsyncClient, url: str, streams: int, interval_s: float) -> list[float]:
-    """``streams`` concurrent streams, their starts spread over one event interval."""
+async def _phase(
+    client: httpx.AsyncClient, url: str, streams: int, interval_s: float
+) -> tuple[list[float], list[float]]:
+    """``streams`` concurrent streams, their starts spread over one event interval; returns the
+    event latencies and one entry per stream that failed (counted, not fatal)."""
     chunk_ms: list[float] = []
-    await asyncio.gather(*(_stream(client, url, i * interval_s / streams, chunk_ms) for i in range(streams)))
-    return chunk_ms
+    results = await asyncio.gather(
+        *(_stream(client, url, i * interval_s / streams, chunk_ms) for i in range(streams)),
+        return_exceptions=True,
+    )
+    failed = [1.0 for r in results if isinstance(r, BaseException)]
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, httpx.HTTPError):
+            raise r
+    return chunk_ms, failed
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -114,7 +125,13 @@ def _pct(values: list[float], q: float) -> float:
 async def _measure(
     direct_url: str, router_url: str, streams: int, rounds: int, interval_s: float, router_pid: int
 ) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"direct": [], "router": [], "cpu": []}
+    out: dict[str, list[float]] = {
+        "direct": [],
+        "router": [],
+        "cpu": [],
+        "direct_errors": [],
+        "router_errors": [],
+    }
     # keep-alive below uvicorn's 5 s, so no request goes out on a socket the server is closing
     limits = httpx.Limits(
         max_connections=4 * streams, max_keepalive_connections=4 * streams, keepalive_expiry=1.0
@@ -125,10 +142,11 @@ async def _measure(
         for _ in range(rounds):
             for name, url in (("direct", direct_url), ("router", router_url)):
                 cpu_before = _cpu_seconds(router_pid)
-                chunks = await _phase(client, url, streams, interval_s)
+                chunks, errors = await _phase(client, url, streams, interval_s)
                 out[name] += chunks
+                out[name + "_errors"] += errors
                 if name == "router":
-                    out["cpu"].append((_cpu_seconds(router_pid) - cpu_before) / len(chunks))
+                    out["cpu"].append((_cpu_seconds(router_pid) - cpu_before) / max(1, len(chunks)))
     return out
 
 
@@ -193,6 +211,8 @@ def main() -> None:
         "rounds": args.rounds,
         "samples_direct": len(direct),
         "samples_router": len(routed),
+        "failed_streams_direct": len(samples["direct_errors"]),
+        "failed_streams_router": len(samples["router_errors"]),
         "direct_chunk_ms_p50": round(_pct(direct, 0.50), 3),
         "direct_chunk_ms_p99": round(_pct(direct, 0.99), 3),
         "router_chunk_ms_p50": round(_pct(routed, 0.50), 3),

@@ -36,6 +36,8 @@ class FixedRateUpstream:
         body = b""
         while True:
             message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client went away before its request was complete
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
