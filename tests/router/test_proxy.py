@@ -96,6 +96,27 @@ def test_upstream_stream_breaking_midway_ends_with_an_sse_error(start_engine, st
     )
 
 
+@pytest.mark.parametrize("mode", ["disaggregated", "aggregated"])
+def test_client_kv_transfer_params_are_dropped(start_engine, start_router, mode) -> None:
+    prefill, prefill_url = start_engine("p0")
+    decode, decode_url = start_engine("d0")
+    if mode == "aggregated":
+        router = start_router(engine=[decode_url], mode="aggregated")
+    else:
+        router = start_router(prefill=[prefill_url], decode=[decode_url])
+    forged = {**BODY, "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "stolen"}}
+
+    response = httpx.post(router.url + "/v1/completions", json=forged, headers={"X-Request-Id": "k-1"})
+
+    assert response.status_code == 200
+    [decode_leg] = decode.posts()
+    if mode == "aggregated":
+        assert decode_leg.body == BODY
+    else:
+        assert decode_leg.body == {**BODY, "kv_transfer_params": prefill.params_for("k-1")}
+        assert prefill.posts()[0].body["kv_transfer_params"] == {"do_remote_decode": True}
+
+
 def test_request_id_is_generated_and_shared_by_both_legs(start_engine, start_router) -> None:
     prefill, prefill_url = start_engine("p0")
     decode, decode_url = start_engine("d0")

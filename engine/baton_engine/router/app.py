@@ -144,6 +144,11 @@ def create_app(
         if not isinstance(body, dict):
             metrics.requests.labels(outcome="client_error", mode=settings.mode).inc()
             return _error(400, "request body: must be a JSON object", errors.INVALID_REQUEST)
+        if "kv_transfer_params" in body:
+            # only the router may start a KV transfer (a client could otherwise pin producer blocks
+            # under leases, or replay another request's params); the legs get the router's own
+            body.pop("kv_transfer_params")
+            raw = json.dumps(body).encode()
         return ProxyResponse(
             state["core"],
             state["client"],
