@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 
 from baton_engine import contract
-from baton_engine.router.discovery import endpoint_from_pod, named_ports, selector_string, static_endpoints
+from baton_engine.router.discovery import (
+    RolePods,
+    endpoint_from_pod,
+    named_ports,
+    selector_string,
+    static_endpoints,
+)
 from baton_engine.router.endpoints import Endpoint, EndpointRegistry
 
 POD: dict[str, Any] = {
@@ -104,6 +110,39 @@ def test_restart_replaces_the_endpoint_and_emits_events() -> None:
         ("added", "uid-2@10.1.2.9"),
         ("removed", "uid-2@10.1.2.9"),
     ]
+
+
+def test_watch_events_drive_the_registry() -> None:
+    """The watch loop's bookkeeping: list, then ADDED/MODIFIED/DELETED/BOOKMARK events."""
+    registry = EndpointRegistry()
+    events: list[str] = []
+    registry.subscribe(lambda kind, e: events.append(f"{kind} {e.name}@{e.host}"))
+    pods = RolePods(
+        "prefill", [POD, _pod(metadata__uid="uid-2", metadata__name="p2", status__podIP="10.1.2.4")]
+    )
+    owned = registry.replace_source(set(), pods.endpoints())
+    not_ready = _pod(status__conditions=[{"type": "Ready", "status": "False"}])
+    steps = [
+        ("BOOKMARK", {"metadata": {"resourceVersion": "9"}}),
+        ("MODIFIED", not_ready),  # POD stops being ready
+        ("MODIFIED", POD),  # and is ready again
+        ("DELETED", _pod(metadata__uid="uid-2", metadata__name="p2", status__podIP="10.1.2.4")),
+        ("ADDED", _pod(metadata__uid="uid-3", metadata__name="p3", status__podIP="10.1.2.5")),
+    ]
+    changed = []
+    for kind, pod in steps:
+        changed.append(pods.apply(kind, pod))
+        owned = registry.replace_source(owned, pods.endpoints())
+    assert changed == [False, True, True, True, True]
+    assert events == [
+        "added demo-prefill-abc@10.1.2.3",
+        "added p2@10.1.2.4",
+        "removed demo-prefill-abc@10.1.2.3",
+        "added demo-prefill-abc@10.1.2.3",
+        "removed p2@10.1.2.4",
+        "added p3@10.1.2.5",
+    ]
+    assert sorted(e.name for e in registry.by_role("prefill")) == ["demo-prefill-abc", "p3"]
 
 
 def test_subscribe_replays_current_endpoints() -> None:

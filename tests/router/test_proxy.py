@@ -252,7 +252,8 @@ def test_api_key(start_engine, start_router) -> None:
     for denied in (missing, wrong, models):
         assert denied.status_code == 401
         assert set(denied.json()["error"]) == ERROR_KEYS
-        assert denied.json()["error"]["type"] == "authentication_error"
+        assert denied.json()["error"]["type"] == "invalid_request_error"
+        assert denied.json()["error"]["code"] == "invalid_api_key"
     assert missing.json()["error"]["message"].startswith("Missing API key")
     assert wrong.json()["error"]["message"] == "Incorrect API key provided."
     assert right.status_code == 200

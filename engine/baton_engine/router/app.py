@@ -128,7 +128,9 @@ def create_app(
             if header
             else "Missing API key: send 'Authorization: Bearer <key>'."
         )
-        return _error(401, message, errors.AUTHENTICATION)
+        # as OpenAI answers a bad key: 401, invalid_request_error, code invalid_api_key
+        body = errors.error_body(message, errors.INVALID_REQUEST, code="invalid_api_key")
+        return JSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})
 
     async def proxy(request: Request, api: Api, path: str) -> Response:
         arrived = time.perf_counter()

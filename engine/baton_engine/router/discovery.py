@@ -99,6 +99,31 @@ def default_namespace() -> str:
     return os.environ.get(contract.ENV_POD_NAMESPACE, "default")
 
 
+class RolePods:
+    """One role's pods as last listed or watched (API JSON by uid)."""
+
+    def __init__(self, role: str, listed: Sequence[Mapping[str, Any]] = ()) -> None:
+        self.role = role
+        self._pods: dict[str, Mapping[str, Any]] = {}
+        for pod in listed:
+            self.apply("ADDED", pod)
+
+    def apply(self, event_type: str, pod: Mapping[str, Any]) -> bool:
+        """Apply one watch event; False for events that change nothing (bookmarks)."""
+        if event_type not in ("ADDED", "MODIFIED", "DELETED"):
+            return False
+        uid = str((pod.get("metadata") or {}).get("uid", ""))
+        if event_type == "DELETED":
+            self._pods.pop(uid, None)
+        else:
+            self._pods[uid] = pod
+        return True
+
+    def endpoints(self) -> list[Endpoint]:
+        found = (endpoint_from_pod(p, self.role) for p in self._pods.values())
+        return [e for e in found if e is not None]
+
+
 # --------------------------------------------------------------------------- Kubernetes watch
 
 
@@ -140,8 +165,8 @@ class KubernetesDiscovery:
                         self.namespace, label_selector=selector, _preload_content=False
                     )
                     listing = json.loads(await response.read())
-                    pods = {p["metadata"]["uid"]: p for p in listing.get("items") or []}
-                    owned = registry.replace_source(owned, self._endpoints(pods.values(), role))
+                    pods = RolePods(role, listing.get("items") or [])
+                    owned = registry.replace_source(owned, pods.endpoints())
                     version = (listing.get("metadata") or {}).get("resourceVersion")
                     async with watch.Watch().stream(
                         core.list_namespaced_pod,
@@ -153,15 +178,8 @@ class KubernetesDiscovery:
                     ) as stream:
                         failures = 0
                         async for event in stream:
-                            kind, pod = event["type"], event["raw_object"]
-                            if kind == "BOOKMARK":
-                                continue
-                            uid = (pod.get("metadata") or {}).get("uid", "")
-                            if kind == "DELETED":
-                                pods.pop(uid, None)
-                            else:
-                                pods[uid] = pod
-                            owned = registry.replace_source(owned, self._endpoints(pods.values(), role))
+                            if pods.apply(event["type"], event["raw_object"]):
+                                owned = registry.replace_source(owned, pods.endpoints())
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # 410 Gone, API server restarts, network: list again
@@ -174,7 +192,3 @@ class KubernetesDiscovery:
         finally:
             for key in owned:
                 registry.remove(key)
-
-    @staticmethod
-    def _endpoints(pods: Any, role: str) -> list[Endpoint]:
-        return [e for e in (endpoint_from_pod(p, role) for p in pods) if e is not None]

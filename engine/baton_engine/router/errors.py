@@ -6,7 +6,6 @@ import json
 from typing import Any
 
 INVALID_REQUEST = "invalid_request_error"
-AUTHENTICATION = "authentication_error"
 UPSTREAM = "upstream_error"
 UNAVAILABLE = "service_unavailable"
 
