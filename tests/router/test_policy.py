@@ -22,7 +22,7 @@ C = Candidate
         ([C("a", waiting=0, running=0, in_flight=3), C("b", waiting=0, running=0, in_flight=1)], "b"),
         # unknown load ranks after any known load
         ([C("a"), C("b", waiting=50, running=50)], "b"),
-        # a full tie goes to the smallest key, whatever the input order
+        # a full tie at turn 0 goes to the smallest key, whatever the input order
         ([C("c", waiting=1), C("a", waiting=1), C("b", waiting=1)], "a"),
         ([C("only")], "only"),
     ],
@@ -50,6 +50,23 @@ def test_decode_choice(candidates: list[Candidate], chosen: str) -> None:
 def test_decode_ranking_is_total() -> None:
     ranked = rank_decode([C("x"), C("b", kv_usage=0.5), C("a", kv_usage=0.5), C("c", kv_usage=0.1)])
     assert [c.key for c in ranked] == ["c", "a", "b", "x"]
+    ranked = rank_decode([C("x"), C("b", kv_usage=0.5), C("a", kv_usage=0.5), C("c", kv_usage=0.1)], turn=1)
+    assert [c.key for c in ranked] == [
+        "c",
+        "b",
+        "a",
+        "x",
+    ]  # a and b tie: turn 1 starts the key order's rotation at b
+
+
+def test_full_ties_rotate_with_the_turn() -> None:
+    """New prefixes (no pod has them) spread over the pool instead of piling onto one pod."""
+    tied = [C("c", waiting=0), C("a", waiting=0), C("b", waiting=0)]
+    assert [choose_prefill(tied, turn=t).key for t in range(4)] == ["a", "b", "c", "a"]
+    assert [choose_decode(tied, turn=t).key for t in range(3)] == ["a", "b", "c"]
+    # rotation only breaks ties: a better pod wins on every turn
+    better = [*tied, C("d", prefix_blocks=1, waiting=5)]
+    assert {choose_prefill(better, turn=t).key for t in range(4)} == {"d"}
 
 
 def test_round_robin_walks_keys_in_order_ignoring_state() -> None:

@@ -92,11 +92,12 @@ class RouterCore:
         if not endpoints:
             raise NoEndpoint(role)
         candidates = self._candidates(endpoints, {})
+        turn = self._turn(role)
         if self.settings.routing == "round-robin":
-            first = policy.choose_decode(candidates, "round-robin", self._turn(role))
+            first = policy.choose_decode(candidates, "round-robin", turn)
             ranked = [first] + [c for c in sorted(candidates, key=lambda c: c.key) if c.key != first.key]
         else:
-            ranked = policy.rank_decode(candidates)
+            ranked = policy.rank_decode(candidates, turn)
         picked = [self.registry.get(c.key) for c in ranked[: self.settings.decode_attempts]]
         return [e for e in picked if e is not None]
 
