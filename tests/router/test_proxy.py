@@ -311,6 +311,19 @@ def test_refused_decode_pod_is_skipped_for_the_next(start_engine, start_router) 
     assert len(decode.posts()) == 1
 
 
+def test_pods_that_refuse_scrapes_get_no_requests(start_engine, start_router) -> None:
+    prefill, prefill_url = start_engine("p0")
+    decode, decode_url = start_engine("d0")
+    router = start_router(prefill=[dead_url(), prefill_url], decode=[dead_url(), decode_url])
+    router.wait_scraped()
+
+    for _ in range(4):
+        assert httpx.post(router.url + "/v1/completions", json=BODY).status_code == 200
+
+    assert (len(prefill.posts()), len(decode.posts())) == (4, 4)
+    assert _metric(router.url, 'baton_router_fallbacks_total{reason="connect"}') == 0.0
+
+
 def test_ready_needs_a_reachable_pod_of_each_role(start_engine, start_router) -> None:
     _, prefill_url = start_engine("p0")
     _, decode_url = start_engine("d0")

@@ -63,6 +63,14 @@ class RouterCore:
             )
         return out
 
+    def _usable(self, role: str) -> list[Endpoint]:
+        """The role's endpoints, less those the last scrape could not connect to (unless that is all)."""
+        endpoints = self.registry.by_role(role)
+        if not endpoints:
+            raise NoEndpoint(role)
+        reachable = [e for e in endpoints if self.loads.get(e.key).reachable]
+        return reachable or endpoints
+
     def _turn(self, role: str) -> int:
         turn = self._turns[role]
         self._turns[role] += 1
@@ -71,9 +79,7 @@ class RouterCore:
     def choose_first_leg(self, api: Api, body: Mapping[str, Any]) -> tuple[Endpoint, int]:
         """The prefill pod (aggregated: the pod) and its cached prompt tokens for this request."""
         role = contract.ROLE_AGGREGATED if self.settings.mode == "aggregated" else contract.ROLE_PREFILL
-        endpoints = self.registry.by_role(role)
-        if not endpoints:
-            raise NoEndpoint(role)
+        endpoints = self._usable(role)
         prefix = self.scorer.matched_blocks(api, body, endpoints) if self.settings.routing == "prefix" else {}
         chosen = policy.choose_prefill(
             self._candidates(endpoints, prefix), self.settings.routing, self._turn(role)
@@ -88,9 +94,7 @@ class RouterCore:
     def decode_order(self) -> list[Endpoint]:
         """Decode pods to try, best first (at most ``decode_attempts``)."""
         role = contract.ROLE_DECODE
-        endpoints = self.registry.by_role(role)
-        if not endpoints:
-            raise NoEndpoint(role)
+        endpoints = self._usable(role)
         candidates = self._candidates(endpoints, {})
         turn = self._turn(role)
         if self.settings.routing == "round-robin":
