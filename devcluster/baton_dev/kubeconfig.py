@@ -11,7 +11,9 @@ def kubeconfig_document(server: str, ca_file: Path, user: str, token: str) -> di
     return {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "baton-dev", "cluster": {"server": server, "certificate-authority": str(ca_file)}}],
+        "clusters": [
+            {"name": "baton-dev", "cluster": {"server": server, "certificate-authority": str(ca_file)}}
+        ],
         "users": [{"name": user, "user": {"token": token}}],
         "contexts": [{"name": user, "context": {"cluster": "baton-dev", "user": user}}],
         "current-context": user,
