@@ -237,7 +237,7 @@ def start_cluster(
         scheduler = launch("kube-scheduler")
         wait_until(
             "kube-apiserver /readyz",
-            http_ok(f"{server}/readyz", verify=str(pki.ca_cert), token=admin_token),
+            http_ok(f"{server}/readyz", ca_file=str(pki.ca_cert), token=admin_token),
             timeout_s,
             apiserver,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,9 @@ class ApiAccess:
         user = next(u["user"] for u in doc["users"] if u["name"] == context["user"])
         return ApiAccess(cluster["server"], Path(cluster["certificate-authority"]), user["token"])
 
+    def ssl_context(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.ca_file))
+
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}", "Accept": "application/json"}
 
@@ -61,7 +65,7 @@ class KubeApi:
 
     def __init__(self, access: ApiAccess, timeout_s: float = 30.0) -> None:
         self._client = httpx.Client(
-            base_url=access.server, verify=str(access.ca_file), headers=access.headers(), timeout=timeout_s
+            base_url=access.server, verify=access.ssl_context(), headers=access.headers(), timeout=timeout_s
         )
 
     def close(self) -> None:
@@ -102,7 +106,7 @@ class AsyncKubeApi:
 
     def __init__(self, access: ApiAccess, timeout_s: float = 30.0) -> None:
         self._client = httpx.AsyncClient(
-            base_url=access.server, verify=str(access.ca_file), headers=access.headers(), timeout=timeout_s
+            base_url=access.server, verify=access.ssl_context(), headers=access.headers(), timeout=timeout_s
         )
 
     async def aclose(self) -> None:

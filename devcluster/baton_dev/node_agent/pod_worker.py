@@ -390,19 +390,18 @@ class PodWorker:
         """SIGTERM the container's process group, SIGKILL after `grace` seconds."""
         if proc.returncode is not None:
             return
+        # Recorded just before each signal is sent, so the record's time precedes its delivery.
+        self.ctx.record("sigterm", pod=self.key, uid=self.uid, container=c.name, pid=proc.pid, grace_s=grace)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-            self.ctx.record(
-                "sigterm", pod=self.key, uid=self.uid, container=c.name, pid=proc.pid, grace_s=grace
-            )
         try:
             await asyncio.wait_for(asyncio.shield(proc.wait()), grace)
             return
         except TimeoutError:
             pass
+        self.ctx.record("sigkill", pod=self.key, uid=self.uid, container=c.name, pid=proc.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-            self.ctx.record("sigkill", pod=self.key, uid=self.uid, container=c.name, pid=proc.pid)
         await proc.wait()
 
     async def _kill_all(self, grace: float) -> None:

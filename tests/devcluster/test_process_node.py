@@ -1,0 +1,217 @@
+"""Process nodes: pods run as local processes on their loopback pod IP, with env, probes,
+restart back-off and graceful termination, all reported through the pod's status."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from baton_dev.testing import DevCluster, condition, is_ready, wait_for
+
+pytestmark = pytest.mark.k8s
+SERVER = str(Path(__file__).parent / "data" / "podserver.py")
+
+
+def _server_pod(name: str, **extra: Any) -> dict[str, Any]:
+    env = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "PORT", "value": "8080"},
+        *extra.pop("env", []),
+    ]
+    container = {
+        "name": "server",
+        "image": "python:3.11",
+        "command": ["python", SERVER],
+        "env": env,
+        "ports": [{"name": "http", "containerPort": 8080}],
+        **extra.pop("container", {}),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {"nodeSelector": {"type": "process"}, "containers": [container], **extra},
+    }
+
+
+def _running_ip(dev_cluster: DevCluster, ns: str, name: str) -> str:
+    def serving() -> str | None:
+        pod = dev_cluster.pod(ns, name)
+        ip = pod["status"].get("podIP")
+        if pod["status"].get("phase") != "Running" or not ip:
+            return None
+        try:
+            return str(ip) if httpx.get(f"http://{ip}:8080/healthz", timeout=1).status_code == 200 else None
+        except httpx.HTTPError:
+            return None
+
+    return wait_for(f"{name} to serve on its pod IP", serving, timeout_s=30)
+
+
+def test_env_and_service_account_kubeconfig(dev_cluster: DevCluster, k8s_namespace: str) -> None:
+    ns = k8s_namespace
+    api = dev_cluster.admin
+    api.post(f"/api/v1/namespaces/{ns}/configmaps", {"metadata": {"name": "cfg"}, "data": {"mode": "fast"}})
+    api.post(
+        f"/api/v1/namespaces/{ns}/secrets", {"metadata": {"name": "sec"}, "stringData": {"key": "s3cret"}}
+    )
+    env = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "mode"}}},
+        {"name": "SECRET", "valueFrom": {"secretKeyRef": {"name": "sec", "key": "key"}}},
+        {"name": "URL", "value": "http://$(POD_IP):$(PORT)/x"},
+    ]
+    api.post(
+        f"/api/v1/namespaces/{ns}/pods",
+        _server_pod(
+            "env", env=env, container={"envFrom": [{"configMapRef": {"name": "cfg"}, "prefix": "CFG_"}]}
+        ),
+    )
+    ip = _running_ip(dev_cluster, ns, "env")
+    assert ip.startswith("127.2.0.")
+    seen = httpx.get(f"http://{ip}:8080/env").json()
+    assert {
+        k: seen[k] for k in ("POD_IP", "POD_NAME", "POD_NAMESPACE", "MODE", "SECRET", "URL", "CFG_mode")
+    } == {
+        "POD_IP": ip,
+        "POD_NAME": "env",
+        "POD_NAMESPACE": ns,
+        "MODE": "fast",
+        "SECRET": "s3cret",
+        "URL": f"http://{ip}:8080/x",
+        "CFG_mode": "fast",
+    }
+    assert seen["KUBERNETES_SERVICE_HOST"] == "127.0.0.1"
+    assert seen["KUBERNETES_SERVICE_PORT"] == str(dev_cluster.state.ports["apiserver"])
+    # The kubeconfig holds a bound token of the pod's service account, minted by TokenRequest.
+    with open(seen["KUBECONFIG"]) as f:
+        kubeconfig = f.read()
+    assert "user: system:serviceaccount:default" in kubeconfig
+    review = api.post(
+        "/apis/authentication.k8s.io/v1/tokenreviews",
+        {"spec": {"token": Path(seen["KUBECONFIG"]).with_name("token").read_text()}},
+    )
+    assert review["status"]["user"]["username"] == f"system:serviceaccount:{ns}:default"
+    assert review["status"]["user"]["extra"]["authentication.kubernetes.io/pod-name"] == ["env"]
+
+
+def test_ready_only_when_readiness_probe_passes(dev_cluster: DevCluster, k8s_namespace: str) -> None:
+    ns = k8s_namespace
+    probe = {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1, "failureThreshold": 1}
+    dev_cluster.admin.post(
+        f"/api/v1/namespaces/{ns}/pods", _server_pod("web", container={"readinessProbe": probe})
+    )
+    ip = _running_ip(dev_cluster, ns, "web")
+
+    # Serving, but /ready answers 503: after three failed probes it must still be unready.
+    wait_for(
+        "3 failed readiness probes", lambda: len(dev_cluster.agent_events(ns, "web", "probe-failed")) >= 3
+    )
+    pod = dev_cluster.pod(ns, "web")
+    assert not is_ready(pod)
+    assert condition(pod, "ContainersReady")["status"] == "False"  # type: ignore[index]
+    assert pod["status"]["containerStatuses"][0]["ready"] is False
+    assert "statuscode: 503" in dev_cluster.agent_events(ns, "web", "probe-failed")[-1]["message"]
+
+    assert httpx.post(f"http://{ip}:8080/make-ready").status_code == 200
+
+    def ready_pod() -> dict[str, Any] | None:
+        pod = dev_cluster.pod(ns, "web")
+        return pod if is_ready(pod) else None
+
+    pod = wait_for("the pod to turn Ready", ready_pod)
+    assert pod["status"]["containerStatuses"][0]["ready"] is True
+    assert pod["status"]["podIP"] == ip
+    assert pod["status"]["podIPs"] == [{"ip": ip}]
+    assert pod["status"]["hostIP"] == "127.0.0.1"
+
+
+def test_killed_process_restarts_with_growing_backoff(dev_cluster: DevCluster, k8s_namespace: str) -> None:
+    ns = k8s_namespace
+    dev_cluster.admin.post(f"/api/v1/namespaces/{ns}/pods", _server_pod("crashy"))
+    for restarts in range(3):
+        ip = _running_ip(dev_cluster, ns, "crashy")
+        pid = int(httpx.get(f"http://{ip}:8080/pid").text)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(
+            f"restart {restarts + 1}",
+            lambda n=restarts: (
+                dev_cluster.pod(ns, "crashy")["status"]["containerStatuses"][0]["restartCount"] == n + 1
+            ),
+            timeout_s=30,
+        )
+    _running_ip(dev_cluster, ns, "crashy")
+
+    # Delay from each exit to the next start, from the agent's own records (kubelet-like: the
+    # first restart is immediate, then 1 s, 2 s with this cluster's back-off settings).
+    exits = [e["time"] for e in dev_cluster.agent_events(ns, "crashy", "exited")]
+    starts = [e["time"] for e in dev_cluster.agent_events(ns, "crashy", "started")]
+    assert len(exits) == 3 and len(starts) == 4
+    delays = [start - exit for exit, start in zip(exits, starts[1:], strict=True)]
+    assert delays[0] < 0.5
+    assert 1.0 <= delays[1] < 1.8
+    assert 2.0 <= delays[2] < 2.8
+    scheduled = [e["delay_s"] for e in dev_cluster.agent_events(ns, "crashy", "restart-scheduled")]
+    assert scheduled == [0.0, 1.0, 2.0]
+
+    status = dev_cluster.pod(ns, "crashy")["status"]["containerStatuses"][0]
+    assert status["restartCount"] == 3
+    assert status["lastState"]["terminated"]["exitCode"] == 137
+    assert status["lastState"]["terminated"]["signal"] == 9
+    assert "running" in status["state"]
+
+
+def test_delete_sends_sigterm_then_sigkill_after_grace(dev_cluster: DevCluster, k8s_namespace: str) -> None:
+    ns = k8s_namespace
+    pod = _server_pod(
+        "stubborn", env=[{"name": "IGNORE_SIGTERM", "value": "1"}], terminationGracePeriodSeconds=2
+    )
+    dev_cluster.admin.post(f"/api/v1/namespaces/{ns}/pods", pod)
+    ip = _running_ip(dev_cluster, ns, "stubborn")
+    pid = int(httpx.get(f"http://{ip}:8080/pid").text)
+
+    dev_cluster.admin.delete(f"/api/v1/namespaces/{ns}/pods/stubborn")
+    wait_for(
+        "the pod object to go",
+        lambda: not dev_cluster.exists(f"/api/v1/namespaces/{ns}/pods/stubborn"),
+        timeout_s=30,
+    )
+
+    sigterm = dev_cluster.agent_events(ns, "stubborn", "sigterm")
+    sigkill = dev_cluster.agent_events(ns, "stubborn", "sigkill")
+    exited = dev_cluster.agent_events(ns, "stubborn", "exited")
+    assert [e["pid"] for e in sigterm] == [pid] and sigterm[0]["grace_s"] == 2.0
+    assert [e["pid"] for e in sigkill] == [pid]
+    assert exited[-1]["returncode"] == -9
+    assert 2.0 <= sigkill[0]["time"] - sigterm[0]["time"] < 2.5
+    # The process itself saw the SIGTERM (and ignored it) before it was killed.
+    got = [
+        line for line in dev_cluster.pod_log(ns, "stubborn", "server").splitlines() if "got SIGTERM" in line
+    ]
+    assert len(got) == 1
+    received = float(got[0].rsplit(" ", 1)[1])
+    assert sigterm[0]["time"] <= received < sigkill[0]["time"]
+    assert not Path(f"/proc/{pid}").exists()
+
+
+def test_delete_of_cooperative_process_needs_no_sigkill(dev_cluster: DevCluster, k8s_namespace: str) -> None:
+    ns = k8s_namespace
+    dev_cluster.admin.post(
+        f"/api/v1/namespaces/{ns}/pods", _server_pod("polite", terminationGracePeriodSeconds=30)
+    )
+    _running_ip(dev_cluster, ns, "polite")
+    dev_cluster.kubectl("delete", "pod", "polite", "-n", ns, "--wait=true", "--timeout=20s")
+    assert [
+        e["event"] for e in dev_cluster.agent_events(ns, "polite") if e["event"] in ("sigterm", "sigkill")
+    ] == ["sigterm"]
+    assert dev_cluster.agent_events(ns, "polite", "exited")[-1]["returncode"] == 0
+    events = json.loads(dev_cluster.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
+    reasons = {(e["reason"], e["involvedObject"]["name"]) for e in events}
+    assert {("Started", "polite"), ("Killing", "polite")} <= reasons
