@@ -89,7 +89,8 @@ def test_cel_rule_rejects_min_above_max(dev_cluster: DevCluster, widget_crd: str
     )
     assert result.returncode == 1
     assert result.stderr == (
-        'The Widget "w1" is invalid: spec.minReplicas: Invalid value: minReplicas must not exceed maxReplicas\n'
+        'The Widget "w1" is invalid: spec.minReplicas: Invalid value: '
+        "minReplicas must not exceed maxReplicas\n"
     )
     assert not dev_cluster.exists(f"/apis/{widget_crd}/v1/namespaces/{k8s_namespace}/widgets/w1")
 

@@ -155,9 +155,11 @@ def test_killed_process_restarts_with_growing_backoff(dev_cluster: DevCluster, k
     starts = [e["time"] for e in dev_cluster.agent_events(ns, "crashy", "started")]
     assert len(exits) == 3 and len(starts) == 4
     delays = [start - exit for exit, start in zip(exits, starts[1:], strict=True)]
-    assert delays[0] < 0.5
-    assert 1.0 <= delays[1] < 1.8
-    assert 2.0 <= delays[2] < 2.8
+    # Lower bounds are exact (the agent sleeps at least the back-off); upper bounds leave room
+    # for a loaded 2-core machine while still telling 0, 1 and 2 s apart.
+    assert delays[0] < 0.9
+    assert 1.0 <= delays[1] < 2.0
+    assert 2.0 <= delays[2] < 3.5
     scheduled = [e["delay_s"] for e in dev_cluster.agent_events(ns, "crashy", "restart-scheduled")]
     assert scheduled == [0.0, 1.0, 2.0]
 
@@ -190,7 +192,7 @@ def test_delete_sends_sigterm_then_sigkill_after_grace(dev_cluster: DevCluster, 
     assert [e["pid"] for e in sigterm] == [pid] and sigterm[0]["grace_s"] == 2.0
     assert [e["pid"] for e in sigkill] == [pid]
     assert exited[-1]["returncode"] == -9
-    assert 2.0 <= sigkill[0]["time"] - sigterm[0]["time"] < 2.5
+    assert 2.0 <= sigkill[0]["time"] - sigterm[0]["time"] < 3.0
     # The process itself saw the SIGTERM (and ignored it) before it was killed.
     got = [
         line for line in dev_cluster.pod_log(ns, "stubborn", "server").splitlines() if "got SIGTERM" in line

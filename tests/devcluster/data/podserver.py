@@ -15,7 +15,7 @@ ready = False
 
 
 def on_sigterm(signum: int, frame: object) -> None:
-    print(f"got SIGTERM at {time.time():.3f}", flush=True)
+    print(f"got SIGTERM at {time.time():.6f}", flush=True)
     if os.environ.get("IGNORE_SIGTERM") != "1":
         sys.exit(0)
 
