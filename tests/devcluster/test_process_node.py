@@ -217,3 +217,66 @@ def test_delete_of_cooperative_process_needs_no_sigkill(dev_cluster: DevCluster,
     events = json.loads(dev_cluster.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
     reasons = {(e["reason"], e["involvedObject"]["name"]) for e in events}
     assert {("Started", "polite"), ("Killing", "polite")} <= reasons
+
+
+def _finished(dev_cluster: DevCluster, ns: str, name: str) -> dict[str, Any]:
+    def done() -> dict[str, Any] | None:
+        pod = dev_cluster.pod(ns, name)
+        return pod if pod["status"].get("phase") in ("Succeeded", "Failed") else None
+
+    return wait_for(f"{name} to finish", done, timeout_s=30)
+
+
+def test_init_container_then_console_script(dev_cluster: DevCluster, k8s_namespace: str) -> None:
+    ns = k8s_namespace
+    dev_cluster.admin.post(
+        f"/api/v1/namespaces/{ns}/pods",
+        {
+            "metadata": {"name": "job"},
+            "spec": {
+                "nodeSelector": {"type": "process"},
+                "restartPolicy": "Never",
+                "initContainers": [
+                    {"name": "prepare", "image": "x", "command": ["python", "-c", "print('prepared')"]}
+                ],
+                # A console script of the agent's Python environment, found through PATH.
+                "containers": [{"name": "main", "image": "x", "command": ["baton-dev", "cluster", "--help"]}],
+            },
+        },
+    )
+    pod = _finished(dev_cluster, ns, "job")
+    assert pod["status"]["phase"] == "Succeeded"
+    assert condition(pod, "Initialized")["status"] == "True"  # type: ignore[index]
+    init = pod["status"]["initContainerStatuses"][0]["state"]["terminated"]
+    main = pod["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert (init["exitCode"], init["reason"], main["exitCode"], main["reason"]) == (
+        0,
+        "Completed",
+        0,
+        "Completed",
+    )
+    assert dev_cluster.pod_log(ns, "job", "prepare") == "prepared\n"
+    assert dev_cluster.pod_log(ns, "job", "main").startswith("usage: baton-dev cluster")
+    assert [e["container"] for e in dev_cluster.agent_events(ns, "job", "started")] == ["prepare", "main"]
+
+
+def test_failed_init_container_fails_a_never_restart_pod(dev_cluster: DevCluster, k8s_namespace: str) -> None:
+    ns = k8s_namespace
+    dev_cluster.admin.post(
+        f"/api/v1/namespaces/{ns}/pods",
+        {
+            "metadata": {"name": "broken"},
+            "spec": {
+                "nodeSelector": {"type": "process"},
+                "restartPolicy": "Never",
+                "initContainers": [{"name": "prepare", "image": "x", "command": ["python", "-c", "exit(3)"]}],
+                "containers": [{"name": "main", "image": "x", "command": ["python", "-c", "pass"]}],
+            },
+        },
+    )
+    pod = _finished(dev_cluster, ns, "broken")
+    assert pod["status"]["phase"] == "Failed"
+    assert condition(pod, "Initialized")["reason"] == "ContainersNotInitialized"  # type: ignore[index]
+    assert pod["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 3
+    assert pod["status"]["containerStatuses"][0]["state"] == {"waiting": {"reason": "PodInitializing"}}
+    assert [e["container"] for e in dev_cluster.agent_events(ns, "broken", "started")] == ["prepare"]

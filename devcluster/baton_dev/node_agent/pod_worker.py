@@ -45,7 +45,12 @@ class PodWorker:
         self.key = f"{meta['namespace']}/{meta['name']}"
         self.uid: str = meta["uid"]
         self.dir = ctx.pods_dir / f"{meta['namespace']}_{meta['name']}_{self.uid[:8]}"
+        self.init_containers = [ContainerRuntime(spec=c) for c in pod["spec"].get("initContainers") or []]
+        self.init_failed = False
         self.containers = [ContainerRuntime(spec=c) for c in pod["spec"]["containers"]]
+        if self.init_containers:
+            for c in self.containers:
+                c.state = {"waiting": {"reason": "PodInitializing"}}
         self.terminating = asyncio.Event()
         self.gone = False  # the API object is already deleted: nothing to report or delete
         self.start_time = now_rfc3339()
@@ -70,10 +75,10 @@ class PodWorker:
         loops: list[asyncio.Task[None]] = []
         try:
             self._mark_dirty()
-            if await self._service_account_access():
+            if await self._service_account_access() and await self._run_init_containers():
                 loops = [asyncio.create_task(self._container_loop(c)) for c in self.containers]
-                while not await _wait_event(self.terminating, TOKEN_REFRESH_S):
-                    await self._service_account_access()
+            while not await _wait_event(self.terminating, TOKEN_REFRESH_S):
+                await self._service_account_access()
             await self._terminate(self._grace_period())
             await asyncio.gather(*loops, return_exceptions=True)
             await self._publish_now()
@@ -158,72 +163,96 @@ class PodWorker:
 
     # --- one container -------------------------------------------------------------------------
     async def _container_loop(self, c: ContainerRuntime) -> None:
+        """Run a container, restarting it as restartPolicy says, until the pod terminates."""
         policy = self.pod["spec"].get("restartPolicy", "Always")
         backoff: float | None = None  # like the kubelet: the first restart is immediate
         while not self.terminating.is_set():
-            try:
-                c.env = await container_env(
-                    self.pod,
-                    c.spec,
-                    self._base_env(),
-                    object_getter(self.ctx.api, self.pod["metadata"]["namespace"]),
-                    self.ip,
-                    HOST_IP,
-                )
-            except ConfigError as e:
-                c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
-                self._mark_dirty()
-                await _wait_event(self.terminating, 2.0)
-                continue
             started = time.monotonic()
-            try:
-                await self._start(c)
-                returncode = await self._supervise(c)
-            except StartError as e:
-                c.state = {
-                    "terminated": {
-                        "exitCode": 128,
-                        "reason": "StartError",
-                        "message": str(e),
-                        "finishedAt": now_rfc3339(),
-                    }
-                }
-                self.ctx.kube_event(self.pod, self.node, "Failed", str(e), c.name, warning=True)
-                returncode = 128
-            if self.terminating.is_set():
-                return
-            restart = policy == "Always" or (policy == "OnFailure" and returncode != 0)
-            if not restart:
+            returncode = await self._run_once(c)
+            if returncode is None or self.terminating.is_set():
+                continue
+            if not (policy == "Always" or (policy == "OnFailure" and returncode != 0)):
                 c.final = True
                 self._mark_dirty()
                 return
-            if time.monotonic() - started > 2 * self.ctx.backoff_max_s:
-                backoff = None
-            delay = 0.0 if backoff is None else backoff
-            backoff = (
-                self.ctx.backoff_initial_s if backoff is None else min(2 * backoff, self.ctx.backoff_max_s)
+            backoff = await self._back_off(c, backoff, started)
+
+    async def _run_init_containers(self) -> bool:
+        """Each init container to completion, in order; a failed one is retried with back-off
+        unless restartPolicy is Never (then the pod fails). True once all have succeeded."""
+        never = self.pod["spec"].get("restartPolicy", "Always") == "Never"
+        for c in self.init_containers:
+            backoff: float | None = None
+            while not self.terminating.is_set():
+                started = time.monotonic()
+                returncode = await self._run_once(c)
+                if returncode is None or self.terminating.is_set():
+                    continue
+                if returncode == 0 or never:
+                    c.final = True
+                    self.init_failed = returncode != 0
+                    self._mark_dirty()
+                    break
+                backoff = await self._back_off(c, backoff, started)
+            if not c.final or self.init_failed:
+                return False
+        return True
+
+    async def _run_once(self, c: ContainerRuntime) -> int | None:
+        """Start the container and wait for its exit code; None if its env cannot be built yet
+        (reported as CreateContainerConfigError and retried after a pause)."""
+        try:
+            c.env = await container_env(
+                self.pod,
+                c.spec,
+                self._base_env(),
+                object_getter(self.ctx.api, self.pod["metadata"]["namespace"]),
+                self.ip,
+                HOST_IP,
             )
-            c.last_state = c.state
+        except ConfigError as e:
+            c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
+            self._mark_dirty()
+            await _wait_event(self.terminating, 2.0)
+            return None
+        try:
+            await self._start(c)
+            return await self._supervise(c)
+        except StartError as e:
             c.state = {
-                "waiting": {
-                    "reason": "CrashLoopBackOff",
-                    "message": f"back-off {delay:g}s restarting failed container={c.name} pod={self.key}",
+                "terminated": {
+                    "exitCode": 128,
+                    "reason": "StartError",
+                    "message": str(e),
+                    "finishedAt": now_rfc3339(),
                 }
             }
-            self._mark_dirty()
-            self.ctx.record("restart-scheduled", pod=self.key, uid=self.uid, container=c.name, delay_s=delay)
-            if delay:
-                self.ctx.kube_event(
-                    self.pod,
-                    self.node,
-                    "BackOff",
-                    "Back-off restarting failed container",
-                    c.name,
-                    warning=True,
-                )
-            if await _wait_event(self.terminating, delay):
-                return
+            self.ctx.kube_event(self.pod, self.node, "Failed", str(e), c.name, warning=True)
+            return 128
+
+    async def _back_off(self, c: ContainerRuntime, backoff: float | None, started: float) -> float | None:
+        """Wait before restarting `c` (0, then initial, doubling up to the cap; reset after a long
+        run) and count the restart. Returns the next back-off."""
+        if time.monotonic() - started > 2 * self.ctx.backoff_max_s:
+            backoff = None
+        delay = 0.0 if backoff is None else backoff
+        backoff = self.ctx.backoff_initial_s if backoff is None else min(2 * backoff, self.ctx.backoff_max_s)
+        c.last_state = c.state
+        c.state = {
+            "waiting": {
+                "reason": "CrashLoopBackOff",
+                "message": f"back-off {delay:g}s restarting failed container={c.name} pod={self.key}",
+            }
+        }
+        self._mark_dirty()
+        self.ctx.record("restart-scheduled", pod=self.key, uid=self.uid, container=c.name, delay_s=delay)
+        if delay:
+            self.ctx.kube_event(
+                self.pod, self.node, "BackOff", "Back-off restarting failed container", c.name, warning=True
+            )
+        if not await _wait_event(self.terminating, delay):
             c.restart_count += 1
+        return backoff
 
     def _argv(self, c: ContainerRuntime) -> list[str]:
         argv = [expand(a, c.env) for a in (c.spec.get("command") or []) + (c.spec.get("args") or [])]
@@ -405,7 +434,11 @@ class PodWorker:
         await proc.wait()
 
     async def _kill_all(self, grace: float) -> None:
-        running = [(c, c.proc) for c in self.containers if c.proc is not None and c.proc.returncode is None]
+        running = [
+            (c, c.proc)
+            for c in self.init_containers + self.containers
+            if c.proc is not None and c.proc.returncode is None
+        ]
         await asyncio.gather(*(self._kill(c, p, grace) for c, p in running if p is not None))
         for _, p in running:
             if p is not None:
@@ -482,6 +515,10 @@ class PodWorker:
         return condition
 
     def phase(self) -> str:
+        if self.init_failed:
+            return "Failed"
+        if not all(c.final for c in self.init_containers):
+            return "Pending"
         if self.containers and all(c.final for c in self.containers):
             failed = any(c.state.get("terminated", {}).get("exitCode", 1) != 0 for c in self.containers)
             return "Failed" if failed else "Succeeded"
@@ -491,6 +528,7 @@ class PodWorker:
 
     def status(self) -> JsonObject:
         phase = self.phase()
+        initialized = all(c.final for c in self.init_containers) and not self.init_failed
         containers_ready = all(c.ready for c in self.containers)
         existing = {c["type"]: c for c in (self.pod.get("status") or {}).get("conditions") or []}
         gates = [g["conditionType"] for g in self.pod["spec"].get("readinessGates") or []]
@@ -500,7 +538,7 @@ class PodWorker:
         conditions = [
             existing.get("PodScheduled") or self._condition("PodScheduled", True),
             self._condition("PodReadyToStartContainers", not done),
-            self._condition("Initialized", True),
+            self._condition("Initialized", initialized, "" if initialized else "ContainersNotInitialized"),
             self._condition(
                 "ContainersReady", containers_ready, "" if containers_ready else not_ready_reason
             ),
@@ -520,4 +558,9 @@ class PodWorker:
             "podIPs": [{"ip": self.ip}],
             "startTime": self.start_time,
             "containerStatuses": [c.status() for c in self.containers],
+            **(
+                {"initContainerStatuses": [c.status() for c in self.init_containers]}
+                if self.init_containers
+                else {}
+            ),
         }
