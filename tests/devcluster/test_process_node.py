@@ -280,3 +280,54 @@ def test_failed_init_container_fails_a_never_restart_pod(dev_cluster: DevCluster
     assert pod["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 3
     assert pod["status"]["containerStatuses"][0]["state"] == {"waiting": {"reason": "PodInitializing"}}
     assert [e["container"] for e in dev_cluster.agent_events(ns, "broken", "started")] == ["prepare"]
+
+
+def test_liveness_probe_failure_restarts_after_startup_probe(
+    dev_cluster: DevCluster, k8s_namespace: str
+) -> None:
+    ns = k8s_namespace
+    # Liveness: an exec probe (run in the pod's working dir) that logs each run to probes.log and
+    # passes only once the file "alive" exists.
+    check = (
+        "import os, sys; open('probes.log', 'a').write('x\\n'); sys.exit(0 if os.path.exists('alive') else 1)"
+    )
+    liveness = {"exec": {"command": ["python", "-c", check]}, "periodSeconds": 1, "failureThreshold": 2}
+    startup = {"tcpSocket": {"port": "http"}, "periodSeconds": 1, "failureThreshold": 30}
+    pod = _server_pod(
+        "lively",
+        container={"livenessProbe": liveness, "startupProbe": startup},
+        terminationGracePeriodSeconds=5,
+    )
+    dev_cluster.admin.post(f"/api/v1/namespaces/{ns}/pods", pod)
+
+    def container_status() -> dict[str, Any]:
+        statuses = dev_cluster.pod(ns, "lively")["status"].get("containerStatuses") or [{}]
+        return dict(statuses[0])
+
+    wait_for("a liveness restart", lambda: container_status().get("restartCount", 0) >= 1, timeout_s=30)
+    failures = [e for e in dev_cluster.agent_events(ns, "lively", "probe-failed") if e["probe"] == "Liveness"]
+    assert len(failures) >= 2
+    assert "exited with 1" in failures[0]["message"]
+    first_exit = dev_cluster.agent_events(ns, "lively", "exited")[0]
+    assert first_exit["returncode"] == 0  # the server ended itself on the SIGTERM it was sent
+    assert dev_cluster.agent_events(ns, "lively", "sigterm")[0]["pid"] == first_exit["pid"]
+    # In the first run, liveness only started after the startup probe had passed.
+    startup_failures = [
+        e for e in dev_cluster.agent_events(ns, "lively", "probe-failed") if e["probe"] == "Startup"
+    ]
+    first_run = [e for e in startup_failures if e["time"] < first_exit["time"]]
+    assert all(e["time"] < failures[0]["time"] for e in first_run)
+
+    # Once the probe passes, the restarts stop.
+    pod_dir = next((dev_cluster.state.agent_dir / "pods").glob(f"{ns}_lively_*"))
+    (pod_dir / "alive").write_text("yes")
+    ip = _running_ip(dev_cluster, ns, "lively")
+    wait_for("started", lambda: container_status()["started"])
+    count = container_status()["restartCount"]
+    pid = int(httpx.get(f"http://{ip}:8080/pid").text)
+    runs = len((pod_dir / "probes.log").read_text().splitlines())
+    wait_for(
+        "3 more liveness probes", lambda: len((pod_dir / "probes.log").read_text().splitlines()) >= runs + 3
+    )
+    assert container_status()["restartCount"] == count
+    assert int(httpx.get(f"http://{ip}:8080/pid").text) == pid
