@@ -15,7 +15,8 @@ from baton_dev.cluster import (
     start_cluster,
     stop_cluster,
 )
-from baton_dev.health import ComponentFailed
+from baton_dev.health import ComponentFailed, http_ok
+from baton_dev.kubeapi import ApiAccess
 from baton_dev.spec import ClusterSpec
 from baton_dev.state import ClusterState
 
@@ -63,7 +64,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"cluster {state.name!r} ({state.directory}), API server {state.server}")
     for name, status in statuses.items():
         print(f"  {name:<24} {status}")
-    return 0 if all(s.startswith("running") for s in statuses.values()) else 1
+    token = ApiAccess.from_kubeconfig(state.admin_kubeconfig).token
+    api_ready = http_ok(f"{state.server}/readyz", ca_file=str(state.ca_file), token=token)()
+    print(f"  {'API /readyz':<24} {'ok' if api_ready else 'not answering'}")
+    running = all(s.startswith("running") for s in statuses.values())
+    return 0 if running and api_ready else 1
 
 
 def cmd_env(args: argparse.Namespace) -> int:

@@ -191,7 +191,7 @@ def start_cluster(
         old = ClusterState.load(directory)
         if any(is_alive(p) for p in old.processes):
             raise ClusterAlreadyRunning(
-                f"cluster {old.name!r} is already running in {directory}; `baton-dev cluster down` first"
+                f"cluster {old.name!r} is already running in {directory}; `baton-dev cluster down --name {old.name}` first"
             )
     if directory.exists():
         shutil.rmtree(directory)
