@@ -13,7 +13,7 @@ from pathlib import Path
 
 from baton_dev import spec as names
 from baton_dev.binaries import KWOK_STAGE_FILES, Binaries
-from baton_dev.health import http_ok, wait_until
+from baton_dev.health import ComponentFailed, http_ok, wait_until
 from baton_dev.kubeapi import ApiAccess, ApiError, KubeApi
 from baton_dev.kubeconfig import write_kubeconfig
 from baton_dev.pki import ClusterPki, write_cluster_pki
@@ -191,7 +191,8 @@ def start_cluster(
         old = ClusterState.load(directory)
         if any(is_alive(p) for p in old.processes):
             raise ClusterAlreadyRunning(
-                f"cluster {old.name!r} is already running in {directory}; `baton-dev cluster down --name {old.name}` first"
+                f"cluster {old.name!r} is already running in {directory}; "
+                f"`baton-dev cluster down --name {old.name}` first"
             )
     if directory.exists():
         shutil.rmtree(directory)
@@ -268,7 +269,7 @@ def start_cluster(
             def nodes_ready() -> bool:
                 for record in (kwok, agent):
                     if record and not is_alive(record):
-                        raise RuntimeError(f"{record.name} exited; see {record.log}")
+                        raise ComponentFailed(f"{record.name} exited; see {record.log}")
                 items = api.get("/api/v1/nodes")["items"]
                 return len(items) == expected and all(_node_ready(n) for n in items)
 

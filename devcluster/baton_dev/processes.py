@@ -76,6 +76,7 @@ def _reap(pid: int) -> None:
 
 def stop(record: ProcessRecord, grace_s: float = 5.0) -> bool:
     """SIGTERM the process group, SIGKILL after grace_s. True if it was running."""
+    _reap(record.pid)
     if not is_alive(record):
         return False
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):

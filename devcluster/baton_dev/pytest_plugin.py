@@ -4,6 +4,7 @@
   `baton_dev.testing.DevCluster` with admin/restricted clients and kubectl/helm runners.
 - `k8s_namespace`: a fresh namespace per test, deleted afterwards.
 - `kubectl_path`, `helm_path`: the built binaries.
+- `admin_kubeconfig`, `restricted_kubeconfig`: kubeconfig files (for the official clients, kopf).
 """
 
 from __future__ import annotations
@@ -56,3 +57,13 @@ def kubectl_path(dev_cluster: DevCluster) -> Path:
 @pytest.fixture(scope="session")
 def helm_path(dev_cluster: DevCluster) -> Path:
     return dev_cluster.helm_path
+
+
+@pytest.fixture(scope="session")
+def admin_kubeconfig(dev_cluster: DevCluster) -> Path:
+    return dev_cluster.state.admin_kubeconfig
+
+
+@pytest.fixture(scope="session")
+def restricted_kubeconfig(dev_cluster: DevCluster) -> Path:
+    return dev_cluster.state.restricted_kubeconfig
