@@ -138,7 +138,9 @@ class AsyncKubeApi:
     async def delete(self, path: str, body: JsonObject | None = None) -> JsonObject:
         return await self.request("DELETE", path, body)
 
-    async def list_and_watch(self, path: str, **params: Any) -> AsyncIterator[tuple[str, JsonObject]]:
+    async def list_and_watch(
+        self, path: str, watch_timeout_s: int = 240, **params: Any
+    ) -> AsyncIterator[tuple[str, JsonObject]]:
         """Yield ("SYNC", list) after each (re)list, then watch events ("ADDED", "MODIFIED",
         "DELETED", object). Relists when the resource version expires (410 Gone); reconnects
         from the last seen version when the server ends the watch or the connection drops."""
@@ -153,7 +155,7 @@ class AsyncKubeApi:
                     watch="1",
                     resourceVersion=version,
                     allowWatchBookmarks="true",
-                    timeoutSeconds="240",
+                    timeoutSeconds=str(watch_timeout_s),
                 )
                 try:
                     async with self._client.stream(
