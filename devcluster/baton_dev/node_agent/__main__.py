@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def run(args: argparse.Namespace) -> None:
     access = ApiAccess.from_kubeconfig(args.kubeconfig)
     api = AsyncKubeApi(access)
-    ctx = AgentContext(api, access, args.state_dir, args.backoff_initial, args.backoff_max)
+    ctx = AgentContext(api, access, args.state_dir, args.backoff_initial, args.backoff_max, args.gpus)
     ctx.pods_dir.mkdir(parents=True, exist_ok=True)
     ctx.pids_dir.mkdir(parents=True, exist_ok=True)
     nodes = [

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from baton_dev.kubeapi import ApiAccess, AsyncKubeApi, JsonObject
 from baton_dev.processes import start_ticks
+from baton_dev.spec import GPU_RESOURCE
 
 HOST_IP = "127.0.0.1"
 EVENTS_FILE = "events.jsonl"
@@ -34,6 +35,7 @@ class AgentContext:
     state_dir: Path
     backoff_initial_s: float
     backoff_max_s: float
+    gpus: int = 0
     background: set[asyncio.Task[None]] = field(default_factory=set)
 
     @property
@@ -111,6 +113,18 @@ class AgentContext:
                 pass
 
         self.spawn_background(post())
+
+
+def node_resources(gpus: int) -> dict[str, str]:
+    """Capacity (= allocatable) of every process node: generous, so that CPU/memory requests
+    never decide scheduling on a small machine; GPUs as configured."""
+    return {
+        "cpu": "64",
+        "memory": "256Gi",
+        "pods": "110",
+        "ephemeral-storage": "100Gi",
+        GPU_RESOURCE: str(gpus),
+    }
 
 
 def base_environment(venv_bin: str) -> dict[str, str]:

@@ -50,17 +50,42 @@ def field_value(pod: JsonObject, path: str, pod_ip: str, host_ip: str) -> str:
     raise ConfigError(f"fieldRef {path!r} is not supported by the process node agent")
 
 
-def resource_value(container: JsonObject, ref: JsonObject) -> str:
-    resource = ref["resource"]  # e.g. limits.cpu, requests.memory
-    kind, _, name = resource.partition(".")
+_SUFFIX = {
+    "m": 1e-3,
+    "": 1.0,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "E": 1e18,
+    "Ki": 2.0**10,
+    "Mi": 2.0**20,
+    "Gi": 2.0**30,
+    "Ti": 2.0**40,
+    "Pi": 2.0**50,
+    "Ei": 2.0**60,
+}
+
+
+def parse_quantity(text: str) -> float:
+    """A Kubernetes quantity ("500m", "2", "1Gi", "1e3") as a number."""
+    m = re.fullmatch(r"([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)([a-zA-Z]*)", str(text).strip())
+    if m is None or m.group(2) not in _SUFFIX:
+        raise ConfigError(f"not a quantity: {text!r}")
+    return float(m.group(1)) * _SUFFIX[m.group(2)]
+
+
+def resource_value(container: JsonObject, ref: JsonObject, allocatable: dict[str, str] | None = None) -> str:
+    """resourceFieldRef as the kubelet resolves it: the limit (else the node's allocatable),
+    or the request (else 0), divided by the divisor and rounded up."""
+    kind, _, name = str(ref["resource"]).partition(".")
     resources = container.get("resources") or {}
-    value = (resources.get(kind) or {}).get(name) or (resources.get("requests") or {}).get(name)
+    value = (resources.get(kind) or {}).get(name)
     if value is None:
-        return "0"
-    if name == "cpu":  # the kubelet rounds cores up (divisor 1)
-        cores = float(value[:-1]) / 1000 if str(value).endswith("m") else float(value)
-        return str(math.ceil(cores))
-    return str(value)
+        value = (allocatable or {}).get(name, "0") if kind == "limits" else "0"
+    divisor = parse_quantity(ref.get("divisor") or "1")
+    return str(math.ceil(parse_quantity(value) / divisor))
 
 
 Getter = Callable[[str, str], Awaitable[JsonObject | None]]
@@ -105,7 +130,13 @@ async def _key_ref(get: Getter, kind: str, ref: JsonObject) -> str | None:
 
 
 async def container_env(
-    pod: JsonObject, container: JsonObject, base: dict[str, str], get: Getter, pod_ip: str, host_ip: str
+    pod: JsonObject,
+    container: JsonObject,
+    base: dict[str, str],
+    get: Getter,
+    pod_ip: str,
+    host_ip: str,
+    allocatable: dict[str, str] | None = None,
 ) -> dict[str, str]:
     env = dict(base)
     for source in container.get("envFrom") or []:
@@ -130,7 +161,7 @@ async def container_env(
         if "fieldRef" in source:
             value = field_value(pod, source["fieldRef"]["fieldPath"], pod_ip, host_ip)
         elif "resourceFieldRef" in source:
-            value = resource_value(container, source["resourceFieldRef"])
+            value = resource_value(container, source["resourceFieldRef"], allocatable)
         elif "configMapKeyRef" in source:
             value = await _key_ref(get, "configmaps", source["configMapKeyRef"])
         elif "secretKeyRef" in source:

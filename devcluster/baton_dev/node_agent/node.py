@@ -9,9 +9,9 @@ import logging
 import platform
 
 from baton_dev.kubeapi import ApiError, JsonObject
-from baton_dev.node_agent.context import HOST_IP, AgentContext, now_micro, now_rfc3339
+from baton_dev.node_agent.context import HOST_IP, AgentContext, node_resources, now_micro, now_rfc3339
 from baton_dev.node_agent.pod_worker import PodWorker
-from baton_dev.spec import GPU_RESOURCE, NODE_TYPE_LABEL
+from baton_dev.spec import NODE_TYPE_LABEL
 
 LEASE_DURATION_S = 40
 LEASE_RENEW_S = 10.0
@@ -53,13 +53,7 @@ class ProcessNode:
 
     # --- registration --------------------------------------------------------------------------
     def _resources(self) -> JsonObject:
-        return {
-            "cpu": "64",
-            "memory": "256Gi",
-            "pods": "110",
-            "ephemeral-storage": "100Gi",
-            GPU_RESOURCE: str(self.gpus),
-        }
+        return dict(node_resources(self.gpus))
 
     def _status(self) -> JsonObject:
         stamp = now_rfc3339()

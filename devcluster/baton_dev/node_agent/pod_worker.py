@@ -14,7 +14,7 @@ from pathlib import Path
 from baton_dev.kubeapi import ApiError, JsonObject
 from baton_dev.kubeconfig import write_kubeconfig
 from baton_dev.node_agent.container import ContainerRuntime
-from baton_dev.node_agent.context import HOST_IP, AgentContext, base_environment, now_rfc3339
+from baton_dev.node_agent.context import HOST_IP, AgentContext, base_environment, node_resources, now_rfc3339
 from baton_dev.node_agent.env import ConfigError, container_env, expand, object_getter
 from baton_dev.node_agent.probes import ProbeTiming, run_probe
 
@@ -209,6 +209,7 @@ class PodWorker:
                 object_getter(self.ctx.api, self.pod["metadata"]["namespace"]),
                 self.ip,
                 HOST_IP,
+                node_resources(self.ctx.gpus),
             )
         except ConfigError as e:
             c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
