@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 
 from baton_dev.kubeapi import ApiError, JsonObject
-from baton_dev.kubeconfig import write_kubeconfig
 from baton_dev.node_agent.container import ContainerRuntime
 from baton_dev.node_agent.context import HOST_IP, AgentContext, base_environment, node_resources, now_rfc3339
 from baton_dev.node_agent.env import ConfigError, container_env, expand, object_getter
+from baton_dev.node_agent.pod_status import PodStatusWriter
 from baton_dev.node_agent.probes import ProbeTiming, run_probe
+from baton_dev.node_agent.service_account import mint_token, service_account_name, write_credentials
 
-TOKEN_LIFETIME_S = 24 * 3600
 TOKEN_REFRESH_S = 3600
 
 
@@ -53,9 +53,8 @@ class PodWorker:
                 c.state = {"waiting": {"reason": "PodInitializing"}}
         self.terminating = asyncio.Event()
         self.gone = False  # the API object is already deleted: nothing to report or delete
-        self.start_time = now_rfc3339()
+        self._status = PodStatusWriter(ip)
         self._dirty = asyncio.Event()
-        self._transitions: dict[str, tuple[str, str]] = {}
         self._kubeconfig: Path | None = None
 
     # --- events from the pod watch -------------------------------------------------------------
@@ -104,48 +103,25 @@ class PodWorker:
 
     # --- service-account token -----------------------------------------------------------------
     async def _service_account_access(self) -> bool:
-        """Mint a bound token with the TokenRequest API and write it as a kubeconfig; retries
-        until it works or the pod is deleted. False if the pod went away first."""
-        spec, meta = self.pod["spec"], self.pod["metadata"]
-        if spec.get("automountServiceAccountToken") is False:
+        """Mint a bound token and write it as a kubeconfig; retries until it works or the pod is
+        deleted. False if the pod went away first."""
+        if self.pod["spec"].get("automountServiceAccountToken") is False:
             return True
-        sa = spec.get("serviceAccountName") or "default"
-        body = {
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenRequest",
-            "spec": {
-                "expirationSeconds": TOKEN_LIFETIME_S,
-                "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": self.uid},
-            },
-        }
         while not self.terminating.is_set():
             try:
-                response = await self.ctx.api.post(
-                    f"/api/v1/namespaces/{meta['namespace']}/serviceaccounts/{sa}/token", body
-                )
-                break
+                token = await mint_token(self.ctx.api, self.pod)
             except Exception as e:  # ApiError or transport: report and retry
-                message = f"cannot mint a token for service account {sa!r}: {e}"
+                message = f"cannot mint a token for service account {service_account_name(self.pod)!r}: {e}"
                 for c in self.containers:
                     c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": message}}
                 self._mark_dirty()
                 await _wait_event(self.terminating, 2.0)
-        else:
-            return False
-        token = response["status"]["token"]
-        sa_dir = self.dir / "serviceaccount"
-        sa_dir.mkdir(exist_ok=True)
-        shutil.copyfile(self.ctx.access.ca_file, sa_dir / "ca.crt")
-        (sa_dir / "namespace").write_text(meta["namespace"])
-        (sa_dir / "token").write_text(token)
-        self._kubeconfig = write_kubeconfig(
-            sa_dir / "kubeconfig",
-            self.ctx.access.server,
-            sa_dir / "ca.crt",
-            f"system:serviceaccount:{sa}",
-            token,
-        )
-        return True
+                continue
+            self._kubeconfig = write_credentials(
+                self.dir / "serviceaccount", self.ctx.access, self.pod, token
+            )
+            return True
+        return False
 
     def _base_env(self) -> dict[str, str]:
         env = base_environment(self.ctx.venv_bin)
@@ -501,67 +477,5 @@ class PodWorker:
             if e.status != 404:
                 raise
 
-    def _condition(self, kind: str, value: bool, reason: str = "") -> JsonObject:
-        status = "True" if value else "False"
-        previous = self._transitions.get(kind)
-        if previous is None or previous[0] != status:
-            self._transitions[kind] = (status, now_rfc3339())
-        condition: JsonObject = {
-            "type": kind,
-            "status": status,
-            "lastTransitionTime": self._transitions[kind][1],
-        }
-        if reason:
-            condition["reason"] = reason
-        return condition
-
-    def phase(self) -> str:
-        if self.init_failed:
-            return "Failed"
-        if not all(c.final for c in self.init_containers):
-            return "Pending"
-        if self.containers and all(c.final for c in self.containers):
-            failed = any(c.state.get("terminated", {}).get("exitCode", 1) != 0 for c in self.containers)
-            return "Failed" if failed else "Succeeded"
-        if all(c.ever_started for c in self.containers):
-            return "Running"
-        return "Pending"
-
     def status(self) -> JsonObject:
-        phase = self.phase()
-        initialized = all(c.final for c in self.init_containers) and not self.init_failed
-        containers_ready = all(c.ready for c in self.containers)
-        existing = {c["type"]: c for c in (self.pod.get("status") or {}).get("conditions") or []}
-        gates = [g["conditionType"] for g in self.pod["spec"].get("readinessGates") or []]
-        gates_ok = all(existing.get(g, {}).get("status") == "True" for g in gates)
-        done = phase in ("Succeeded", "Failed")
-        not_ready_reason = "PodCompleted" if done else "ContainersNotReady"
-        conditions = [
-            existing.get("PodScheduled") or self._condition("PodScheduled", True),
-            self._condition("PodReadyToStartContainers", not done),
-            self._condition("Initialized", initialized, "" if initialized else "ContainersNotInitialized"),
-            self._condition(
-                "ContainersReady", containers_ready, "" if containers_ready else not_ready_reason
-            ),
-            self._condition(
-                "Ready",
-                containers_ready and gates_ok,
-                "" if containers_ready and gates_ok else not_ready_reason,
-            ),
-        ]
-        conditions += [existing[g] for g in gates if g in existing]
-        return {
-            "phase": phase,
-            "conditions": conditions,
-            "hostIP": HOST_IP,
-            "hostIPs": [{"ip": HOST_IP}],
-            "podIP": self.ip,
-            "podIPs": [{"ip": self.ip}],
-            "startTime": self.start_time,
-            "containerStatuses": [c.status() for c in self.containers],
-            **(
-                {"initContainerStatuses": [c.status() for c in self.init_containers]}
-                if self.init_containers
-                else {}
-            ),
-        }
+        return self._status.status(self.pod, self.init_containers, self.containers, self.init_failed)
