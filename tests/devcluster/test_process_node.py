@@ -331,3 +331,35 @@ def test_liveness_probe_failure_restarts_after_startup_probe(
     )
     assert container_status()["restartCount"] == count
     assert int(httpx.get(f"http://{ip}:8080/pid").text) == pid
+
+
+def test_container_exit_ends_its_child_processes(dev_cluster: DevCluster, k8s_namespace: str) -> None:
+    ns = k8s_namespace
+    # The main process starts a long-lived child, reports its pid, then exits.
+    script = (
+        "import subprocess, sys; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "print(child.pid, flush=True)"
+    )
+    dev_cluster.admin.post(
+        f"/api/v1/namespaces/{ns}/pods",
+        {
+            "metadata": {"name": "parent"},
+            "spec": {
+                "nodeSelector": {"type": "process"},
+                "restartPolicy": "Never",
+                "containers": [{"name": "main", "image": "x", "command": ["python", "-c", script]}],
+            },
+        },
+    )
+    pod = _finished(dev_cluster, ns, "parent")
+    assert pod["status"]["phase"] == "Succeeded"
+    child = int(dev_cluster.pod_log(ns, "parent", "main").strip())
+    wait_for("the orphaned child to be gone", lambda: not Path(f"/proc/{child}").exists() or _zombie(child))
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True

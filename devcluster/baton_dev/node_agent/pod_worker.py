@@ -284,6 +284,9 @@ class PodWorker:
         proc = c.proc
         probes = asyncio.create_task(self._probe(c, proc))
         returncode = await proc.wait()
+        # Like a container's cgroup, the process group does not outlive its main process.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         probes.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await probes
