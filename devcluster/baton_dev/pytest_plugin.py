@@ -31,21 +31,10 @@ TEST_CLUSTER = ClusterSpec(
 )
 
 
-# pytest retries a failed session fixture for every test that asks for it; one failed start is
-# enough, so later tests fail at once with the first error.
-_start_failures: list[str] = []
-
-
 @pytest.fixture(scope="session")
 def dev_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
-    if _start_failures:
-        pytest.fail(f"the local cluster failed to start earlier in this session: {_start_failures[0]}")
     directory = tmp_path_factory.mktemp("baton-cluster")
-    try:
-        state = start_cluster(TEST_CLUSTER, find_binaries(), directory=directory)
-    except Exception as e:
-        _start_failures.append(f"{type(e).__name__}: {e}")
-        raise
+    state = start_cluster(TEST_CLUSTER, find_binaries(), directory=directory)
     cluster = DevCluster.attach(state)
     try:
         yield cluster
