@@ -288,7 +288,8 @@ def verify_dict(params: Any, key: bytes) -> KVTransferParams:
 # suffix as exposed; create them with the name minus `_total`.
 
 #: Client requests by outcome (label "outcome": success, client_error, upstream_error,
-#: unavailable, unauthorized, cancelled) and mode (label "mode": disaggregated, aggregated).
+#: unavailable, unauthorized, cancelled, internal_error) and mode (label "mode": disaggregated,
+#: aggregated).
 M_ROUTER_REQUESTS: Final = "baton_router_requests_total"
 #: Duration of each upstream leg in seconds (label "leg": prefill, decode, direct): prefill is
 #: the whole prefill call; decode and direct run until the last byte reached the client.

@@ -83,15 +83,20 @@ class ProxyResponse(Response):
         try:
             await asyncio.wait((run, watch), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not run.done():  # the client went away (or the server is stopping): cancel the legs
-                run.cancel()
-                self._outcome = "cancelled"
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
-            with contextlib.suppress(asyncio.CancelledError):
-                await run
-            self.core.metrics.requests.labels(outcome=self._outcome, mode=self.mode).inc()
+            try:
+                if not run.done():  # the client went away (or the server is stopping): cancel the legs
+                    run.cancel()
+                    self._outcome = "cancelled"
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+                with contextlib.suppress(asyncio.CancelledError):
+                    await run
+            except Exception:
+                self._outcome = "internal_error"  # a bug: uvicorn answers 500 if nothing was sent yet
+                raise
+            finally:
+                self.core.metrics.requests.labels(outcome=self._outcome, mode=self.mode).inc()
 
     async def _run(self, send: Send) -> None:
         try:
