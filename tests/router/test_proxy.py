@@ -284,6 +284,20 @@ def test_bad_request_bodies_get_openai_errors(start_engine, start_router, conten
     assert decode.posts() == []
 
 
+def test_unknown_paths_and_methods_get_openai_errors(start_engine, start_router) -> None:
+    _, decode_url = start_engine("e0")
+    router = start_router(engine=[decode_url], mode="aggregated")
+
+    missing = httpx.post(router.url + "/v1/embeddings", json={})
+    wrong_method = httpx.get(router.url + "/v1/completions")
+
+    assert (missing.status_code, wrong_method.status_code) == (404, 405)
+    assert missing.json() == {
+        "error": {"message": "Not Found", "type": "invalid_request_error", "param": None, "code": 404}
+    }
+    assert wrong_method.json()["error"]["message"] == "Method Not Allowed"
+
+
 def test_no_reachable_decode_pod_is_503(start_engine, start_router) -> None:
     _, prefill_url = start_engine("p0")
     router = start_router(prefill=[prefill_url], decode=[dead_url(), dead_url()])
