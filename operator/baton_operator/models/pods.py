@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, StringConstraints, ValidationInfo, field_validator
 
 from baton_engine import contract
 from baton_operator.models.base import CrdModel, cel, object_default, validations
 from baton_operator.models.engine import EngineOverrides
 
-#: A Kubernetes quantity ("500m", "16Gi", 4). Rendered as `x-kubernetes-int-or-string`.
-Quantity = int | str
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
+#: A Kubernetes quantity ("500m", "16Gi", 4). Rendered as `x-kubernetes-int-or-string`.
+Quantity = int | Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN)]
 RESOURCE_NAME_PATTERN = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-zA-Z0-9]([-a-zA-Z0-9_.]*[a-zA-Z0-9])?$"
 LABEL_MAP_EXTRA: dict[str, Any] = {"maxProperties": 64}
 
@@ -67,11 +67,12 @@ class Toleration(CrdModel):
     )
     toleration_seconds: int | None = Field(None, description="How long a NoExecute taint is tolerated.")
 
-    @model_validator(mode="after")
-    def _value(self) -> Toleration:
-        if self.operator == "Exists" and self.value is not None:
+    @field_validator("value")
+    @classmethod
+    def _value(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("operator") == "Exists" and value is not None:
             raise ValueError("tolerations[].value must be empty when operator is Exists")
-        return self
+        return value
 
 
 class Placement(CrdModel):
