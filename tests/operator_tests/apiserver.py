@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 BIN_ROOT = Path.home() / ".cache/baton/k8s-bin"
 ADMIN_TOKEN = "admin-token"
 
@@ -45,13 +47,20 @@ class ApiServer:
 
     def kubeconfig(self) -> Path:
         path = self.workdir / "admin.kubeconfig"
-        path.write_text(
-            "apiVersion: v1\nkind: Config\n"
-            f"clusters: [{{name: t, cluster: {{server: '{self.url}', certificate-authority: '{self.ca_file}'}}}}]\n"
-            f"users: [{{name: admin, user: {{token: {self.token}}}}}]\n"
-            "contexts: [{name: admin, context: {cluster: t, user: admin}}]\ncurrent-context: admin\n"
-        )
-        return path
+        return write_kubeconfig(path, self.url, self.ca_file, self.token)
+
+
+def write_kubeconfig(path: Path, url: str, ca_file: Path, token: str, user: str = "admin") -> Path:
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "t", "cluster": {"server": url, "certificate-authority": str(ca_file)}}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": user, "context": {"cluster": "t", "user": user}}],
+        "current-context": user,
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def _free_port() -> int:

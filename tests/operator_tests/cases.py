@@ -204,7 +204,8 @@ SPEC_CASES: list[Case] = [
         "override-unchunked-budget",
         {"decode": {"engine": {"chunkedPrefill": False}}},
         "spec.decode.engine.maxNumBatchedTokens",
-        "spec.decode.engine.maxNumBatchedTokens must be >= spec.engine.maxModelLen when chunkedPrefill is false",
+        "spec.decode.engine.maxNumBatchedTokens must be >= spec.engine.maxModelLen when chunkedPrefill is "
+        "false",
     ),
     Case(
         "override-shared-setting",
