@@ -16,7 +16,7 @@ from tests.operator_tests.apiserver import ApiServer, api_server, binary_dir
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
     bin_dir = binary_dir()
     if bin_dir is None:
@@ -50,7 +50,7 @@ def install_crd(client: Any) -> None:
     raise TimeoutError("CRD not Established within 30 s")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def kube(apiserver: ApiServer) -> Iterator[Any]:
     """An admin client of a server that has the InferenceDeployment CRD."""
     client = admin_client(apiserver)
