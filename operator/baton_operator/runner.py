@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,11 @@ def own_namespace() -> str:
         return ""
 
 
+def peering_priority() -> int:
+    """Higher for replicas started earlier; microseconds make ties practically impossible."""
+    return -(time.time_ns() // 1000)
+
+
 def configure(settings: kopf.OperatorSettings, options: RunOptions) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -60,6 +66,9 @@ def configure(settings: kopf.OperatorSettings, options: RunOptions) -> None:
         settings.peering.mandatory = True
         settings.peering.clusterwide = options.all_namespaces
         settings.peering.stealth = True
+        # Kopf pauses *every* peer that sees another with its own priority, so replicas need
+        # distinct ones: the earliest started (highest priority) stays the active one.
+        settings.peering.priority = peering_priority()
     else:
         settings.peering.standalone = True
 
@@ -67,6 +76,11 @@ def configure(settings: kopf.OperatorSettings, options: RunOptions) -> None:
 def build_registry(options: RunOptions) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     handlers.register(registry, options.resync_seconds)
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # A custom registry has no default login handler: in-cluster first, then the kubeconfig.
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
