@@ -60,7 +60,7 @@ def wait_established(rest: Rest, crd_name: str, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         conds = rest.get(f"{CLUSTER_PATHS['CustomResourceDefinition']}/{crd_name}").get("status", {})
-        if any(c["type"] == "Established" and c["status"] == "True" for c in conds.get("conditions", [])):
+        if any(c["type"] == "Established" and c["status"] == "True" for c in conds.get("conditions") or []):
             return
         time.sleep(0.1)
     raise TimeoutError(f"CRD {crd_name} not Established")
