@@ -117,6 +117,16 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
     async def child_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
         if type is None:  # the initial listing: resume handlers cover it
             return
+        # Only status changes matter here; the operator's own applies (spec only) are skipped.
+        seen: dict[str, Any] = memo.setdefault("child_status", {})
+        uid = body["metadata"]["uid"]
+        status = dict(body.get("status") or {})
+        if type == "DELETED":
+            seen.pop(uid, None)
+        elif not status or seen.get(uid) == status:
+            return
+        else:
+            seen[uid] = status
         try:
             await _refresh_from_child(body, memo)
         except KubeError as exc:

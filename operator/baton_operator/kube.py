@@ -1,20 +1,25 @@
 """A thin async Kubernetes client for the operator: server-side apply, create-only, status.
 
-Built on kubernetes_asyncio's ApiClient (auth, TLS, in-cluster config) with plain REST paths, so
-that any kind the builders render can be applied without a typed API class per kind.
+Plain REST over aiohttp (which Kopf already uses) with Kopf's own credential loaders, so the
+operator needs no generated API client: any kind the builders render can be applied by path.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from kubernetes_asyncio import client, config
+import aiohttp
+import kopf
 
 from baton_operator import models
 
 FIELD_MANAGER = "baton-operator"
+#: Optional CRDs (PodMonitor) are looked up at most this often per operator.
+CRD_CACHE_SECONDS = 60.0
 JSON = dict[str, Any]
 
 #: (apiVersion, kind) -> plural of every kind the operator writes or reads.
@@ -31,6 +36,13 @@ PLURALS: dict[tuple[str, str], str] = {
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
     (models.API_VERSION, models.KIND): models.PLURAL,
 }
+
+
+def _message(text: str) -> str:
+    try:
+        return str(json.loads(text).get("message", text))
+    except (ValueError, AttributeError):
+        return text
 
 
 class KubeError(Exception):
@@ -56,19 +68,46 @@ def path_of(manifest: Mapping[str, Any]) -> str:
     return object_path(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
 
 
-async def new_api_client() -> client.ApiClient:
+def login() -> kopf.ConnectionInfo:
     """In-cluster credentials inside a pod, otherwise the kubeconfig ($KUBECONFIG)."""
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-    else:
-        await config.load_kube_config()
-    return client.ApiClient()
+    settings = kopf.OperatorSettings()
+    logger = logging.getLogger("baton_operator.kube")
+    info = kopf.login_with_service_account(settings=settings, logger=logger) or kopf.login_with_kubeconfig(
+        settings=settings, logger=logger
+    )
+    if info is None:
+        raise KubeError(0, "no Kubernetes credentials: neither a service account nor a kubeconfig")
+    return info
 
 
 class Kube:
-    def __init__(self, api: client.ApiClient, field_manager: str = FIELD_MANAGER) -> None:
-        self.api = api
+    """One API server connection. `credentials` is called again after a 401 (rotated tokens)."""
+
+    def __init__(
+        self, credentials: Callable[[], kopf.ConnectionInfo] = login, field_manager: str = FIELD_MANAGER
+    ) -> None:
+        self.credentials = credentials
         self.field_manager = field_manager
+        self._session: aiohttp.ClientSession | None = None
+        self._info: kopf.ConnectionInfo | None = None
+        self._crds: dict[str, tuple[bool, float]] = {}  # name -> (exists, when checked)
+
+    def _connect(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._info = self.credentials()
+            connector = aiohttp.TCPConnector(ssl=self._info.as_ssl_context(), limit=32)
+            self._session = aiohttp.ClientSession(
+                base_url=self._info.server.rstrip("/") + "/",
+                connector=connector,
+                headers=self._info.as_http_headers(),
+                timeout=aiohttp.ClientTimeout(total=60),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def _call(
         self,
@@ -78,20 +117,25 @@ class Kube:
         query: list[tuple[str, str]] | None = None,
         content_type: str = "application/json",
     ) -> JSON:
-        try:
-            result = await self.api.call_api(
-                path,
-                method,
-                query_params=query or [],
-                header_params={"Content-Type": content_type, "Accept": "application/json"},
-                body=body,
-                response_types_map={200: "object", 201: "object"},
-                auth_settings=["BearerToken"],
-                _return_http_data_only=True,
-            )
-        except client.ApiException as exc:
-            raise KubeError(exc.status or 0, str(exc.body or exc.reason)) from exc
-        return result if isinstance(result, dict) else {}
+        for attempt in (1, 2):
+            session = self._connect()
+            data = json.dumps(body) if body is not None else None
+            headers = {"Content-Type": content_type, "Accept": "application/json"}
+            try:
+                async with session.request(
+                    method, path.lstrip("/"), params=query or [], data=data, headers=headers
+                ) as resp:
+                    text = await resp.text()
+                    if resp.status == 401 and attempt == 1:
+                        await self.close()  # re-read the (possibly rotated) credentials once
+                        continue
+                    if resp.status >= 400:
+                        raise KubeError(resp.status, _message(text))
+                    result = json.loads(text) if text else {}
+                    return result if isinstance(result, dict) else {}
+            except aiohttp.ClientError as exc:
+                raise KubeError(0, f"{method} {path}: {exc}") from exc
+        raise KubeError(401, f"{method} {path}: unauthorized")
 
     async def apply(self, manifest: Mapping[str, Any], force: bool = True) -> JSON:
         """Server-side apply under the operator's field manager (fields it owns are forced)."""
@@ -130,13 +174,20 @@ class Kube:
             raise
 
     async def crd_exists(self, name: str) -> bool:
+        """Whether a CRD is installed; answers are cached for CRD_CACHE_SECONDS."""
+        cached = self._crds.get(name)
+        now = time.monotonic()
+        if cached is not None and now - cached[1] < CRD_CACHE_SECONDS:
+            return cached[0]
         try:
             await self._call("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+            exists = True
         except KubeError as exc:
-            if exc.status == 404:
-                return False
-            raise
-        return True
+            if exc.status != 404:
+                raise
+            exists = False
+        self._crds[name] = (exists, now)
+        return exists
 
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> JSON:
         """Merge-patch the InferenceDeployment's status subresource (other status keys are kept)."""

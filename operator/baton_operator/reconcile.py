@@ -87,11 +87,14 @@ async def reconcile(
                 outcome.events.append(
                     Event("Normal", "SigningKeyCreated", f"created Secret {manifest['metadata']['name']}")
                 )
+        applied_deployments: dict[str, dict[str, Any]] = {}
         for manifest in children.applied:
             await before_write(index, manifest)
             index += 1
-            await kube.apply(manifest)
+            result = await kube.apply(manifest)
             outcome.applied += 1
+            if manifest["kind"] == "Deployment":
+                applied_deployments[manifest["metadata"]["name"]] = result
         for crd_name, manifest in children.optional:
             if await kube.crd_exists(crd_name):
                 await kube.apply(manifest)
@@ -104,20 +107,27 @@ async def reconcile(
         with contextlib.suppress(KubeError):
             outcome.status = await refresh_status(kube, body, ctx.spec, error=f"{type(exc).__name__}: {exc}")
         raise
-    outcome.status = await refresh_status(kube, body, ctx.spec)
+    outcome.status = await refresh_status(kube, body, ctx.spec, known=applied_deployments)
     return outcome
 
 
 async def refresh_status(
-    kube: Kube, body: Mapping[str, Any], spec: InferenceDeploymentSpec, error: str | None = None
+    kube: Kube,
+    body: Mapping[str, Any],
+    spec: InferenceDeploymentSpec,
+    error: str | None = None,
+    known: Mapping[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Read the child Deployments and patch the status subresource; returns the patch."""
+    """Patch the status subresource from the child Deployments; returns the patch. `known`
+    holds Deployments an apply just returned (name -> object): those are not read again."""
     owner = owner_of(body)
-    roles = [*spec.roles(), contract.ROLE_ROUTER]
-    deployments = {
-        role: await kube.get("apps/v1", "Deployment", owner.namespace, child_name(owner, role))
-        for role in roles
-    }
+    deployments: dict[str, Mapping[str, Any] | None] = {}
+    for role in [*spec.roles(), contract.ROLE_ROUTER]:
+        name = child_name(owner, role)
+        if known is not None and name in known:
+            deployments[role] = known[name]
+        else:
+            deployments[role] = await kube.get("apps/v1", "Deployment", owner.namespace, name)
     ctx = BuildContext(owner, spec)
     patch = compute_status(
         name=owner.name,

@@ -13,7 +13,7 @@ import kopf
 from prometheus_client import start_http_server
 
 from baton_operator import handlers, metrics
-from baton_operator.kube import Kube, new_api_client
+from baton_operator.kube import Kube
 from baton_operator.reconcile import OperatorConfig
 
 #: Kopf's bookkeeping annotations (progress, last-handled configuration) live under this prefix.
@@ -85,7 +85,7 @@ def build_registry(options: RunOptions) -> kopf.OperatorRegistry:
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         configure(settings, options)
-        memo["kube"] = Kube(await new_api_client())
+        memo["kube"] = Kube()
         memo["config"] = OperatorConfig(
             operator_namespace=own_namespace(), monitoring_namespace=options.monitoring_namespace
         )
@@ -95,7 +95,7 @@ def build_registry(options: RunOptions) -> kopf.OperatorRegistry:
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         kube: Kube | None = memo.get("kube")
         if kube is not None:
-            await kube.api.close()
+            await kube.close()
         metrics.ACTIVE.set(0)
 
     return registry

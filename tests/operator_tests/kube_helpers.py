@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from kubernetes_asyncio import client as aclient
+import kopf
 
 from baton_operator import models
 from baton_operator.kube import Kube
@@ -17,11 +17,8 @@ from tests.operator_tests.apiserver import ApiServer
 
 
 def async_kube(server: ApiServer, token: str | None = None) -> Kube:
-    cfg = aclient.Configuration()
-    cfg.host = server.url
-    cfg.ssl_ca_cert = str(server.ca_file)
-    cfg.api_key = {"BearerToken": f"Bearer {token or server.token}"}
-    return Kube(aclient.ApiClient(cfg))
+    info = kopf.ConnectionInfo(server=server.url, ca_path=str(server.ca_file), token=token or server.token)
+    return Kube(lambda: info)
 
 
 def create_namespace(kube: Any, name: str, labels: dict[str, str] | None = None) -> None:

@@ -61,7 +61,7 @@ async def test_example_is_accepted_and_reconciles(apiserver: ApiServer, kube: An
     try:
         await reconcile(akube, body, OperatorConfig())
     finally:
-        await akube.api.close()
+        await akube.close()
     deployments = {
         d["metadata"]["name"]: d
         for d in rest.get(collection_path("apps/v1", "Deployment", namespace))["items"]

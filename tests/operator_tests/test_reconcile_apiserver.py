@@ -51,7 +51,7 @@ _namespaces = itertools.count()
 async def akube(apiserver: ApiServer) -> AsyncIterator[Kube]:
     kube = async_kube(apiserver)
     yield kube
-    await kube.api.close()
+    await kube.close()
 
 
 @pytest.fixture
@@ -249,3 +249,68 @@ async def test_engine_pods_pass_restricted_pod_security(kube: Any, akube: Kube, 
     status, answer = rest.call("POST", pods, plain)
     assert status == 403
     assert 'violates PodSecurity "restricted:latest"' in answer["message"]
+
+
+PODMONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "podmonitors.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "scope": "Namespaced",
+        "names": {"kind": "PodMonitor", "plural": "podmonitors", "singular": "podmonitor"},
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                },
+            }
+        ],
+    },
+}
+
+
+async def test_pod_monitor_is_applied_once_its_crd_exists(
+    apiserver: ApiServer, kube: Any, akube: Kube, rest: Rest, namespace: str
+) -> None:
+    from tests.operator_tests.operator_process import CLUSTER_PATHS, wait_established
+
+    body = create_infd(kube, namespace, "demo", VALID_SPEC)
+    assert (await reconcile(akube, body, CFG)).applied == 13
+    crds = CLUSTER_PATHS["CustomResourceDefinition"]
+    status, answer = rest.call("POST", crds, PODMONITOR_CRD)
+    assert status == 201, answer
+    try:
+        wait_established(rest, "podmonitors.monitoring.coreos.com")
+        assert (await reconcile(akube, body, CFG)).applied == 13  # "absent" is cached for a while
+        fresh = async_kube(apiserver)  # e.g. after CRD_CACHE_SECONDS, or a restarted operator
+        try:
+            assert (await reconcile(fresh, body, CFG)).applied == 14
+        finally:
+            await fresh.close()
+        monitor = rest.get(f"/apis/monitoring.coreos.com/v1/namespaces/{namespace}/podmonitors/demo")
+        assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics"}]
+        assert managers(monitor) == {(FIELD_MANAGER, "Apply")}
+    finally:
+        rest.call("DELETE", f"{crds}/podmonitors.monitoring.coreos.com")
+
+
+async def test_rotated_credentials_are_reloaded_after_a_401(
+    apiserver: ApiServer, kube: Any, namespace: str
+) -> None:
+    import kopf
+
+    tokens = iter(["expired-token", apiserver.token])
+
+    def credentials() -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=apiserver.url, ca_path=str(apiserver.ca_file), token=next(tokens))
+
+    client = Kube(credentials)
+    try:
+        body = create_infd(kube, namespace, "demo", VALID_SPEC)
+        assert (await reconcile(client, body, CFG)).applied == 13
+    finally:
+        await client.close()
