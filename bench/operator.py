@@ -24,6 +24,7 @@ from typing import Any
 from tests.operator_tests.apiserver import api_server, binary_dir
 from tests.operator_tests.kube_helpers import Rest
 from tests.operator_tests.operator_process import install_chart, operator_kubeconfig, operator_process
+from tests.operator_tests.scratch_venv import image_venv
 
 SPEC = {"model": {"name": "smollm2", "source": "builtin:smollm2-135m-instruct"}}
 INFDS = "/apis/baton.dev/v1alpha1/namespaces/{ns}/inferencedeployments"
@@ -82,7 +83,13 @@ def run(sequential: int, burst: int) -> dict[str, Any]:
                 "/api/v1/namespaces",
                 {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
             )
-        with operator_process(kubeconfig, Path(tmp), "--resync-seconds=3600", "--no-peering") as operator:
+        # The operator runs from a venv holding only what its image installs (baton[operator]).
+        python, done = image_venv(Path(tmp) / "venv", "operator")
+        if done.returncode != 0:
+            raise SystemExit(f"installing baton[operator] failed:\n{done.stdout}{done.stderr}")
+        with operator_process(
+            kubeconfig, Path(tmp), "--resync-seconds=3600", "--no-peering", python=python
+        ) as operator:
             latencies = []
             for i in range(sequential):
                 name = f"seq-{i}"

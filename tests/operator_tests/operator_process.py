@@ -118,14 +118,16 @@ class OperatorProcess:
 
 
 @contextmanager
-def operator_process(kubeconfig: Path, workdir: Path, *extra: str) -> Iterator[OperatorProcess]:
+def operator_process(
+    kubeconfig: Path, workdir: Path, *extra: str, python: Path | None = None
+) -> Iterator[OperatorProcess]:
     metrics_port, health_port = free_port(), free_port()
     log = workdir / f"operator-{metrics_port}.log"
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": OPERATOR_NS}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     args = [
-        sys.executable, "-m", "baton_operator.cli", "run", "--all-namespaces", "--bind=127.0.0.1",
-        f"--metrics-port={metrics_port}", f"--health-port={health_port}", *extra,
+        str(python or sys.executable), "-m", "baton_operator.cli", "run", "--all-namespaces",
+        "--bind=127.0.0.1", f"--metrics-port={metrics_port}", f"--health-port={health_port}", *extra,
     ]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)

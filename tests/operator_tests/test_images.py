@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.operator_tests.scratch_venv import image_venv
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "images/scripts"
 DOCKERFILES = {
@@ -63,15 +65,8 @@ def test_every_run_step_is_a_repo_script(name: str) -> None:
     assert base.group(1).startswith(expected_base)
 
 
-def scratch_venv(path: Path, extra: str) -> Path:
-    """A fresh venv with baton[extra] installed by install-baton.sh itself (offline uv)."""
-    venv.create(path, with_pip=False)
-    python = path / "bin/python"
-    installer = f"{DEV_PYTHON} -m uv pip install --offline --quiet --python {python}"
-    cache = os.environ.get("UV_CACHE_DIR", str(Path.home() / ".cache/baton/uv"))
-    step = next(s for s in run_steps(DOCKERFILES[extra]) if s[1].endswith("install-baton.sh"))
-    args = [a.replace("/src", str(REPO)) for a in step] + ["--python", str(python)]
-    done = sh(args, {"PIP_INSTALL": installer, "UV_CACHE_DIR": cache})
+def scratch_venv(path: Path, role: str) -> Path:
+    python, done = image_venv(path, role)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ok: no torch, triton or transformers" in done.stdout
     return python
