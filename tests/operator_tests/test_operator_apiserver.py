@@ -4,7 +4,9 @@ liveness, no finalizers, baton.dev bookkeeping, and RBAC that refuses reading Se
 
 from __future__ import annotations
 
+import json
 import re
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -199,3 +201,45 @@ def test_peering_keeps_one_replica_active(
         # The counter moves just after the status patch: poll it rather than race it.
         wait_for(lambda: creates(operator) == 2.0, 10, "the first replica's second create")
         assert creates(second) == 0.0  # the standby never reconciled
+
+
+def _mark_ready(rest: Rest, namespace: str, name: str) -> None:
+    """Write what the Deployment controller would once every pod is Ready (no controller runs)."""
+    path = collection_path("apps/v1", "Deployment", namespace) + f"/{name}"
+    generation = rest.get(path)["metadata"]["generation"]
+    status = {"observedGeneration": generation, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
+    code, body = rest.call("PATCH", path + "/status", {"status": status}, "application/merge-patch+json")
+    assert code == 200, body
+
+
+def test_child_readiness_reaches_status_and_printer_columns(
+    reconciled: dict[str, Any], apiserver: ApiServer, kube: Any
+) -> None:
+    rest = Rest(apiserver)
+    for name in ("demo-prefill", "demo-decode", "demo-router"):
+        _mark_ready(rest, "op", name)
+
+    def ready() -> bool:
+        conditions = get_infd(kube, "op", "demo")["status"]["conditions"]
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    wait_for(ready, 30, "Ready=True from the child Deployments' status")
+    status = get_infd(kube, "op", "demo")["status"]
+    assert (status["prefill"]["ready"], status["decode"]["ready"], status["router"]["ready"]) == ("1/1",) * 3
+    conditions = {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+    assert conditions["Progressing"] == ("False", "Stable")
+
+    # `kubectl get infd`: the server renders the printer columns as a Table.
+    req = urllib.request.Request(
+        apiserver.url + "/apis/baton.dev/v1alpha1/namespaces/op/inferencedeployments/demo"
+    )
+    req.add_header("Authorization", f"Bearer {apiserver.token}")
+    req.add_header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
+    with urllib.request.urlopen(req, context=rest.ctx) as resp:
+        table = json.loads(resp.read())
+    columns = [c["name"] for c in table["columnDefinitions"]]
+    assert columns == ["Name", "Model", "Mode", "Prefill", "Decode", "Pool", "Ready", "Endpoint", "Age"]
+    cells = dict(zip(columns, table["rows"][0]["cells"], strict=True))
+    assert (cells["Name"], cells["Model"], cells["Mode"]) == ("demo", "smollm2", "disaggregated")
+    assert (cells["Prefill"], cells["Decode"], cells["Ready"]) == ("1/1", "1/1", "True")
+    assert cells["Endpoint"] == "http://demo-router.op.svc:80"
