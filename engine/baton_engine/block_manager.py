@@ -217,16 +217,17 @@ class BlockManager:
             return
         keys = self._ensure_keys(seq, num_full)
         tokens = seq.token_ids
+        index = self._index
         run_start = -1
         for i in range(start, num_full):
             key = keys[i]
-            if key in self._index:
+            if key in index:
                 if run_start >= 0:
                     self._record_stored(keys, tokens, run_start, i)
                     run_start = -1
                 continue
             block_id = seq.block_table[i]
-            self._index[key] = block_id
+            index[key] = block_id
             self.block_keys[block_id] = key
             self.block_tokens[block_id] = tuple(tokens[i * bs : (i + 1) * bs])
             if run_start < 0:
@@ -234,6 +235,36 @@ class BlockManager:
         if run_start >= 0:
             self._record_stored(keys, tokens, run_start, num_full)
         seq.num_published_blocks = num_full
+
+    def publish_next_block(self, seqs: list[Sequence]) -> None:
+        """`publish` for sequences whose KV just filled exactly one more block (the decode
+        path: one call per step for every row that crossed a block boundary)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        index = self._index
+        hasher = self.hasher
+        block_keys = self.block_keys
+        block_tokens = self.block_tokens
+        events = self._events
+        for seq in seqs:
+            i = seq.num_published_blocks
+            keys = seq.block_hashes
+            if len(keys) != i:
+                self.publish(seq, (i + 1) * bs)
+                continue
+            parent = keys[i - 1] if i else None
+            block_token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            key = hasher(parent, block_token_ids)
+            keys.append(key)
+            seq.num_published_blocks = i + 1
+            if key in index:
+                continue
+            block_id = seq.block_table[i]
+            index[key] = block_id
+            block_keys[block_id] = key
+            block_tokens[block_id] = block_token_ids
+            events.append(BlocksStored((key,), parent, block_token_ids, bs))
 
     def _record_stored(self, keys: list[BlockHash], tokens: list[int], first: int, end: int) -> None:
         bs = self.block_size

@@ -28,19 +28,30 @@ class PrefixHasher(Protocol):
         ...
 
 
+_PACKERS: dict[int, struct.Struct] = {}
+
+
+def _packer(num_tokens: int, with_parent: bool) -> struct.Struct:
+    key = num_tokens * 2 + with_parent
+    packer = _PACKERS.get(key)
+    if packer is None:
+        packer = _PACKERS[key] = struct.Struct(("<Q" if with_parent else "<") + f"{num_tokens}q")
+    return packer
+
+
 def fast_prefix_hash(parent_hash: BlockHash | None, token_ids: tuple[int, ...], /) -> int:
-    """Unsigned 64-bit BLAKE2b of ``parent (8 bytes LE, absent for block 0) || tokens (int64 LE)``.
+    """Unsigned 64-bit BLAKE2b of ``parent (u64 LE, absent for block 0) || tokens (int64 LE)``.
 
     Stable across Python versions and platforms (unlike the built-in `hash`), stdlib only.
+    A bytes parent (from another hasher) is folded in as its own bytes.
     """
-    hasher = hashlib.blake2b(digest_size=8)
-    if parent_hash is not None:
-        if isinstance(parent_hash, int):
-            hasher.update(parent_hash.to_bytes(8, "little"))
-        else:
-            hasher.update(parent_hash)
-    hasher.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return int.from_bytes(hasher.digest(), "little")
+    if parent_hash is None:
+        data = _packer(len(token_ids), False).pack(*token_ids)
+    elif isinstance(parent_hash, int):
+        data = _packer(len(token_ids), True).pack(parent_hash, *token_ids)
+    else:
+        data = parent_hash + _packer(len(token_ids), False).pack(*token_ids)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
 def chain_hashes(

@@ -226,7 +226,8 @@ class Scheduler:
 
     # -- schedule ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's batch. Call `postprocess` with its result before the next call."""
+        """Pick this step's batch. Unless it is empty, call `postprocess` with its result
+        before the next call."""
         if self._in_flight is not None:
             raise RuntimeError("schedule() called again before postprocess() of the previous step")
         now = self.clock()
@@ -260,7 +261,8 @@ class Scheduler:
                 budget = self._admit(budget, chunks, now)
 
         out = self._build_output(num_decode, chunks)
-        self._in_flight = out
+        # An empty step has nothing to run or postprocess (report finishes via take_finished).
+        self._in_flight = out if out.num_rows else None
         return out
 
     def _plan_drafts(self, budget: int) -> None:
@@ -286,6 +288,15 @@ class Scheduler:
             needed_blocks = (needed_tokens + (bs - 1)) // bs
             short_rows = np.flatnonzero(needed_blocks > batch.num_blocks[:d])
             if not len(short_rows):
+                return
+            if not self.num_speculative_tokens and bm.num_free_blocks >= len(short_rows):
+                # Common case: each short row needs exactly one block and the pool has them.
+                new_blocks = bm.take_blocks(len(short_rows))
+                batch.block_table[short_rows, batch.num_blocks[short_rows]] = new_blocks
+                batch.num_blocks[short_rows] += 1
+                seqs = batch.seqs
+                for row, block_id in zip(short_rows.tolist(), new_blocks, strict=True):
+                    seqs[row].block_table.append(block_id)
                 return
             preempted = False
             for row in short_rows.tolist():
@@ -511,12 +522,12 @@ class Scheduler:
         if bm.enable_prefix_caching:
             computed = batch.num_computed
             if out.num_decode_tokens > num_decode:
-                candidates = range(num_decode)
+                for row in range(num_decode):
+                    bm.publish(batch.seqs[row], int(computed[row]))
             else:
-                crossed = computed[:num_decode] % self.block_size == 0
-                candidates = np.flatnonzero(crossed).tolist()
-            for row in candidates:
-                bm.publish(batch.seqs[row], int(computed[row]))
+                crossed = np.flatnonzero(computed[:num_decode] % self.block_size == 0).tolist()
+                seqs = batch.seqs
+                bm.publish_next_block([seqs[row] for row in crossed])
             for seq in prefill_rows:
                 bm.publish(seq, int(computed[seq._row]))
 
