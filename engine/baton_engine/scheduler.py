@@ -256,9 +256,9 @@ class Scheduler:
             budget -= chunk
 
         # 3. Admit waiting requests once every running prefill got all it needs.
-        if budget > 0 and num_decode + len(chunks) == batch.num_rows and self.waiting:
-            if self.delay_factor <= 0 or self._passed_delay(now):
-                budget = self._admit(budget, chunks, now)
+        delay_passed = self.delay_factor <= 0 or self._passed_delay(now)
+        if budget > 0 and num_decode + len(chunks) == batch.num_rows and self.waiting and delay_passed:
+            budget = self._admit(budget, chunks, now)
 
         out = self._build_output(num_decode, chunks)
         # An empty step has nothing to run or postprocess (report finishes via take_finished).

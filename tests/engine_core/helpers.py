@@ -8,7 +8,10 @@ from tests.engine_core.paged_fake_model import PagedFakeModel
 
 
 def assert_no_leaks(scheduler: Scheduler) -> None:
-    """Everything finished: all blocks free, ref counts zero, queues and the batch empty."""
+    """Everything finished: all blocks free, ref counts zero, queues and the batch empty.
+
+    Drains finished sequences not yet reported (e.g. aborted after the last step)."""
+    scheduler.take_finished()
     bm = scheduler.block_manager
     assert bm.num_used_blocks == 0
     assert bm.num_free_blocks == bm.num_blocks
