@@ -238,7 +238,9 @@ class Scheduler:
         # 1. Every decode row gets its token(s); find blocks for them, preempting if needed.
         if self.num_speculative_tokens:
             self._plan_drafts(budget)
+        preemptions_before = self.num_preemptions
         self._grow_decode_blocks()
+        preempted = self.num_preemptions != preemptions_before
         num_decode = batch.num_decode
         num_decode_tokens = num_decode
         if self.num_speculative_tokens and num_decode:
@@ -255,9 +257,11 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk
 
-        # 3. Admit waiting requests once every running prefill got all it needs.
+        # 3. Admit waiting requests once every running prefill got all it needs. Not in a step
+        # that had to preempt: the victim would come straight back and thrash.
         delay_passed = self.delay_factor <= 0 or self._passed_delay(now)
-        if budget > 0 and num_decode + len(chunks) == batch.num_rows and self.waiting and delay_passed:
+        all_prefills_served = num_decode + len(chunks) == batch.num_rows
+        if budget > 0 and all_prefills_served and self.waiting and delay_passed and not preempted:
             budget = self._admit(budget, chunks, now)
 
         out = self._build_output(num_decode, chunks)

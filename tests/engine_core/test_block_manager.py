@@ -62,7 +62,9 @@ def test_allocate_publish_and_hit() -> None:
     bm.publish(a, 10)  # the forward computed all 10 tokens
     k0, k1 = chain(tokens)
     assert bm.take_events() == [
-        BlocksStored(block_hashes=(k0, k1), parent_block_hash=None, token_ids=tuple(range(1, 9)), block_size=BS)
+        BlocksStored(
+            block_hashes=(k0, k1), parent_block_hash=None, token_ids=tuple(range(1, 9)), block_size=BS
+        )
     ]
     assert bm.lookup(k0) == 0 and bm.lookup(k1) == 1
     assert a.block_hashes == [k0, k1]

@@ -11,7 +11,7 @@ import pytest
 
 from baton_engine.kv_cache_events import BlocksStored
 from baton_engine.sampling_params import SamplingParams
-from baton_engine.scheduler import Scheduler
+from baton_engine.scheduler import Scheduler, StepResult
 from baton_engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton_engine.sequence import FinishReason, Sequence, SequenceStatus
 from tests.engine_core.helpers import assert_no_leaks, drive
@@ -37,13 +37,18 @@ def key(parent: int | None, tokens: list[int]) -> int:
 
 def make(**overrides: object) -> Scheduler:
     settings: dict[str, object] = dict(
-        num_blocks=16, block_size=BS, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64, eos_token_id=EOS
+        num_blocks=16,
+        block_size=BS,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        max_model_len=64,
+        eos_token_id=EOS,
     )
     settings.update(overrides)
     return Scheduler(**settings)  # type: ignore[arg-type]
 
 
-def step(s: Scheduler, *tokens: int) -> tuple[SchedulerOutput, object]:
+def step(s: Scheduler, *tokens: int) -> tuple[SchedulerOutput, StepResult]:
     out = s.schedule()
     result = s.postprocess(out, ModelRunnerOutput(out.step_id, [[t] for t in tokens]))
     return out, result
@@ -82,8 +87,10 @@ def test_mixed_batch_layout_and_publication() -> None:
     assert out.sample_rows.tolist() == [0] and out.logits_indices.tolist() == [0]
     assert (out.num_decode_tokens, out.num_prefill_tokens) == (1, 7)
     assert out.sampling.output_positions.tolist()[0] == 1
-    assert result.seq_ids == [1] and result.new_token_ids == [[8]]  # type: ignore[attr-defined]
-    assert s.block_manager.take_events() == [BlocksStored((key(None, [20, 21, 22, 23]),), None, (20, 21, 22, 23), BS)]
+    assert result.seq_ids == [1] and result.new_token_ids == [[8]]
+    assert s.block_manager.take_events() == [
+        BlocksStored((key(None, [20, 21, 22, 23]),), None, (20, 21, 22, 23), BS)
+    ]
 
     out, _ = step(s, 9, 40)
     assert out.query_lens.tolist() == [1, 3]
@@ -138,7 +145,11 @@ def test_prefix_hit_skips_cached_blocks_and_counts_stats() -> None:
             9,
             "prompt has 9 tokens, more than max_num_batched_tokens=8 and chunked prefill is off",
         ),
-        ({"num_blocks": 2}, 9, r"prompt needs 3 KV blocks, more than the whole pool \(2 blocks of 4 tokens\)"),
+        (
+            {"num_blocks": 2},
+            9,
+            r"prompt needs 3 KV blocks, more than the whole pool \(2 blocks of 4 tokens\)",
+        ),
     ],
 )
 def test_requests_that_can_never_fit_are_rejected(
@@ -153,7 +164,7 @@ def test_requests_that_can_never_fit_are_rejected(
     assert bad.finish_message is not None
     assert re.search(message, bad.finish_message)
     _, result = step(s, 9)
-    assert result.finished == [bad, good]  # type: ignore[attr-defined]
+    assert result.finished == [bad, good]
     assert_no_leaks(s)
 
 
@@ -257,7 +268,7 @@ def test_producer_keeps_blocks_until_release_or_lease_expiry() -> None:
     s.add(a)
     s.add(b)
     _, result = step(s, 7, 8)
-    assert result.finished == [a, b]  # type: ignore[attr-defined]
+    assert result.finished == [a, b]
     assert s.held_blocks("t-a") == [0, 1, 2] and s.held_blocks("t-b") == [3, 4]
     assert s.block_manager.num_used_blocks == 5
     assert s.release("t-b") is True and s.release("t-b") is False
