@@ -184,6 +184,19 @@ class Scheduler:
     def get(self, seq_id: int) -> Sequence | None:
         return self._unfinished.get(seq_id)
 
+    def stats(self) -> dict[str, float]:
+        """A snapshot for metrics (queue depth, running, KV usage, cache and speculation)."""
+        return {
+            "num_waiting": self.num_waiting,
+            "num_running": self.num_running,
+            "kv_cache_usage": self.block_manager.usage(),
+            "num_preemptions": self.num_preemptions,
+            "prefix_cache_queries": self.prefix_cache_stats.queried_tokens,
+            "prefix_cache_hits": self.prefix_cache_stats.hit_tokens,
+            "spec_draft_tokens": self.spec_stats.num_draft_tokens,
+            "spec_accepted_tokens": self.spec_stats.num_accepted_tokens,
+        }
+
     # -- admission --------------------------------------------------------------------------
     def rejection_reason(self, seq: Sequence) -> str | None:
         """Why `seq` can never be scheduled with this configuration, or None."""

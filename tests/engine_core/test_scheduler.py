@@ -133,6 +133,9 @@ def test_prefix_hit_skips_cached_blocks_and_counts_stats() -> None:
     s.postprocess(out, ModelRunnerOutput(out.step_id, [[50]]))
     assert s.prefix_cache_stats.queried_tokens == 20 and s.prefix_cache_stats.hit_tokens == 8
     assert s.prefix_cache_stats.hit_rate == pytest.approx(0.4)
+    stats = s.stats()
+    assert stats["prefix_cache_queries"] == 20 and stats["prefix_cache_hits"] == 8
+    assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0.0
     assert_no_leaks(s)
 
 
