@@ -16,12 +16,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
 
 from baton_engine.kv_cache_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVCacheEvent
-from baton_engine.prefix_hash import BlockHash, PrefixHasher, fast_prefix_hash
+from baton_engine.prefix_hash import BlockHash, PrefixHasher, fast_prefix_hash, parent_and_tokens_packer
 from baton_engine.sequence import Sequence
 
 
@@ -33,6 +34,7 @@ class BlockManager:
         *,
         enable_prefix_caching: bool = True,
         hasher: PrefixHasher = fast_prefix_hash,
+        record_events: bool = True,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -42,6 +44,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = hasher
+        self.record_events = record_events
+        """Keep KV events for `take_events` (off when nobody publishes them)."""
         self.ref_counts: list[int] = [0] * num_blocks
         self.block_keys: list[BlockHash | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
@@ -197,7 +201,8 @@ class BlockManager:
         if key is not None:
             if self._index.get(key) == block_id:
                 del self._index[key]
-            self._events.append(BlocksRemoved((key,)))
+            if self.record_events:
+                self._events.append(BlocksRemoved((key,)))
             self.block_keys[block_id] = None
             self.block_tokens[block_id] = None
 
@@ -246,7 +251,13 @@ class BlockManager:
         hasher = self.hasher
         block_keys = self.block_keys
         block_tokens = self.block_tokens
-        events = self._events
+        events = self._events if self.record_events else None
+        make_event = BlocksStored.fast
+        # The default hasher, inlined (same bytes as `fast_prefix_hash`, minus two calls).
+        inline_default = hasher is fast_prefix_hash
+        pack = parent_and_tokens_packer(bs).pack
+        blake2b = hashlib.blake2b
+        from_bytes = int.from_bytes
         for seq in seqs:
             i = seq.num_published_blocks
             keys = seq.block_hashes
@@ -255,7 +266,10 @@ class BlockManager:
                 continue
             parent = keys[i - 1] if i else None
             block_token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            key = hasher(parent, block_token_ids)
+            if inline_default and type(parent) is int:
+                key = from_bytes(blake2b(pack(parent, *block_token_ids), digest_size=8).digest(), "little")
+            else:
+                key = hasher(parent, block_token_ids)
             keys.append(key)
             seq.num_published_blocks = i + 1
             if key in index:
@@ -264,9 +278,12 @@ class BlockManager:
             index[key] = block_id
             block_keys[block_id] = key
             block_tokens[block_id] = block_token_ids
-            events.append(BlocksStored((key,), parent, block_token_ids, bs))
+            if events is not None:
+                events.append(make_event((key,), parent, block_token_ids, bs))
 
     def _record_stored(self, keys: list[BlockHash], tokens: list[int], first: int, end: int) -> None:
+        if not self.record_events:
+            return
         bs = self.block_size
         self._events.append(
             BlocksStored(
@@ -287,4 +304,5 @@ class BlockManager:
                 self.block_keys[block_id] = None
                 self.block_tokens[block_id] = None
         self._index.clear()
-        self._events.append(AllBlocksCleared())
+        if self.record_events:
+            self._events.append(AllBlocksCleared())

@@ -84,6 +84,7 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         kv_lease_seconds: float = 30.0,
         prefix_hasher: PrefixHasher = fast_prefix_hash,
+        enable_kv_events: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_num_seqs < 1:
@@ -111,7 +112,11 @@ class Scheduler:
         self.clock = clock
 
         self.block_manager = BlockManager(
-            num_blocks, block_size, enable_prefix_caching=enable_prefix_caching, hasher=prefix_hasher
+            num_blocks,
+            block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            hasher=prefix_hasher,
+            record_events=enable_kv_events,
         )
         max_blocks_per_seq = -(-(max_model_len + num_speculative_tokens + 1) // block_size)
         self.batch = BatchState(max_num_seqs, max_blocks_per_seq)
@@ -162,6 +167,7 @@ class Scheduler:
             num_speculative_tokens=config.num_speculative_tokens,
             kv_lease_seconds=config.kv_lease_seconds,
             prefix_hasher=prefix_hasher,
+            enable_kv_events=config.kv_events,
             clock=clock,
         )
 
