@@ -159,6 +159,10 @@ class BlockManager:
         self._num_used += count
         return taken
 
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq` can grow to hold `num_tokens` tokens (e.g. computed + 1 + K drafts)."""
+        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
     def append_slots(self, seq: Sequence, num_tokens: int) -> list[int]:
         """Grow `seq.block_table` to hold `num_tokens` tokens; returns the new block ids."""
         missing = self.blocks_needed(num_tokens) - len(seq.block_table)

@@ -180,6 +180,7 @@ def test_append_slots_and_truncate() -> None:
     a = admit(bm, 0, [1, 2, 3])
     assert a.block_table == [0]
     assert bm.append_slots(a, 4) == []
+    assert bm.can_append(a, 32) and not bm.can_append(a, 33)
     assert bm.append_slots(a, 9) == [1, 2]
     assert bm.truncate(a, 1) == [1, 2]
     assert a.block_table == [0]

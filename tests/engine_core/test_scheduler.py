@@ -395,3 +395,24 @@ def test_configuration_errors() -> None:
     s.postprocess(out, ModelRunnerOutput(out.step_id, [[1]], sampled_token_array=np.array([1])))
     s.abort(1)
     assert_no_leaks(s)
+
+
+def test_remote_first_token_eos_and_failure_without_recompute() -> None:
+    s = make()
+    done = Sequence(1, [1, 2, 3, 4, 5], SamplingParams(max_tokens=5))
+    failed = Sequence(2, [6, 7, 8], SamplingParams(max_tokens=5))
+    for seq in (done, failed):
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+        s.add(seq)
+    assert s.schedule().num_rows == 0
+    assert s.take_remote_kv_reservations() == [done, failed]
+    assert s.block_manager.num_used_blocks == 3
+    s.mark_remote_kv_arrived(1, num_computed_tokens=5, first_token_id=EOS)
+    assert done.finish_reason is FinishReason.STOP and done.output_token_ids == [EOS]
+    s.mark_remote_kv_failed(2, recompute=False)
+    assert failed.finish_reason is FinishReason.ABORT
+    assert failed.finish_message == "KV transfer from the prefill pod failed"
+    with pytest.raises(KeyError, match="not waiting for remote KV"):
+        s.mark_remote_kv_arrived(2, num_computed_tokens=3)
+    assert s.take_finished() == [done, failed]
+    assert_no_leaks(s)
