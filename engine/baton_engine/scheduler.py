@@ -312,7 +312,8 @@ class Scheduler:
             short_rows = np.flatnonzero(needed_blocks > batch.num_blocks[:d])
             if not len(short_rows):
                 return
-            if not self.num_speculative_tokens and bm.num_free_blocks >= len(short_rows):
+            missing_blocks = needed_blocks[short_rows] - batch.num_blocks[short_rows]
+            if bm.num_free_blocks >= len(short_rows) and (missing_blocks == 1).all():
                 # Common case: each short row needs exactly one block and the pool has them.
                 new_blocks = bm.take_blocks(len(short_rows))
                 batch.block_table[short_rows, batch.num_blocks[short_rows]] = new_blocks
