@@ -277,6 +277,8 @@ class BlockManager:
         hasher = self.hasher
         block_keys = self.block_keys
         block_tokens = self.block_tokens
+        block_parent = self.block_parent
+        generation = self.block_generation
         events = self._events if self.record_events else None
         make_event = BlocksStored.fast
         # The default hasher, inlined (same bytes as `fast_prefix_hash`, minus two calls).
@@ -304,7 +306,11 @@ class BlockManager:
             index[key] = block_id
             block_keys[block_id] = key
             block_tokens[block_id] = block_token_ids
-            self.block_parent[block_id] = self._parent_link(seq, i)
+            if i:
+                parent_id = seq.block_table[i - 1]
+                block_parent[block_id] = (parent_id, generation[parent_id])
+            else:
+                block_parent[block_id] = _NO_PARENT
             if events is not None:
                 events.append(make_event((key,), parent, block_token_ids, bs))
 

@@ -55,6 +55,8 @@ class StepResult:
     """Sequences that gained tokens this step (the sampling rows, in row order)."""
     new_token_ids: list[list[int]]
     """Tokens appended to each of `seq_ids` (a speculative run is cut after a stop token)."""
+    logprobs: list[list[list[tuple[int, float]]]] | None = None
+    """The runner's logprobs, aligned with `new_token_ids` (cut the same way); None if none."""
     finished: list[Sequence] = field(default_factory=list)
     """Sequences finished since the previous `postprocess`: stopped here, or rejected or aborted
     in between."""
@@ -572,9 +574,25 @@ class Scheduler:
             step_id=out.step_id,
             seq_ids=out.seq_ids[:num_sample],
             new_token_ids=new_token_ids,
+            logprobs=self._align_logprobs(result, new_token_ids),
             finished=finished,
             timestamp=now,
         )
+
+    @staticmethod
+    def _align_logprobs(
+        result: ModelRunnerOutput, new_token_ids: list[list[int]]
+    ) -> list[list[list[tuple[int, float]]]] | None:
+        if result.logprobs is None:
+            return None
+        if len(result.logprobs) != len(new_token_ids):
+            raise ValueError(
+                f"runner returned logprobs for {len(result.logprobs)} rows, expected {len(new_token_ids)}"
+            )
+        return [
+            row if len(row) == len(tokens) else row[: len(tokens)]
+            for row, tokens in zip(result.logprobs, new_token_ids, strict=True)
+        ]
 
     def _apply_tokens(
         self, out: SchedulerOutput, result: ModelRunnerOutput, now: float

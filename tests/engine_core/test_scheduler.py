@@ -341,8 +341,11 @@ def test_speculative_drafts_stats_and_rollback() -> None:
     assert out.input_ids.tolist() == [truth[6], truth[7], truth[8], (truth[9] + 1) % vocab]
     assert out.logits_indices.tolist() == [0, 1, 2, 3]
     assert seq.block_table == [0, 1, 2]  # positions 6..9 need a third block
-    result = s.postprocess(out, model.run(out))
+    verified = model.run(out)
+    verified.logprobs = [[[(t, -0.5)] for t in verified.sampled_token_ids[0]]]
+    result = s.postprocess(out, verified)
     assert result.new_token_ids == [[truth[7], truth[8], truth[9]]]
+    assert result.logprobs == [[[(truth[7], -0.5)], [(truth[8], -0.5)], [(truth[9], -0.5)]]]
     assert seq.token_ids == truth[:10]
     assert seq.num_computed_tokens == 9
     assert s.spec_stats.num_draft_tokens == 3 and s.spec_stats.num_accepted_tokens == 2
@@ -415,4 +418,23 @@ def test_remote_first_token_eos_and_failure_without_recompute() -> None:
     with pytest.raises(KeyError, match="not waiting for remote KV"):
         s.mark_remote_kv_arrived(2, num_computed_tokens=3)
     assert s.take_finished() == [done, failed]
+    assert_no_leaks(s)
+
+
+def test_speculative_run_is_cut_after_a_stop_token() -> None:
+    s = make(num_speculative_tokens=2)
+    seq = Sequence(1, [1, 2, 3], SamplingParams(max_tokens=10))
+    s.add(seq)
+    step(s, 4)
+    seq.draft_token_ids = [5, EOS]
+    out = s.schedule()
+    assert out.input_ids.tolist() == [4, 5, EOS]
+    result = s.postprocess(
+        out,
+        ModelRunnerOutput(out.step_id, [[5, EOS, 7]], logprobs=[[[(5, -1.0)], [(EOS, -2.0)], [(7, -3.0)]]]),
+    )
+    assert result.new_token_ids == [[5, EOS]]
+    assert result.logprobs == [[[(5, -1.0)], [(EOS, -2.0)]]]
+    assert seq.finish_reason is FinishReason.STOP and seq.output_token_ids == [4, 5, EOS]
+    assert result.finished == [seq]
     assert_no_leaks(s)
