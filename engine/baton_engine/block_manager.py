@@ -294,6 +294,7 @@ class BlockManager:
                 continue
             parent = keys[i - 1] if i else None
             block_token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            key: BlockHash
             if inline_default and type(parent) is int:
                 key = from_bytes(blake2b(pack(parent, *block_token_ids), digest_size=8).digest(), "little")
             else:

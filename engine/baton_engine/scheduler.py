@@ -562,6 +562,8 @@ class Scheduler:
         num_decode = out.num_decode_rows
         b = out.num_rows
         s = len(out.sample_rows)
+        if len(result.sampled_token_ids) != s:
+            raise ValueError(f"speculative step needs sampled_token_ids for all {s} sampling rows")
         finishing: list[tuple[Sequence, FinishReason]] = []
         new_token_ids: list[list[int]] = []
         batch.num_computed[num_decode:b] += out.query_lens[num_decode:]
