@@ -202,23 +202,24 @@ class Scheduler:
 
     # -- admission --------------------------------------------------------------------------
     def rejection_reason(self, seq: Sequence) -> str | None:
-        """Why `seq` can never be scheduled with this configuration, or None."""
+        """Why `seq` can never be (re)computed with this configuration, or None."""
         n = seq.num_tokens
+        what = "prompt" if seq.num_output_tokens == 0 else "prompt + output"
         if n > self.max_model_len:
             return (
-                f"prompt has {n} tokens, more than max_model_len={self.max_model_len}; "
+                f"{what} has {n} tokens, more than max_model_len={self.max_model_len}; "
                 "shorten the prompt or raise --max-model-len"
             )
         if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
             return (
-                f"prompt has {n} tokens, more than max_num_batched_tokens="
+                f"{what} has {n} tokens, more than max_num_batched_tokens="
                 f"{self.max_num_batched_tokens} and chunked prefill is off; enable chunked prefill "
                 "or raise --max-num-batched-tokens"
             )
         needed = self.block_manager.blocks_needed(n)
         if needed > self.block_manager.num_blocks:
             return (
-                f"prompt needs {needed} KV blocks, more than the whole pool "
+                f"{what} needs {needed} KV blocks, more than the whole pool "
                 f"({self.block_manager.num_blocks} blocks of {self.block_size} tokens)"
             )
         return None
@@ -352,11 +353,16 @@ class Scheduler:
                 if not self._reserve_for_remote(seq):
                     skipped.append(seq)
                 continue
-            reason = self.rejection_reason(seq)
+            reason = None if seq.block_table else self.rejection_reason(seq)
             if reason is not None:
+                # Only a preempted sequence that grew past what can ever be recomputed gets here
+                # with output: it ends as if it hit a length limit.
                 self.waiting.popleft()
                 del self._unfinished[seq.seq_id]
-                self._mark_finished(seq, FinishReason.REJECTED, reason)
+                if seq.num_output_tokens:
+                    self._mark_finished(seq, FinishReason.LENGTH, f"cannot resume after preemption: {reason}")
+                else:
+                    self._mark_finished(seq, FinishReason.REJECTED, reason)
                 continue
             if seq.block_table:
                 # KV arrived from a producer: blocks are there, the rest is computed normally.

@@ -438,3 +438,21 @@ def test_speculative_run_is_cut_after_a_stop_token() -> None:
     assert seq.finish_reason is FinishReason.STOP and seq.output_token_ids == [4, 5, EOS]
     assert result.finished == [seq]
     assert_no_leaks(s)
+
+
+def test_preempted_sequence_that_outgrew_the_pool_ends_with_length() -> None:
+    s = make(num_blocks=3, max_num_batched_tokens=16)
+    seq = Sequence(1, [1, 2, 3, 4, 5, 6, 7, 8], params(max_tokens=20))
+    s.add(seq)
+    for token in (9, 10, 11, 12, 13):
+        step(s, token)  # 13 tokens, 12 computed: 3 blocks, the whole pool
+    out = s.schedule()  # position 12 needs a 4th block: it preempts itself
+    assert out.num_rows == 0 and seq.num_preemptions == 1
+    assert s.schedule().num_rows == 0
+    assert seq.finish_reason is FinishReason.LENGTH
+    assert seq.finish_message == (
+        "cannot resume after preemption: prompt + output needs 4 KV blocks, more than the whole pool "
+        "(3 blocks of 4 tokens)"
+    )
+    assert s.take_finished() == [seq]
+    assert_no_leaks(s)
