@@ -289,8 +289,8 @@ class BlockManager:
         for seq in seqs:
             i = seq.num_published_blocks
             keys = seq.block_hashes
-            if len(keys) != i:
-                self.publish(seq, (i + 1) * bs)
+            if len(keys) != i:  # keys already computed ahead (e.g. after a preemption)
+                self.publish(seq, seq.num_computed_tokens)
                 continue
             parent = keys[i - 1] if i else None
             block_token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
