@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from baton_engine.kv_cache_events import BlocksStored
+from baton_engine.kv_cache_events import AllBlocksCleared, BlocksRemoved, BlocksStored
 from baton_engine.sampling_params import SamplingParams
 from baton_engine.scheduler import Scheduler, StepResult
 from baton_engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -455,4 +455,31 @@ def test_preempted_sequence_that_outgrew_the_pool_ends_with_length() -> None:
         "(3 blocks of 4 tokens)"
     )
     assert s.take_finished() == [seq]
+    assert_no_leaks(s)
+
+
+def test_eviction_and_reset_events_through_the_scheduler() -> None:
+    s = make(num_blocks=4, max_num_batched_tokens=16)
+    a = Sequence(1, [1, 2, 3, 4, 5, 6, 7, 8, 9], params(max_tokens=1))
+    s.add(a)
+    step(s, 10)
+    k0 = key(None, [1, 2, 3, 4])
+    k1 = key(k0, [5, 6, 7, 8])
+    assert s.block_manager.take_events() == [BlocksStored((k0, k1), None, tuple(range(1, 9)), BS)]
+    assert s.block_manager.usage() == 0.0  # finished: its blocks are free (but cached)
+    assert s.block_manager.cached_free_blocks() == [1, 0]
+    b = Sequence(2, [20, 21, 22, 23, 24, 25, 26, 27, 28, 29], params(max_tokens=1))
+    s.add(b)
+    out = s.schedule()
+    assert b.block_table == [2, 3, 1]  # vacant blocks first, then the LRU cached block (a's tail)
+    assert s.block_manager.usage() == 0.75
+    s.postprocess(out, ModelRunnerOutput(out.step_id, [[30]]))
+    kb0 = key(None, [20, 21, 22, 23])
+    assert s.block_manager.take_events() == [
+        BlocksRemoved((k1,)),
+        BlocksStored((kb0, key(kb0, [24, 25, 26, 27])), None, tuple(range(20, 28)), BS),
+    ]
+    s.reset_prefix_cache()
+    assert s.block_manager.take_events() == [AllBlocksCleared()]
+    assert s.block_manager.cached_free_blocks() == []
     assert_no_leaks(s)
