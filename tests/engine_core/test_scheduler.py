@@ -483,3 +483,21 @@ def test_eviction_and_reset_events_through_the_scheduler() -> None:
     assert s.block_manager.take_events() == [AllBlocksCleared()]
     assert s.block_manager.cached_free_blocks() == []
     assert_no_leaks(s)
+
+
+def test_discarded_step_is_recomputed() -> None:
+    s = make()
+    seq = Sequence(1, [1, 2, 3, 4, 5], params(max_tokens=2))
+    s.add(seq)
+    out = s.schedule()
+    s.discard_step(out)  # e.g. the forward raised
+    again = s.schedule()
+    assert again.step_id == out.step_id + 1
+    assert again.input_ids.tolist() == out.input_ids.tolist()
+    assert again.slot_mapping.tolist() == out.slot_mapping.tolist()
+    with pytest.raises(RuntimeError, match="is not the step in flight"):
+        s.discard_step(out)
+    s.postprocess(again, ModelRunnerOutput(again.step_id, [[6]]))
+    step(s, 7)
+    assert seq.output_token_ids == [6, 7]
+    assert_no_leaks(s)
