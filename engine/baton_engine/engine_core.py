@@ -114,8 +114,7 @@ class EngineCore:
                 if logprobs is not None and req.seq.sampling_params.logprobs is not None:
                     req.new_logprobs.extend(logprobs[i][: len(tokens)])
             finished = step.finished
-        else:
-            sched.postprocess(out, ModelRunnerOutput(step_id=out.step_id, sampled_token_ids=[]))
+        else:  # an empty step is not in flight: nothing to run or postprocess
             finished = sched.take_finished()
         for seq in finished:
             req = self._requests.get(seq.seq_id)

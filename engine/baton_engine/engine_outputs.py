@@ -53,7 +53,9 @@ class RequestOutput:
             finished=raw[2],
             finish_reason=raw[3],
             finish_message=raw[4],
-            new_logprobs=None if logprobs is None else [[(int(t), float(p)) for t, p in tok] for tok in logprobs],
+            new_logprobs=None
+            if logprobs is None
+            else [[(int(t), float(p)) for t, p in tok] for tok in logprobs],
             num_prompt_tokens=raw[6],
             num_cached_tokens=raw[7],
             queue_time=raw[8],

@@ -73,7 +73,9 @@ class LLM:
                 request_id = f"offline-{self._next_id}"
                 self._next_id += 1
                 child = params if params.n == 1 else _child_params(params, j)
-                completion = CompletionOutput(j, "", [], None, logprobs=[] if params.logprobs is not None else None)
+                completion = CompletionOutput(
+                    j, "", [], None, logprobs=[] if params.logprobs is not None else None
+                )
                 result.outputs.append(completion)
                 text = TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
                 streams[request_id] = (completion, text, result)

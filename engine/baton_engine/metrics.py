@@ -42,7 +42,9 @@ class EngineMetrics:
         self.running = gauge(contract.M_REQUESTS_RUNNING, "Requests in the running batch.")
         self.kv_usage = gauge(contract.M_KV_USAGE, "Fraction of KV-cache blocks in use (0..1).")
         self.kv_blocks = gauge(contract.M_KV_BLOCKS_TOTAL, "KV-cache blocks in the pool.")
-        self.prefix_queries = counter(contract.M_PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache.")
+        self.prefix_queries = counter(
+            contract.M_PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache."
+        )
         self.prefix_hits = counter(contract.M_PREFIX_HITS, "Prompt tokens served from the prefix cache.")
         self.preemptions = counter(contract.M_PREEMPTIONS, "Requests preempted (recomputed later).")
         self.prompt_tokens = counter(contract.M_PROMPT_TOKENS, "Prompt tokens of admitted requests.")

@@ -135,7 +135,9 @@ def build_app(state: ServerState) -> FastAPI:
 
 def _request_id(request: Request, prefix: str) -> str:
     given = request.headers.get(REQUEST_ID_HEADER)
-    request_id = given if given and len(given) <= 256 and given.isprintable() else f"{prefix}-{uuid.uuid4().hex}"
+    request_id = (
+        given if given and len(given) <= 256 and given.isprintable() else f"{prefix}-{uuid.uuid4().hex}"
+    )
     request.state.request_id = request_id
     return request_id
 
@@ -252,7 +254,13 @@ def _start(
         raise errors.server_overloaded(RETRY_AFTER_SECONDS)
     assert state.tokenizer is not None or all(prompts)
     return Generation(
-        client, state.tokenizer, state.metrics, request_id, prompts, params, timeout=timeout  # type: ignore[arg-type]
+        client,
+        state.tokenizer,
+        state.metrics,
+        request_id,
+        prompts,
+        params,
+        timeout=timeout,  # type: ignore[arg-type]
     )
 
 
@@ -356,7 +364,12 @@ async def _chat_stream(
     n = len(gen.prompts) * gen.params.n
     yield chunk(
         [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
             for i in range(n)
         ]
     )
@@ -364,6 +377,8 @@ async def _chat_stream(
         async for batch in _guarded(gen):
             choices = []
             for d in batch:
+                if not d.text and d.finish_reason is None and not d.logprobs:
+                    continue  # tokens that do not yet form text (a partial UTF-8 character)
                 logprobs = None
                 if d.logprobs is not None and token_text is not None:
                     logprobs = chat_logprobs(d.logprobs, token_text)
@@ -371,7 +386,8 @@ async def _chat_stream(
                 choices.append(
                     {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
                 )
-            yield chunk(choices)
+            if choices:
+                yield chunk(choices)
     except APIError as exc:
         yield _error_event(exc)
     else:
@@ -380,7 +396,9 @@ async def _chat_stream(
     yield "data: [DONE]\n\n"
 
 
-async def _collect(state: ServerState, request: Request, gen: Generation, request_id: str, kind: str) -> Response:
+async def _collect(
+    state: ServerState, request: Request, gen: Generation, request_id: str, kind: str
+) -> Response:
     """A non-streaming answer; a client that goes away meanwhile aborts the request."""
     n = len(gen.prompts) * gen.params.n
     texts = [""] * n

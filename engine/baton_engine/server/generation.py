@@ -156,7 +156,9 @@ class Generation:
             if choice.first_token_at is None:
                 choice.first_token_at = now
             elif choice.last_token_at is not None:
-                choice.gaps.extend([(now - choice.last_token_at) / len(out.new_token_ids)] * len(out.new_token_ids))
+                choice.gaps.extend(
+                    [(now - choice.last_token_at) / len(out.new_token_ids)] * len(out.new_token_ids)
+                )
             choice.last_token_at = now
         choice.num_generated += len(out.new_token_ids)
         self.usage.completion_tokens += len(out.new_token_ids)

@@ -24,7 +24,9 @@ class TokenText:
         return text
 
 
-def completion_logprobs(entries: list[TokenLogprobs], token_text: TokenText, text_offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    entries: list[TokenLogprobs], token_text: TokenText, text_offset: int
+) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object for some generated tokens."""
     tokens: list[str] = []
     token_logprobs: list[float] = []

@@ -134,7 +134,11 @@ def parse(model: type[_Common], body: Any) -> Any:
             message = f"{param}: required field is missing"
         else:
             got = first.get("input")
-            shown = json.dumps(got)[:80] if isinstance(got, int | float | str | bool | None) else type(got).__name__
+            shown = (
+                json.dumps(got)[:80]
+                if isinstance(got, int | float | str | bool | None)
+                else type(got).__name__
+            )
             message = f"{param}: {first['msg']} (got {shown})"
         raise APIError(400, message, param=param or None, code="invalid_value") from exc
     _check_common(request)

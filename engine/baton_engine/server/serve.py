@@ -96,7 +96,9 @@ async def _serve(config: EngineConfig, grace_seconds: float, log_level: str) -> 
             server.force_exit = True
             server.should_exit = True
             return
-        log.info("signal %d: draining (%d requests in flight, grace %g s)", signum, state.in_flight, grace_seconds)
+        log.info(
+            "signal %d: draining (%d requests in flight, grace %g s)", signum, state.in_flight, grace_seconds
+        )
         state.draining = True
         tasks.append(asyncio.create_task(_drain(state, server, grace_seconds)))
 
