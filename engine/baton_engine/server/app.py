@@ -86,7 +86,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def debug_stats() -> JSONResponse:
         """A fresh engine-core snapshot (queues, KV blocks in use, counters)."""
         client = _require_ready(state)
-        return JSONResponse(await client.call("stats"))
+        stats = await client.call("stats")
+        return JSONResponse({**stats, "core_pid": client.info["pid"], "in_flight": state.in_flight})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
