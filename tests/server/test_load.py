@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import httpx
 import pytest
 
-from tests.server.conftest import TINY_SERVER_ARGS
 from tests.server.server_process import ServerProcess, wait_for
 
 MODEL = "tiny-chat"
@@ -66,7 +64,13 @@ def test_disconnected_streams_free_their_blocks(tiny_server: ServerProcess) -> N
     async def main() -> None:
         async with httpx.AsyncClient(base_url=tiny_server.url, timeout=60.0) as client:
             for _ in range(4):
-                body = {"model": MODEL, "prompt": "hello hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+                body = {
+                    "model": MODEL,
+                    "prompt": "hello hello",
+                    "max_tokens": 200,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
                 async with client.stream("POST", "/v1/completions", json=body) as response:
                     assert response.status_code == 200
                     lines = response.aiter_lines()
@@ -104,16 +108,8 @@ def test_deadline_aborts_with_408(tiny_server: ServerProcess) -> None:
     assert tiny_server.wait_idle()["num_used_kv_blocks"] == 0
 
 
-@pytest.fixture()
-def queue_limited_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[ServerProcess]:
-    args = [*TINY_SERVER_ARGS, "--max-num-seqs", "1", "--max-queued-requests", "1"]
-    server = ServerProcess(str(tiny_model_dir), *args, log_path=tmp_path / "server.log")
-    yield server
-    server.stop()
-
-
-def test_over_the_queue_limit_gets_429(queue_limited_server: ServerProcess) -> None:
-    server = queue_limited_server
+def test_over_the_queue_limit_gets_429(start_tiny_server: Callable[..., ServerProcess]) -> None:
+    server = start_tiny_server("--max-num-seqs", "1", "--max-queued-requests", "1")
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 250, "ignore_eos": True, "stream": True}
 
     async def main() -> tuple[int, dict[str, object], str | None]:
@@ -125,7 +121,10 @@ def test_over_the_queue_limit_gets_429(queue_limited_server: ServerProcess) -> N
                 async with client.stream("POST", "/v1/completions", json=body) as queued:
                     assert queued.status_code == 200
                     await asyncio.to_thread(
-                        wait_for, lambda: server.stats()["num_waiting"] == 1, 30, "the second request to queue"
+                        wait_for,
+                        lambda: server.stats()["num_waiting"] == 1,
+                        30,
+                        "the second request to queue",
                     )
                     over = await client.post("/v1/completions", json={**body, "stream": False})
                     return over.status_code, over.json(), over.headers.get("retry-after")

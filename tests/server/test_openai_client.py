@@ -68,7 +68,9 @@ def test_stop_string_cuts_before_it(client: openai.OpenAI) -> None:
     full = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0)
     assert "." in full.choices[0].text
     expected = full.choices[0].text.split(".")[0]
-    stopped = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, stop=["."])
+    stopped = client.completions.create(
+        model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, stop=["."]
+    )
     assert stopped.choices[0].text == expected
     assert stopped.choices[0].finish_reason == "stop"
     streamed = client.completions.create(
@@ -86,7 +88,9 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
     assert len(logprobs.tokens) == 6
     assert "".join(logprobs.tokens) == out.choices[0].text
     assert logprobs.text_offset is not None and logprobs.text_offset[0] == 0
-    for token, lp, top in zip(logprobs.tokens, logprobs.token_logprobs or [], logprobs.top_logprobs, strict=True):
+    for token, lp, top in zip(
+        logprobs.tokens, logprobs.token_logprobs or [], logprobs.top_logprobs, strict=True
+    ):
         assert len(top) == 3
         assert lp <= 0.0
         # greedy: the sampled token is the most likely one
@@ -164,5 +168,7 @@ def test_request_id_is_returned(server: ServerProcess) -> None:
     assert response.headers["x-request-id"] == "my-request-42"
     assert response.json()["id"] == "my-request-42"
     assert "request my-request-42" in server.log_text()
-    generated = server.http.post("/v1/completions", json={"model": "smollm2", "prompt": PROMPT, "max_tokens": 1})
+    generated = server.http.post(
+        "/v1/completions", json={"model": "smollm2", "prompt": PROMPT, "max_tokens": 1}
+    )
     assert generated.headers["x-request-id"].startswith("cmpl-")
