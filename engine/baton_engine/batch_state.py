@@ -136,8 +136,25 @@ class BatchState:
         self._swap(row, self.num_decode)
         self.num_decode += 1
 
+    def _close_gap(self, row: int) -> None:
+        """Remove row `row` by shifting the rows after it up by one (keeps their order)."""
+        last = len(self.seqs) - 1
+        if row < last:
+            for column in self._columns:
+                column[row:last] = column[row + 1 : last + 1]
+        del self.seqs[row]
+        del self.seq_ids[row]
+        del self.token_lists[row]
+        for i in range(row, last):
+            self.seqs[i]._row = i
+
     def release_row(self, seq: Sequence) -> None:
-        """Remove `seq`'s row (copying its counters back to it), keeping both regions dense."""
+        """Remove `seq`'s row (copying its counters back to it), keeping both regions dense.
+
+        A decode row is refilled with the last decode row (decode order is irrelevant); the
+        prefill rows keep their admission order (chunked prefill serves them first come, first
+        served).
+        """
         row = seq._row
         if seq._batch is not self or self.seqs[row] is not seq:
             raise ValueError(f"sequence {seq.seq_id} has no row in this batch")
@@ -146,16 +163,10 @@ class BatchState:
         seq._num_computed_tokens = int(self.num_computed[row])
         stamp = float(self.last_token_time[row])
         seq._last_token_time = None if stamp < 0 else stamp
-        last = len(self.seqs) - 1
         if row < self.num_decode:
             last_decode = self.num_decode - 1
             if row != last_decode:
                 self._move(last_decode, row)
-            if last != last_decode:
-                self._move(last, last_decode)
             self.num_decode -= 1
-        elif row != last:
-            self._move(last, row)
-        self.seqs.pop()
-        self.seq_ids.pop()
-        self.token_lists.pop()
+            row = last_decode
+        self._close_gap(row)

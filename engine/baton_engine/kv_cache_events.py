@@ -22,6 +22,25 @@ class BlocksStored:
     """The tokens of all blocks in `block_hashes`, concatenated (``len == block_size * n``)."""
     block_size: int
 
+    @classmethod
+    def fast(
+        cls,
+        block_hashes: tuple[BlockHash, ...],
+        parent_block_hash: BlockHash | None,
+        token_ids: tuple[int, ...],
+        block_size: int,
+    ) -> BlocksStored:
+        """Same as the constructor, about twice as fast (the decode path records one event per
+        block boundary crossed; the generated frozen `__init__` is the slow part)."""
+        event = object.__new__(cls)
+        event.__dict__.update(
+            block_hashes=block_hashes,
+            parent_block_hash=parent_block_hash,
+            token_ids=token_ids,
+            block_size=block_size,
+        )
+        return event
+
 
 @dataclass(frozen=True)
 class BlocksRemoved:

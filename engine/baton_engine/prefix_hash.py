@@ -39,6 +39,11 @@ def _packer(num_tokens: int, with_parent: bool) -> struct.Struct:
     return packer
 
 
+def parent_and_tokens_packer(num_tokens: int) -> struct.Struct:
+    """The packer `fast_prefix_hash` uses for an int parent and `num_tokens` tokens."""
+    return _packer(num_tokens, True)
+
+
 def fast_prefix_hash(parent_hash: BlockHash | None, token_ids: tuple[int, ...], /) -> int:
     """Unsigned 64-bit BLAKE2b of ``parent (u64 LE, absent for block 0) || tokens (int64 LE)``.
 

@@ -62,7 +62,9 @@ def test_allocate_publish_and_hit() -> None:
     bm.publish(a, 10)  # the forward computed all 10 tokens
     k0, k1 = chain(tokens)
     assert bm.take_events() == [
-        BlocksStored(block_hashes=(k0, k1), parent_block_hash=None, token_ids=tuple(range(1, 9)), block_size=BS)
+        BlocksStored(
+            block_hashes=(k0, k1), parent_block_hash=None, token_ids=tuple(range(1, 9)), block_size=BS
+        )
     ]
     assert bm.lookup(k0) == 0 and bm.lookup(k1) == 1
     assert a.block_hashes == [k0, k1]
@@ -178,6 +180,7 @@ def test_append_slots_and_truncate() -> None:
     a = admit(bm, 0, [1, 2, 3])
     assert a.block_table == [0]
     assert bm.append_slots(a, 4) == []
+    assert bm.can_append(a, 32) and not bm.can_append(a, 33)
     assert bm.append_slots(a, 9) == [1, 2]
     assert bm.truncate(a, 1) == [1, 2]
     assert a.block_table == [0]
@@ -196,3 +199,21 @@ def test_prefix_caching_off() -> None:
     assert bm.can_allocate(Sequence(1, [1, 2, 3, 4, 5])) == 0
     bm.free(a)
     assert bm.cached_free_blocks() == []
+
+
+def test_hit_requires_the_same_physical_parent() -> None:
+    def ignores_parent(parent: object, tokens: tuple[int, ...]) -> int:
+        return hash(tokens)  # a (bad) hasher without the chain
+
+    bm = BlockManager(12, BS, hasher=ignores_parent)
+    x = admit(bm, 0, [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    bm.publish(x, 9)
+    y = admit(bm, 1, [9, 9, 9, 9, 5, 6, 7, 8, 0])
+    bm.publish(y, 9)
+    assert x.block_table == [0, 1, 2] and y.block_table == [3, 4, 5]
+    assert bm.lookup(hash((5, 6, 7, 8))) == 1  # y's second block stayed private
+    # Block 1 has the right tokens and key but was computed after [1, 2, 3, 4], not [9, 9, 9, 9].
+    w = Sequence(2, [9, 9, 9, 9, 5, 6, 7, 8, 1])
+    assert bm.can_allocate(w) == 1
+    z = Sequence(3, [1, 2, 3, 4, 5, 6, 7, 8, 1])
+    assert bm.can_allocate(z) == 2

@@ -11,7 +11,7 @@ import pytest
 
 from baton_engine.kv_cache_events import BlocksStored
 from baton_engine.sampling_params import SamplingParams
-from baton_engine.scheduler import Scheduler
+from baton_engine.scheduler import Scheduler, StepResult
 from baton_engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton_engine.sequence import FinishReason, Sequence, SequenceStatus
 from tests.engine_core.helpers import assert_no_leaks, drive
@@ -37,13 +37,18 @@ def key(parent: int | None, tokens: list[int]) -> int:
 
 def make(**overrides: object) -> Scheduler:
     settings: dict[str, object] = dict(
-        num_blocks=16, block_size=BS, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64, eos_token_id=EOS
+        num_blocks=16,
+        block_size=BS,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        max_model_len=64,
+        eos_token_id=EOS,
     )
     settings.update(overrides)
     return Scheduler(**settings)  # type: ignore[arg-type]
 
 
-def step(s: Scheduler, *tokens: int) -> tuple[SchedulerOutput, object]:
+def step(s: Scheduler, *tokens: int) -> tuple[SchedulerOutput, StepResult]:
     out = s.schedule()
     result = s.postprocess(out, ModelRunnerOutput(out.step_id, [[t] for t in tokens]))
     return out, result
@@ -82,8 +87,10 @@ def test_mixed_batch_layout_and_publication() -> None:
     assert out.sample_rows.tolist() == [0] and out.logits_indices.tolist() == [0]
     assert (out.num_decode_tokens, out.num_prefill_tokens) == (1, 7)
     assert out.sampling.output_positions.tolist()[0] == 1
-    assert result.seq_ids == [1] and result.new_token_ids == [[8]]  # type: ignore[attr-defined]
-    assert s.block_manager.take_events() == [BlocksStored((key(None, [20, 21, 22, 23]),), None, (20, 21, 22, 23), BS)]
+    assert result.seq_ids == [1] and result.new_token_ids == [[8]]
+    assert s.block_manager.take_events() == [
+        BlocksStored((key(None, [20, 21, 22, 23]),), None, (20, 21, 22, 23), BS)
+    ]
 
     out, _ = step(s, 9, 40)
     assert out.query_lens.tolist() == [1, 3]
@@ -126,6 +133,9 @@ def test_prefix_hit_skips_cached_blocks_and_counts_stats() -> None:
     s.postprocess(out, ModelRunnerOutput(out.step_id, [[50]]))
     assert s.prefix_cache_stats.queried_tokens == 20 and s.prefix_cache_stats.hit_tokens == 8
     assert s.prefix_cache_stats.hit_rate == pytest.approx(0.4)
+    stats = s.stats()
+    assert stats["prefix_cache_queries"] == 20 and stats["prefix_cache_hits"] == 8
+    assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0.0
     assert_no_leaks(s)
 
 
@@ -138,7 +148,11 @@ def test_prefix_hit_skips_cached_blocks_and_counts_stats() -> None:
             9,
             "prompt has 9 tokens, more than max_num_batched_tokens=8 and chunked prefill is off",
         ),
-        ({"num_blocks": 2}, 9, r"prompt needs 3 KV blocks, more than the whole pool \(2 blocks of 4 tokens\)"),
+        (
+            {"num_blocks": 2},
+            9,
+            r"prompt needs 3 KV blocks, more than the whole pool \(2 blocks of 4 tokens\)",
+        ),
     ],
 )
 def test_requests_that_can_never_fit_are_rejected(
@@ -153,7 +167,7 @@ def test_requests_that_can_never_fit_are_rejected(
     assert bad.finish_message is not None
     assert re.search(message, bad.finish_message)
     _, result = step(s, 9)
-    assert result.finished == [bad, good]  # type: ignore[attr-defined]
+    assert result.finished == [bad, good]
     assert_no_leaks(s)
 
 
@@ -257,7 +271,7 @@ def test_producer_keeps_blocks_until_release_or_lease_expiry() -> None:
     s.add(a)
     s.add(b)
     _, result = step(s, 7, 8)
-    assert result.finished == [a, b]  # type: ignore[attr-defined]
+    assert result.finished == [a, b]
     assert s.held_blocks("t-a") == [0, 1, 2] and s.held_blocks("t-b") == [3, 4]
     assert s.block_manager.num_used_blocks == 5
     assert s.release("t-b") is True and s.release("t-b") is False
@@ -327,8 +341,11 @@ def test_speculative_drafts_stats_and_rollback() -> None:
     assert out.input_ids.tolist() == [truth[6], truth[7], truth[8], (truth[9] + 1) % vocab]
     assert out.logits_indices.tolist() == [0, 1, 2, 3]
     assert seq.block_table == [0, 1, 2]  # positions 6..9 need a third block
-    result = s.postprocess(out, model.run(out))
+    verified = model.run(out)
+    verified.logprobs = [[[(t, -0.5)] for t in verified.sampled_token_ids[0]]]
+    result = s.postprocess(out, verified)
     assert result.new_token_ids == [[truth[7], truth[8], truth[9]]]
+    assert result.logprobs == [[[(truth[7], -0.5)], [(truth[8], -0.5)], [(truth[9], -0.5)]]]
     assert seq.token_ids == truth[:10]
     assert seq.num_computed_tokens == 9
     assert s.spec_stats.num_draft_tokens == 3 and s.spec_stats.num_accepted_tokens == 2
@@ -380,4 +397,62 @@ def test_configuration_errors() -> None:
         s.postprocess(out, ModelRunnerOutput(99, [[1]]))
     s.postprocess(out, ModelRunnerOutput(out.step_id, [[1]], sampled_token_array=np.array([1])))
     s.abort(1)
+    assert_no_leaks(s)
+
+
+def test_remote_first_token_eos_and_failure_without_recompute() -> None:
+    s = make()
+    done = Sequence(1, [1, 2, 3, 4, 5], SamplingParams(max_tokens=5))
+    failed = Sequence(2, [6, 7, 8], SamplingParams(max_tokens=5))
+    for seq in (done, failed):
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+        s.add(seq)
+    assert s.schedule().num_rows == 0
+    assert s.take_remote_kv_reservations() == [done, failed]
+    assert s.block_manager.num_used_blocks == 3
+    s.mark_remote_kv_arrived(1, num_computed_tokens=5, first_token_id=EOS)
+    assert done.finish_reason is FinishReason.STOP and done.output_token_ids == [EOS]
+    s.mark_remote_kv_failed(2, recompute=False)
+    assert failed.finish_reason is FinishReason.ABORT
+    assert failed.finish_message == "KV transfer from the prefill pod failed"
+    with pytest.raises(KeyError, match="not waiting for remote KV"):
+        s.mark_remote_kv_arrived(2, num_computed_tokens=3)
+    assert s.take_finished() == [done, failed]
+    assert_no_leaks(s)
+
+
+def test_speculative_run_is_cut_after_a_stop_token() -> None:
+    s = make(num_speculative_tokens=2)
+    seq = Sequence(1, [1, 2, 3], SamplingParams(max_tokens=10))
+    s.add(seq)
+    step(s, 4)
+    seq.draft_token_ids = [5, EOS]
+    out = s.schedule()
+    assert out.input_ids.tolist() == [4, 5, EOS]
+    result = s.postprocess(
+        out,
+        ModelRunnerOutput(out.step_id, [[5, EOS, 7]], logprobs=[[[(5, -1.0)], [(EOS, -2.0)], [(7, -3.0)]]]),
+    )
+    assert result.new_token_ids == [[5, EOS]]
+    assert result.logprobs == [[[(5, -1.0)], [(EOS, -2.0)]]]
+    assert seq.finish_reason is FinishReason.STOP and seq.output_token_ids == [4, 5, EOS]
+    assert result.finished == [seq]
+    assert_no_leaks(s)
+
+
+def test_preempted_sequence_that_outgrew_the_pool_ends_with_length() -> None:
+    s = make(num_blocks=3, max_num_batched_tokens=16)
+    seq = Sequence(1, [1, 2, 3, 4, 5, 6, 7, 8], params(max_tokens=20))
+    s.add(seq)
+    for token in (9, 10, 11, 12, 13):
+        step(s, token)  # 13 tokens, 12 computed: 3 blocks, the whole pool
+    out = s.schedule()  # position 12 needs a 4th block: it preempts itself
+    assert out.num_rows == 0 and seq.num_preemptions == 1
+    assert s.schedule().num_rows == 0
+    assert seq.finish_reason is FinishReason.LENGTH
+    assert seq.finish_message == (
+        "cannot resume after preemption: prompt + output needs 4 KV blocks, more than the whole pool "
+        "(3 blocks of 4 tokens)"
+    )
+    assert s.take_finished() == [seq]
     assert_no_leaks(s)
