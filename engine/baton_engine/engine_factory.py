@@ -75,7 +75,12 @@ def build_engine_core(
         eos_token_ids=eos_ids,
         vocab_size=model_config.vocab_size,
     )
-    return EngineCore(scheduler, runner, kv_event_sink=kv_event_sink), info
+    connector = None
+    if config.kv_role != "none":
+        from baton_engine.kv_transfer.engine_connector import KVTransferConnector
+
+        connector = KVTransferConnector(config, runner.kv_cache, scheduler, model_name=info.name)
+    return EngineCore(scheduler, runner, kv_event_sink=kv_event_sink, kv_connector=connector), info
 
 
 def _prefix_hasher(config: EngineConfig):  # type: ignore[no-untyped-def]

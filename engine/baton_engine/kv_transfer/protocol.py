@@ -50,6 +50,8 @@ class FailureReason(enum.StrEnum):
     PRODUCER_GONE = "producer_gone"  # connection lost during the transfer
     TIMEOUT = "timeout"  # no reply within the receive timeout
     PROTOCOL = "protocol"  # a reply this side did not expect
+    CANCELLED = "cancelled"  # the request was aborted (client gone) during its pull
+    PROMPT_MISMATCH = "prompt_mismatch"  # the params describe another prompt than the request's
 
 
 class KVTransferError(Exception):
