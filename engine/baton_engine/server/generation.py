@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from baton_engine.engine_outputs import RequestOutput, TokenLogprobs
 from baton_engine.metrics import EngineMetrics
@@ -78,8 +79,12 @@ class Generation:
         params: SamplingParams,
         *,
         timeout: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.client = client
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_transfer_params_out: dict[str, Any] | None = None
+        """P/D producer leg: the signed params the engine returned with the final output."""
         self.metrics = metrics
         self.request_id = request_id
         self.prompts = prompts
@@ -112,7 +117,12 @@ class Generation:
             for engine_id, choice in self._choices.items():
                 prompt = self.prompts[choice.index // self.params.n]
                 self.client.add(
-                    engine_id, prompt, self._child_params(choice.index), self._queue, time.monotonic()
+                    engine_id,
+                    prompt,
+                    self._child_params(choice.index),
+                    self._queue,
+                    time.monotonic(),
+                    kv_transfer_params=self.kv_transfer_params,
                 )
             remaining = len(self._choices)
             while remaining:
@@ -152,6 +162,8 @@ class Generation:
         if out.queue_time is not None:
             choice.queue_time = out.queue_time
         choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params_out = out.kv_transfer_params
         if out.new_token_ids:
             if choice.first_token_at is None:
                 choice.first_token_at = now
