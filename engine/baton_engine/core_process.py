@@ -105,6 +105,29 @@ def serve_core(core: EngineCore, pull: zmq.Socket[bytes], push: zmq.Socket[bytes
             core.poll_kv_transfer()  # free ended producer leases while idle
 
 
+def _start_kv_event_publisher(config: EngineConfig, model_name: str) -> Any:
+    """The KV-event publisher (PUB + replay ROUTER) when ``--kv-events`` is on, else None.
+
+    Binds the pod's own address (`contract.ENV_POD_IP`, else ``--host``): on the local control
+    plane several pods share one machine on different loopback addresses and the same ports.
+    """
+    if not config.kv_events:
+        return None
+    from baton_engine import contract
+    from baton_engine.kv_events_publisher import KVEventPublisher  # type: ignore[import-not-found]
+
+    address = os.environ.get(contract.ENV_POD_IP) or config.host
+    publisher = KVEventPublisher(
+        f"tcp://{address}:{config.kv_events_port}",
+        contract.kv_events_topic(address, model_name),
+        replay_endpoint=f"tcp://{address}:{config.kv_events_replay_port}",
+        buffer_steps=config.kv_events_buffer_steps,
+        sndhwm=config.kv_events_hwm,
+    )
+    log.info("publishing KV events on %s (replay %s)", publisher.endpoint, publisher.replay_endpoint)
+    return publisher
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Baton engine core (started by the server).")
     parser.add_argument("--config-json", required=True)
@@ -128,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
 
         config = EngineConfig.model_validate_json(args.config_json)
         core, info = build_engine_core(config)
+        publisher = _start_kv_event_publisher(config, info.name)
+        if publisher is not None:
+            core.kv_event_sink = publisher.publish
     except Exception as exc:  # report any loading failure to the server, then exit
         log.exception("engine core failed to start")
         push.send(ipc.encode(ipc.FAILED, f"{type(exc).__name__}: {exc}"))
@@ -152,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve_core(core, pull, push, args.parent_pid)
     finally:
+        if publisher is not None:
+            publisher.shutdown()
         push.close()
         pull.close()
         ctx.term()

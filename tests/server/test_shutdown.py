@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 from collections.abc import Callable
 
@@ -59,7 +60,9 @@ def test_sigterm_during_load_finishes_in_flight_and_exits_0(
                 await asyncio.wait_for(started.get(), 120)  # every stream is under way
             server.proc.send_signal(signal.SIGTERM)
             ready = await client.get("/ready")
-            while ready.status_code == 200:  # the handler runs on the server's loop; poll until it has
+            deadline = asyncio.get_running_loop().time() + 10
+            while ready.status_code == 200:  # the signal is handled on the server's loop; poll for it
+                assert asyncio.get_running_loop().time() < deadline, "/ready stayed 200 after SIGTERM"
                 ready = await client.get("/ready")
             refused = await client.post(
                 "/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 2}
@@ -90,3 +93,29 @@ def test_idle_sigterm_exits_0_without_children(start_tiny_server: Callable[..., 
     core_pid = server.stats()["core_pid"]
     assert server.stop(signal.SIGTERM) == 0
     assert not pid_alive(core_pid)
+
+
+def test_engine_core_crash_fails_open_requests_cleanly(
+    start_tiny_server: Callable[..., ServerProcess],
+) -> None:
+    server = start_tiny_server()
+    core_pid = server.stats()["core_pid"]
+
+    async def main() -> tuple[int, str]:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 240, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(base_url=server.url, timeout=60.0) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.aiter_lines()
+                while not (await anext(lines)).startswith("data: {"):
+                    pass
+                os.kill(core_pid, signal.SIGKILL)
+                rest = [line async for line in lines if line.startswith("data: ")]
+                return response.status_code, "\n".join(rest)
+
+    status, rest = asyncio.run(main())
+    assert status == 200
+    assert '"code": "engine_dead"' in rest and rest.endswith("data: [DONE]")
+    health = server.http.get("/health")
+    assert health.status_code == 503
+    assert server.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 503
+    assert server.stop(signal.SIGTERM) == 0
