@@ -303,3 +303,34 @@ M_ROUTER_FALLBACKS: Final = "baton_router_fallbacks_total"
 M_ROUTER_PREFIX_HIT_TOKENS: Final = "baton_router_prefix_hit_tokens_total"
 #: Endpoints currently known by role (label "role").
 M_ROUTER_ENDPOINTS: Final = "baton_router_endpoints"
+
+
+# =========================================================================== router CLI
+# Added by the operator (issue 7): the flags the operator renders into router pods
+# (`baton-router ...`). The router implements them; discovery watches Pods matching each
+# selector (Ready condition, status.podIP, the named container ports above).
+
+FLAG_ROUTER_DISCOVERY: Final = "--discovery"  # "kubernetes" | "static"
+DISCOVERY_KUBERNETES: Final = "kubernetes"
+DISCOVERY_STATIC: Final = "static"
+FLAG_ROUTER_NAMESPACE: Final = "--namespace"  # namespace whose Pods are watched
+FLAG_ROUTER_PREFILL_SELECTOR: Final = "--prefill-selector"  # "k=v,k=v" label selector
+FLAG_ROUTER_DECODE_SELECTOR: Final = "--decode-selector"
+FLAG_ROUTER_ENGINE_SELECTOR: Final = "--engine-selector"  # aggregated mode: one pool doing both
+FLAG_ROUTER_MODEL: Final = "--model"  # served model name (what clients send)
+FLAG_ROUTER_TOKENIZER: Final = "--tokenizer"  # model reference or local path holding the tokenizer
+FLAG_ROUTER_HOST: Final = "--host"
+FLAG_ROUTER_PORT: Final = "--port"
+FLAG_ROUTER_BLOCK_SIZE: Final = "--block-size"  # must equal the engines' block size
+FLAG_ROUTER_PREFIX_HASH: Final = "--prefix-hash"  # must equal the engines' prefix hash
+FLAG_ROUTER_KV_EVENTS: Final = "--kv-events"  # BooleanOptionalAction: subscribe to pods' KV events
+
+
+def selector_arg(labels: dict[str, str]) -> str:
+    """A label selector as a flag value: ``k=v,k=v`` in sorted key order."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def negated(flag: str) -> str:
+    """The off form of a BooleanOptionalAction flag: ``--kv-events`` -> ``--no-kv-events``."""
+    return "--no-" + flag.removeprefix("--")
