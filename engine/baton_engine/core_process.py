@@ -101,8 +101,8 @@ def serve_core(core: EngineCore, pull: zmq.Socket[bytes], push: zmq.Socket[bytes
         elif state.was_busy:
             state.was_busy = False
             push.send(ipc.encode(ipc.OUTPUTS, [[], core.stats().to_dict()]))
-        else:
-            core.poll_kv_transfer()  # free ended producer leases while idle
+        elif core.poll_kv_transfer():  # idle: free ended producer leases, report transfers
+            push.send(ipc.encode(ipc.OUTPUTS, [[], core.stats().to_dict()]))
 
 
 def _start_kv_event_publisher(config: EngineConfig, model_name: str) -> Any:

@@ -58,6 +58,7 @@ class EngineCore:
         self.runner = runner
         self.kv_event_sink = kv_event_sink
         self.kv_connector = kv_connector
+        self._kv_stats_version = 0
         self._requests: dict[int, _Request] = {}
         self._ids: dict[str, int] = {}
         self._next_seq_id = 0
@@ -105,10 +106,16 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self._requests) or self.scheduler.has_unfinished()
 
-    def poll_kv_transfer(self) -> None:
-        """Free the blocks of ended producer leases while idle (`step` does it when busy)."""
-        if self.kv_connector is not None:
-            self.kv_connector.before_step()
+    def poll_kv_transfer(self) -> bool:
+        """Free the blocks of ended producer leases while idle (`step` does it when busy).
+        True if transfer stats changed since the last poll (worth a stats push)."""
+        if self.kv_connector is None:
+            return False
+        self.kv_connector.before_step()
+        version = self.kv_connector.stats.version
+        changed = version != self._kv_stats_version
+        self._kv_stats_version = version
+        return changed
 
     @property
     def num_requests(self) -> int:
@@ -209,6 +216,7 @@ class EngineCore:
             spec_draft_tokens=spec.num_draft_tokens,
             spec_accepted_tokens=spec.num_accepted_tokens,
             num_steps=self._num_steps,
+            kv_transfer=None if self.kv_connector is None else self.kv_connector.stats.totals().to_dict(),
         )
 
 

@@ -32,6 +32,8 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     num_steps: int = 0
+    kv_transfer: dict[str, Any] | None = None
+    """Cumulative KV-transfer totals (`kv_transfer.metrics.TransferTotals`), when P/D is on."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -63,9 +63,14 @@ class EngineMetrics:
         self.queue_time = histogram(contract.M_QUEUE_TIME, "Time a request waited before its first step.")
         self.model_name = model_name
         self._last = EngineStats()
+        from baton_engine.kv_transfer.metrics import KVTransferCollector
+
+        self.kv_transfer = KVTransferCollector(model_name, r)
 
     def update(self, stats: EngineStats) -> None:
         m = self.model_name
+        if stats.kv_transfer is not None:
+            self.kv_transfer.update(stats.kv_transfer)
         self.waiting.labels(m).set(stats.num_waiting)
         self.running.labels(m).set(stats.num_running)
         self.kv_usage.labels(m).set(stats.kv_usage)

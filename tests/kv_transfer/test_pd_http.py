@@ -113,6 +113,27 @@ def test_pd_matches_single_engine(servers: Servers) -> None:
             assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
     servers.producer.wait_idle()
     servers.consumer.wait_idle()
+    received = _metric(servers.consumer, contract.M_KV_TRANSFER_BYTES, direction="received")
+    assert received > 0
+    wait_for(
+        lambda: _metric(servers.producer, contract.M_KV_TRANSFER_BYTES, direction="sent") == received,
+        10,
+        "the producer's sent bytes to match the consumer's received bytes",
+    )
+    assert _metric(servers.consumer, contract.M_KV_TRANSFER_SECONDS + "_count", role="consumer") == len(
+        prompts
+    )
+
+
+def _metric(server: ServerProcess, name: str, **labels: str) -> float:
+    """One sample from the server's /metrics (after its stats caught up with the core)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(server.http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    raise AssertionError(f"{name}{labels} not in {server.url}/metrics")
 
 
 def test_forged_or_unsigned_params_get_400_and_no_connection(servers: Servers) -> None:
@@ -146,7 +167,11 @@ def test_unpulled_lease_is_freed_at_expiry(servers: Servers) -> None:
     )
     assert response.status_code == 200
     assert servers.producer.stats()["num_used_kv_blocks"] > 0
+    before = _metric(servers.producer, contract.M_KV_LEASES_EXPIRED)
     servers.producer.wait_idle(timeout=LEASE_SECONDS + 10)
+    wait_for(
+        lambda: _metric(servers.producer, contract.M_KV_LEASES_EXPIRED) == before + 1, 10, "expiry metric"
+    )
 
 
 def test_producer_killed_between_the_legs_recomputes(servers: Servers) -> None:
