@@ -119,14 +119,22 @@ class OperatorProcess:
 
 @contextmanager
 def operator_process(
-    kubeconfig: Path, workdir: Path, *extra: str, python: Path | None = None
+    kubeconfig: Path,
+    workdir: Path,
+    *extra: str,
+    python: Path | None = None,
+    module: str = "baton_operator.cli",
+    env_extra: dict[str, str] | None = None,
+    namespace: str | None = None,
 ) -> Iterator[OperatorProcess]:
     metrics_port, health_port = free_port(), free_port()
     log = workdir / f"operator-{metrics_port}.log"
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": OPERATOR_NS}
+    env_extra = {"PYTHONPATH": str(REPO), **(env_extra or {})}
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": OPERATOR_NS, **(env_extra or {})}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     args = [
-        str(python or sys.executable), "-m", "baton_operator.cli", "run", "--all-namespaces",
+        str(python or sys.executable), "-m", module, "run",
+        f"--namespace={namespace}" if namespace else "--all-namespaces",
         "--bind=127.0.0.1", f"--metrics-port={metrics_port}", f"--health-port={health_port}", *extra,
     ]  # fmt: skip
     with open(log, "wb") as out:

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from tests.operator_tests.apiserver import binary_dir
+from tests.operator_tests.apiserver import ApiServer, binary_dir
+from tests.operator_tests.kube_helpers import Rest
 from tests.operator_tests.operator_process import CHART, helm_template
 
 
@@ -117,3 +118,25 @@ def test_crds_are_kept_on_uninstall() -> None:
     names = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
     assert names == ["inferencedeployments.baton.dev.yaml", "kopf-peerings.yaml"]
     assert not list((CHART / "templates").glob("*crd*"))
+
+
+@pytest.mark.k8s
+def test_helm_install_and_uninstall_keeps_the_crds(helm: Path, apiserver: ApiServer) -> None:
+    kubeconfig = apiserver.kubeconfig()
+    base = [str(helm), "--kubeconfig", str(kubeconfig), "-n", "baton-helm"]
+    install = subprocess.run(
+        [*base, "install", "baton", str(CHART), "--create-namespace", "--set", "replicaCount=1"],
+        capture_output=True,
+        text=True,
+    )
+    assert install.returncode == 0, install.stderr
+    assert "Baton's operator is installed in namespace baton-helm" in install.stdout  # NOTES.txt
+    rest = Rest(apiserver)
+    assert rest.get("/apis/apps/v1/namespaces/baton-helm/deployments/baton-operator")["spec"]["replicas"] == 1
+    assert rest.call("GET", "/apis/rbac.authorization.k8s.io/v1/clusterroles/baton-operator")[0] == 200
+    uninstall = subprocess.run([*base, "uninstall", "baton", "--wait"], capture_output=True, text=True)
+    assert uninstall.returncode == 0, uninstall.stderr
+    assert rest.call("GET", "/apis/rbac.authorization.k8s.io/v1/clusterroles/baton-operator")[0] == 404
+    crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    for name in ("inferencedeployments.baton.dev", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"):
+        assert rest.call("GET", f"{crds}/{name}")[0] == 200, name

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from baton_operator import crd
+import pytest
+
+from baton_operator import cli, crd
 from tests.operator_tests.conftest import REPO
 
 
@@ -54,3 +57,19 @@ def test_names_columns_and_subresources() -> None:
     memory = spec["properties"]["prefill"]["properties"]["resources"]["properties"]["memory"]
     assert memory["x-kubernetes-int-or-string"] is True
     assert "x-kubernetes-preserve-unknown-fields" in spec["properties"]["prefill"]["properties"]["affinity"]
+
+
+def test_cli_writes_both_copies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["crd", "--root", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.split() == [str(tmp_path / rel) for rel in crd.OUTPUT_PATHS]
+    for rel in crd.OUTPUT_PATHS:
+        assert (tmp_path / rel).read_text() == crd.render()
+    assert cli.main(["crd", "--stdout"]) == 0
+    assert capsys.readouterr().out == crd.render()
+
+
+def test_cli_run_refuses_both_scopes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["run", "--namespace", "a", "--all-namespaces"])
+    assert exit_info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err

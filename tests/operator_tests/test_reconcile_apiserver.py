@@ -314,3 +314,24 @@ async def test_rotated_credentials_are_reloaded_after_a_401(
         assert (await reconcile(client, body, CFG)).applied == 13
     finally:
         await client.close()
+
+
+async def test_reconcile_keeps_the_autoscalers_status(
+    kube: Any, akube: Kube, rest: Rest, namespace: str
+) -> None:
+    body = create_infd(kube, namespace, "demo", merged(VALID_SPEC, {"autoscaling": {"mode": "builtin"}}))
+    decision = {
+        "lastDecision": {"prefill": 2, "decode": 3},
+        "reason": "decode KV usage 0.91 > 0.70",
+        "metrics": {"decode.kv_usage": 0.91},
+        "time": "2026-01-01T00:00:00Z",
+    }
+    path = f"/apis/baton.dev/v1alpha1/namespaces/{namespace}/inferencedeployments/demo/status"
+    patch = {"status": {"autoscaling": decision}}
+    status, answer = rest.call("PATCH", path, patch, "application/merge-patch+json")
+    assert status == 200, answer
+    await reconcile(akube, get_infd(kube, namespace, "demo"), CFG)
+    stored = get_infd(kube, namespace, "demo")["status"]
+    assert stored["autoscaling"] == decision  # the schema accepted it and the operator left it alone
+    assert stored["observedGeneration"] == 1
+    assert body["metadata"]["generation"] == 1
