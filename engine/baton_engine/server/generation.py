@@ -21,7 +21,6 @@ from baton_engine.sampling_params import SamplingParams
 from baton_engine.server.engine_client import EngineClient, EngineDeadError
 from baton_engine.tokenizer import Tokenizer
 
-
 _engine_ids = itertools.count()
 
 
