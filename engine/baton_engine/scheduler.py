@@ -459,6 +459,9 @@ class Scheduler:
             finishing, new_token_ids = self._apply_speculative(out, result, now)
         else:
             finishing, new_token_ids = self._apply_tokens(out, result, now)
+            if self.num_speculative_tokens:
+                for seq in batch.seqs[:num_decode]:
+                    seq.draft_token_ids = []  # drafts are for one position only
 
         bm = self.block_manager
         if bm.enable_prefix_caching:
@@ -509,6 +512,16 @@ class Scheduler:
             row if len(row) == len(tokens) else row[: len(tokens)]
             for row, tokens in zip(result.logprobs, new_token_ids, strict=True)
         ]
+
+    def discard_step(self, out: SchedulerOutput) -> None:
+        """Forget step `out` without applying it (the forward failed): nothing it computed counts,
+        so the next step recomputes the same tokens. Aborts requested meanwhile are applied."""
+        if self._in_flight is not out:
+            raise RuntimeError(f"step {out.step_id} is not the step in flight")
+        self._in_flight = None
+        for seq_id in self._pending_aborts:
+            self.abort(seq_id)
+        self._pending_aborts.clear()
 
     def _apply_tokens(
         self, out: SchedulerOutput, result: ModelRunnerOutput, now: float
