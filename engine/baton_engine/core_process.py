@@ -23,6 +23,7 @@ import zmq
 from baton_engine import ipc
 from baton_engine.config import EngineConfig
 from baton_engine.engine_core import EngineCore
+from baton_engine.engine_outputs import RequestOutput
 from baton_engine.sampling_params import SamplingParams
 
 log = logging.getLogger("baton_engine.core")
@@ -36,6 +37,7 @@ class _LoopState:
     shutdown: bool = False
     was_busy: bool = False
     utility_results: list[list[Any]] = field(default_factory=list)
+    rejected: list[RequestOutput] = field(default_factory=list)
 
 
 def _handle(core: EngineCore, kind: str, payload: Any, state: _LoopState) -> None:
@@ -52,6 +54,11 @@ def _handle(core: EngineCore, kind: str, payload: Any, state: _LoopState) -> Non
             )
         except ValueError as exc:  # the server validates first; this is a last line of defence
             log.error("rejected request %s: %s", request_id, exc)
+            state.rejected.append(
+                RequestOutput(
+                    request_id, [], finished=True, finish_reason="rejected", finish_message=str(exc)
+                )
+            )
     elif kind == ipc.ABORT:
         request_ids, message = payload
         core.abort_requests(request_ids, message)
@@ -93,6 +100,11 @@ def serve_core(core: EngineCore, pull: zmq.Socket[bytes], push: zmq.Socket[bytes
         for result in state.utility_results:
             push.send(ipc.encode(ipc.UTILITY_RESULT, result))
         state.utility_results.clear()
+        if state.rejected:
+            push.send(
+                ipc.encode(ipc.OUTPUTS, [[o.to_wire() for o in state.rejected], core.stats().to_dict()])
+            )
+            state.rejected.clear()
         if core.has_unfinished():
             outputs = core.step()
             state.was_busy = True

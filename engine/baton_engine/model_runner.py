@@ -45,6 +45,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.loaded = loaded if loaded is not None else load_model(config.model, self.device, self.dtype)
         self.model = self.loaded.model
+        weight = self.model.model.embed_tokens.weight
+        if weight.dtype != self.dtype or weight.device.type != self.device.type:
+            raise ValueError(
+                f"the preloaded model is {weight.dtype} on {weight.device}, but the engine is configured "
+                f"for {self.dtype} on {self.device}"
+            )
         self.model_config = self.loaded.config
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks or default_num_blocks(

@@ -151,3 +151,14 @@ def test_blocks_moved_to_another_runner_continue_the_same_sequence(tiny_llama: t
     assert driver.stats.prefix_hit_tokens == ((len(prompt) - 1) // 4) * 4
     assert continued.outputs == expected
     assert continued.outputs[0] == first.outputs[0]
+
+
+def test_a_preloaded_model_must_match_the_configured_dtype(tiny_llama: tuple[Path, Any]) -> None:
+    directory, _ = tiny_llama
+    loaded = _runner(directory).loaded
+    with pytest.raises(
+        ValueError, match="preloaded model is torch.float64 on cpu, but the engine is configured"
+    ):
+        ModelRunner(EngineConfig(model=str(directory), dtype="float32", num_kv_blocks=4), loaded=loaded)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        ModelRunner(EngineConfig(model=str(directory), dtype="float64", num_kv_blocks=4), loaded, "flash")

@@ -88,8 +88,17 @@ def test_core_exits_when_the_server_is_killed(start_tiny_server: Callable[..., S
     wait_for(lambda: not pid_alive(core_pid), 15, "the orphaned engine core to exit")
 
 
-def test_idle_sigterm_exits_0_without_children(start_tiny_server: Callable[..., ServerProcess]) -> None:
-    server = start_tiny_server()
+def test_not_ready_while_loading_then_idle_sigterm_exits_0(
+    start_tiny_server: Callable[..., ServerProcess],
+) -> None:
+    server = start_tiny_server(wait_ready=False)
+    wait_for(lambda: server.answers("/health") == 200, 120, "/health to answer")
+    # the engine core is a fresh interpreter importing torch: it cannot be ready this soon
+    ready = server.http.get("/ready")
+    assert (ready.status_code, ready.json()) == (503, {"ready": False, "reason": "loading"})
+    refused = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert (refused.status_code, refused.json()["error"]["code"]) == (503, "loading")
+    server.wait_ready()
     core_pid = server.stats()["core_pid"]
     assert server.stop(signal.SIGTERM) == 0
     assert not pid_alive(core_pid)
