@@ -83,6 +83,11 @@ def test_make_demo_then_demo_down(demo_home: Path) -> None:
     assert isinstance(result["answer"], str) and result["answer"].strip()
     assert f"A: {result['answer'].strip()}" in up.stdout
 
+    curl = up.stdout[up.stdout.index("curl -s ") :].split("\n  logs:")[0]
+    asked = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=300)
+    assert asked.returncode == 0, asked.stderr
+    assert json.loads(asked.stdout)["choices"][0]["message"]["content"].strip()
+
     state = ClusterState.load(cluster)
     kubectl = subprocess.run(
         [str(state.bin_dir / "kubectl"), "get", "infd", "-n", result["namespace"], "--no-headers"],
