@@ -15,6 +15,7 @@ import pytest
 from baton_dev.cluster import leftover_pod_processes
 from baton_dev.processes import ProcessRecord, is_alive, start_ticks
 from baton_dev.state import ClusterState
+from tests.demo.readme import block_after
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.model]
 
@@ -89,15 +90,21 @@ def test_make_demo_then_demo_down(demo_home: Path) -> None:
     assert json.loads(asked.stdout)["choices"][0]["message"]["content"].strip()
 
     state = ClusterState.load(cluster)
-    kubectl = subprocess.run(
-        [str(state.bin_dir / "kubectl"), "get", "infd", "-n", result["namespace"], "--no-headers"],
-        env=dict(os.environ, KUBECONFIG=str(state.admin_kubeconfig)),
+    # The README's "talk to the running demo" lines, verbatim, minus the final `make demo-down`.
+    talk = block_after("## Quick start", 1)
+    assert talk[-1] == "make demo-down"
+    shell = subprocess.run(
+        ["bash", "-c", " && ".join(talk[:-1])],
+        cwd=REPO,
+        env=dict(os.environ, BATON_DEV_HOME=str(demo_home)),
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert kubectl.returncode == 0, kubectl.stderr
-    name, model, mode, prefill, decode, ready, _age = kubectl.stdout.split()
+    assert shell.returncode == 0, shell.stderr
+    header, row = shell.stdout.strip().splitlines()
+    assert header.split() == ["NAME", "MODEL", "MODE", "PREFILL", "DECODE", "READY", "AGE"]
+    name, model, mode, prefill, decode, ready, _age = row.split()
     assert (name, model, mode, prefill, decode, ready) == (
         "smollm2-pd", "smollm2", "disaggregated", "1/1", "1/1", "True",
     )  # fmt: skip
