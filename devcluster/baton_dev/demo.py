@@ -226,8 +226,13 @@ def up(ci: bool) -> DemoResult:
         progress.say(_indent(tools.kubectl("get", "infd", "-n", NAMESPACE)))
     with progress.step("the autoscaler's status (status.autoscaling)"):
         infd = tools.get_json("infd", name, "-n", NAMESPACE)
+        mode = (infd["spec"].get("autoscaling") or {}).get("mode", "off")
         autoscaling = infd.get("status", {}).get("autoscaling")
-        progress.say(_indent(yaml.safe_dump(autoscaling or {"(none reported)": True}, sort_keys=True)))
+        progress.say(f"      spec.autoscaling.mode: {mode}")
+        if autoscaling:
+            progress.say(_indent(yaml.safe_dump({"status.autoscaling": autoscaling}, sort_keys=True)))
+        else:
+            progress.say("      status.autoscaling: none reported")
 
     result = DemoResult(
         kubeconfig=str(state.admin_kubeconfig),
