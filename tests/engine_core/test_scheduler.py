@@ -501,3 +501,22 @@ def test_discarded_step_is_recomputed() -> None:
     step(s, 7)
     assert seq.output_token_ids == [6, 7]
     assert_no_leaks(s)
+
+
+def test_from_engine_config() -> None:
+    from baton_engine.config import EngineConfig
+
+    config = EngineConfig(
+        block_size=8,
+        max_num_seqs=3,
+        max_num_batched_tokens=24,
+        max_model_len=40,
+        enable_prefix_caching=False,
+        kv_lease_seconds=5.0,
+        kv_events=True,
+    )
+    s = Scheduler.from_config(config, num_blocks=10, eos_token_id=2)
+    assert (s.block_size, s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len) == (8, 3, 24, 40)
+    assert not s.block_manager.enable_prefix_caching and s.block_manager.record_events
+    assert s.kv_lease_seconds == 5.0 and s.eos_token_id == 2
+    assert s.batch.block_table.shape == (3, 6)

@@ -15,7 +15,7 @@ from torch import nn
 from baton_engine.model.attention_backend import AttentionBackend
 from baton_engine.model.attention_batch import AttentionBatch
 from baton_engine.model.config import ModelConfig
-from baton_engine.model.layers import GatedMLP, RMSNorm
+from baton_engine.model.layers import Embedding, GatedMLP, Linear, RMSNorm
 from baton_engine.model.rope import RotaryTable, apply_rotary
 from baton_engine.model.weights import fuse_checkpoint_weights
 
@@ -30,8 +30,8 @@ class SelfAttention(nn.Module):
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -91,7 +91,7 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -103,9 +103,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderStack(config)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryTable(config, dtype, device)
 
     def forward(
@@ -133,17 +133,15 @@ def build_model(
 ) -> CausalLM:
     """A `CausalLM` holding `weights` (Hugging Face names), cast to `dtype` on `device`.
 
-    Parameters are created on the meta device and replaced by the loaded tensors, so no memory
-    is spent on an initialisation that would be overwritten.
+    The skeleton's parameters are uninitialised (untouched) CPU memory, replaced by the loaded
+    tensors, so the device never holds two copies of the weights.
     """
     weights = fuse_checkpoint_weights(weights, config)
-    with torch.device("meta"):
-        model = CausalLM(config, dtype, "meta")
+    model = CausalLM(config, dtype, device)
     expected = set(model.state_dict().keys())
     missing = sorted(expected - weights.keys())
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weights the model needs, e.g. {missing[:3]}")
     state = {name: weights[name].to(device=device, dtype=dtype) for name in expected}
     model.load_state_dict(state, assign=True, strict=True)
-    model.rotary = RotaryTable(config, dtype, device)
     return model.eval().requires_grad_(False)
