@@ -292,7 +292,7 @@ def _start(
         request_id,
         prompts,
         params,
-        timeout=timeout,  # type: ignore[arg-type]
+        timeout=timeout,
         kv_transfer_params=kv_transfer_params,
     )
 
