@@ -304,6 +304,7 @@ M_ROUTER_PREFIX_HIT_TOKENS: Final = "baton_router_prefix_hit_tokens_total"
 #: Endpoints currently known by role (label "role").
 M_ROUTER_ENDPOINTS: Final = "baton_router_endpoints"
 
+
 # =========================================================================== router CLI
 # Added by the operator (issue 7): the flags the operator renders into router pods
 # (`baton-router ...`). The router implements them; discovery watches Pods matching each

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from baton_engine.kv_events_wire import to_event_hash
+from baton_engine.prefix_hash import fast_prefix_hash
 from baton_engine.prefix_hash_vllm import PREFIX_HASH_VLLM, VllmSha256CborHasher
 
 BlockHash = int | bytes
@@ -18,8 +19,9 @@ BlockHash = int | bytes
 ChainHash = Callable[[BlockHash | None, tuple[int, ...]], BlockHash]
 
 PREFIX_HASH_NONE = "none"
-#: --prefix-hash choices the router can compute today ("fast" joins when the engine's hash lands).
-PREFIX_HASHES: tuple[str, ...] = (PREFIX_HASH_NONE, PREFIX_HASH_VLLM)
+PREFIX_HASH_FAST = "fast"  # the engines' default (EngineConfig.prefix_hash)
+#: --prefix-hash choices the router can compute.
+PREFIX_HASHES: tuple[str, ...] = (PREFIX_HASH_NONE, PREFIX_HASH_FAST, PREFIX_HASH_VLLM)
 
 
 class ChainedBlockHasher:
@@ -45,6 +47,8 @@ def block_hasher(prefix_hash: str, block_size: int) -> ChainedBlockHasher | None
     """The hasher for an engine ``--prefix-hash`` value; None for "none" (routing by load only)."""
     if prefix_hash == PREFIX_HASH_NONE:
         return None
+    if prefix_hash == PREFIX_HASH_FAST:
+        return ChainedBlockHasher(fast_prefix_hash, block_size)
     if prefix_hash == PREFIX_HASH_VLLM:
         return ChainedBlockHasher(VllmSha256CborHasher.from_environment(), block_size)
     raise ValueError(f"prefix hash: {prefix_hash!r} is not one of {', '.join(PREFIX_HASHES)}")

@@ -23,6 +23,7 @@ from baton_engine.router.settings import MODES, RouterSettings
 
 if TYPE_CHECKING:
     from baton_engine.router.app import DiscoveryTask
+    from baton_engine.router.request_tokens import EngineRequestTokenizer
 
 ENV_API_KEY = "BATON_ROUTER_API_KEY"
 
@@ -59,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="subscribe to the prefill pods' KV events for prefix routing (needs --prefix-hash)",
     )
     p.add_argument(
+        contract.FLAG_ROUTER_TOKENIZER,
+        default=None,
+        metavar="REF",
+        help="tokenizer for prefix routing of text prompts: a local model directory with tokenizer.json "
+        "(other references are not loadable without torch: text prompts are then routed by load)",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help=f"require 'Authorization: Bearer <key>' from clients (default: ${ENV_API_KEY} if set)",
@@ -83,13 +91,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     k8s = p.add_argument_group("kubernetes discovery (watches Pods; in-cluster config or KUBECONFIG)")
     k8s.add_argument(
+        contract.FLAG_ROUTER_DISCOVERY,
+        choices=(contract.DISCOVERY_KUBERNETES, contract.DISCOVERY_STATIC),
+        default=None,
+        help="where pods come from (default: kubernetes when selectors or --k8s-deployment are given)",
+    )
+    k8s.add_argument(
         "--k8s-deployment",
         default=None,
         metavar="NAME",
         help="InferenceDeployment whose pods to route to (selects pods by the contract's labels)",
     )
     k8s.add_argument(
-        "--k8s-namespace", default=None, help="namespace of the pods (default: the router's own)"
+        "--k8s-namespace",
+        contract.FLAG_ROUTER_NAMESPACE,
+        dest="k8s_namespace",
+        default=None,
+        help="namespace of the pods (default: the router's own)",
     )
     k8s.add_argument("--prefill-selector", default=None, help="label selector of prefill pods (overrides)")
     k8s.add_argument("--decode-selector", default=None, help="label selector of decode pods (overrides)")
@@ -123,6 +141,10 @@ def _discovery(
     }
     use_static = any(by_role.values())
     use_k8s = args.k8s_deployment is not None or any(overrides.values())
+    if args.discovery == contract.DISCOVERY_KUBERNETES and not use_k8s:
+        p.error("--discovery kubernetes needs --k8s-deployment or --<role>-selector")
+    if args.discovery == contract.DISCOVERY_STATIC and use_k8s:
+        p.error("--discovery static takes --prefill/--decode/--engine URLs, not selectors")
     if use_static and use_k8s:
         p.error(
             "choose static URLs (--prefill/--decode/--engine) or Kubernetes discovery (--k8s-*), not both"
@@ -156,6 +178,25 @@ def _discovery(
         else:
             p.error(f"no selector for {role} pods: give --k8s-deployment or --{role}-selector")
     return [KubernetesDiscovery(args.k8s_namespace or default_namespace(), selectors)]
+
+
+def _request_tokenizer(reference: str | None) -> EngineRequestTokenizer | None:
+    """The tokenizer of a local model directory; None (routing text prompts by load) otherwise."""
+    if reference is None:
+        return None
+    from pathlib import Path
+
+    from baton_engine.router.request_tokens import EngineRequestTokenizer
+    from baton_engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained_dir(Path(reference)) if Path(reference).is_dir() else None
+    if tokenizer is None:
+        logging.getLogger(__name__).warning(
+            "tokenizer %r: not a local directory with tokenizer.json; text prompts are routed by load",
+            reference,
+        )
+        return None
+    return EngineRequestTokenizer(tokenizer)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -195,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     hasher = block_hasher(args.prefix_hash, args.block_size)
     kv_index = KVEventIndex() if hasher is not None and args.kv_events and args.routing == "prefix" else None
-    scorer = PrefixScorer(hasher=hasher, index=kv_index)
+    scorer = PrefixScorer(tokenizer=_request_tokenizer(args.tokenizer), hasher=hasher, index=kv_index)
     app = create_app(settings, registry, discovery=discovery, scorer=scorer, kv_index=kv_index)
     uvicorn.run(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, timeout_keep_alive=75

@@ -145,7 +145,9 @@ class KubernetesDiscovery:
     async def __call__(self, registry: EndpointRegistry) -> None:
         from kubernetes_asyncio import client, config  # imported lazily: static mode never needs it
 
-        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        # An explicit $KUBECONFIG wins over the in-cluster service account (as for kubectl); the
+        # local control plane's process nodes hand pods their token that way.
+        if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
             config.load_incluster_config()  # type: ignore[no-untyped-call]
         else:
             await config.load_kube_config()
