@@ -26,7 +26,9 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
-def _paged_cache(seq_lens: list[int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+def _paged_cache(
+    seq_lens: list[int], gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """A shuffled block layout holding random K/V; returns cache, block table, per-row slot lists."""
     max_blocks = max(-(-n // BLOCK_SIZE) for n in seq_lens)
     num_blocks = sum(-(-n // BLOCK_SIZE) for n in seq_lens) + 3
@@ -42,7 +44,9 @@ def _paged_cache(seq_lens: list[int], gen: torch.Generator) -> tuple[torch.Tenso
     return cache, table, slots
 
 
-def _reference(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, q_positions: torch.Tensor) -> torch.Tensor:
+def _reference(
+    q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, q_positions: torch.Tensor
+) -> torch.Tensor:
     """q: [n_q, H, D] at absolute positions q_positions, keys = slots (positions 0..len-1)."""
     keys = cache[0].reshape(-1, KV_HEADS, HEAD_DIM)[slots].transpose(0, 1)
     values = cache[1].reshape(-1, KV_HEADS, HEAD_DIM)[slots].transpose(0, 1)
@@ -128,7 +132,9 @@ def test_rotary_cache_write_matches_reference() -> None:
     cache = torch.full((2, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM), 123.0)
     q, k, v = qkv.clone().split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
     q_ref = apply_rotary(q.view(tokens, HEADS, HEAD_DIM), cos[positions][:, None], sin[positions][:, None])
-    k_ref = apply_rotary(k.reshape(tokens, KV_HEADS, HEAD_DIM), cos[positions][:, None], sin[positions][:, None])
+    k_ref = apply_rotary(
+        k.reshape(tokens, KV_HEADS, HEAD_DIM), cos[positions][:, None], sin[positions][:, None]
+    )
     rotary_cache_write(qkv, positions, cos, sin, slots, cache, HEADS, KV_HEADS, HEAD_DIM)
     assert _rel_err(qkv[:, : HEADS * HEAD_DIM].view(tokens, HEADS, HEAD_DIM), q_ref) < 1e-6
     flat_k = cache[0].view(-1, KV_HEADS, HEAD_DIM)

@@ -25,6 +25,7 @@ def _decode_split_kernel(
     lse_ptr,  # [B, H, S] fp32
     v_offset,  # elements between the K and the V half of the cache
     stride_bt,
+    stride_qt,
     scale_log2,
     NUM_SPLITS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -51,7 +52,7 @@ def _decode_split_kernel(
     d_mask = d < HEAD_DIM
     heads = kvh * GROUP + g
     q = tl.load(
-        q_ptr + (row * H + heads)[:, None] * HEAD_DIM + d[None, :],
+        q_ptr + row * stride_qt + heads[:, None] * HEAD_DIM + d[None, :],
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
@@ -125,7 +126,9 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_len: int, block_n: int = 32, target: int = 264) -> int:
+def decode_num_splits(
+    batch: int, num_kv_heads: int, max_len: int, block_n: int = 32, target: int = 264
+) -> int:
     """Splits of the sequence axis so that a small batch still fills the GPU (fixed per graph size)."""
     programs = batch * num_kv_heads
     splits = max(1, -(-target // programs))
@@ -135,7 +138,9 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_len: int, block_n: int 
 class DecodeWorkspace:
     """Scratch for split-K partial results, allocated once per (batch, splits) so graphs can reuse it."""
 
-    def __init__(self, batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device) -> None:
+    def __init__(
+        self, batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
+    ) -> None:
         self.num_splits = num_splits
         shape = (batch, num_heads, max(num_splits, 1))
         self.partial = torch.empty((*shape, head_dim), dtype=torch.float32, device=device)
@@ -158,7 +163,8 @@ def paged_decode_attention(
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = layer_cache.shape
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q) if out is None else out
+    assert q.stride(2) == 1 and q.stride(1) == head_dim, "q heads must be packed (row stride may differ)"
+    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device) if out is None else out
     splits = workspace.num_splits
     head_pad = triton.next_power_of_2(head_dim)
     block_n = 32
@@ -171,6 +177,7 @@ def paged_decode_attention(
         workspace.lse,
         layer_cache.stride(0),
         block_tables.stride(0),
+        q.stride(0),
         scale * _LOG2E,
         NUM_SPLITS=splits,
         BLOCK_SIZE=block_size,
@@ -209,6 +216,7 @@ def _prefill_kernel(
     out_ptr,  # [T, H, D]
     v_offset,
     stride_bt,
+    stride_qt,
     scale_log2,
     BLOCK_SIZE: tl.constexpr,
     KVH: tl.constexpr,
@@ -235,7 +243,7 @@ def _prefill_kernel(
     d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = d < HEAD_DIM
     q = tl.load(
-        q_ptr + ((q_begin + m) * H + head)[:, None] * HEAD_DIM + d[None, :],
+        q_ptr + (q_begin + m)[:, None] * stride_qt + head * HEAD_DIM + d[None, :],
         mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
@@ -275,7 +283,9 @@ def _prefill_kernel(
 PREFILL_BLOCK_M = 64
 
 
-def prefill_tiles(query_lens: list[int] | tuple[int, ...], block_m: int = PREFILL_BLOCK_M) -> tuple[list[int], list[int]]:
+def prefill_tiles(
+    query_lens: list[int] | tuple[int, ...], block_m: int = PREFILL_BLOCK_M
+) -> tuple[list[int], list[int]]:
     """(row, query offset) of every BLOCK_M tile of every row — planned on the host once per step."""
     rows: list[int] = []
     starts: list[int] = []
@@ -303,7 +313,8 @@ def paged_prefill_attention(
     """
     tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = layer_cache.shape
-    out = torch.empty_like(q) if out is None else out
+    assert q.stride(2) == 1 and q.stride(1) == head_dim, "q heads must be packed (row stride may differ)"
+    out = torch.empty((tokens, num_heads, head_dim), dtype=q.dtype, device=q.device) if out is None else out
     num_tiles = tile_rows.shape[0]
     if num_tiles == 0:
         return out
@@ -320,6 +331,7 @@ def paged_prefill_attention(
         out,
         layer_cache.stride(0),
         block_tables.stride(0),
+        q.stride(0),
         scale * _LOG2E,
         BLOCK_SIZE=block_size,
         KVH=num_kv_heads,

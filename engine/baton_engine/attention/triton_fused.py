@@ -41,11 +41,15 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * N + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """RMSNorm of [T, N] rows."""
     out = torch.empty_like(x) if out is None else out
     n = x.shape[-1]
-    _rms_norm_kernel[(x.shape[0],)](x, x, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=False)
+    _rms_norm_kernel[(x.shape[0],)](
+        x, x, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=False
+    )
     return out
 
 
