@@ -183,7 +183,9 @@ class GpuModelRunner(ModelRunner):
         query_lens = np.asarray(step.query_lens)
         decode_only = step.num_decode_rows == rows and tokens == rows
         graph = self._graph_for(rows) if decode_only else None
-        tables = np.asarray(step.block_tables, dtype=np.int32)
+        # The scheduler's table view may be wider than max_model_len needs; the extra columns
+        # are never read (seq_lens bounds every row).
+        tables = np.asarray(step.block_tables, dtype=np.int32)[:, : self.max_blocks]
         width = tables.shape[1]
         if graph is not None:
             batch = graph.batch
