@@ -37,7 +37,10 @@ def _batch(prompt_lens: list[int], context: list[int], tables: np.ndarray) -> At
     )
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "family",
+    ["llama", pytest.param("qwen2", marks=pytest.mark.slow), pytest.param("qwen3", marks=pytest.mark.slow)],
+)
 def test_prefill_then_decode_matches_reference(family: str, tmp_path: Path) -> None:
     make_tiny_model(family, tmp_path / family)
     loaded = load_model(str(tmp_path / family), "cpu", torch.float32)
@@ -70,7 +73,9 @@ def test_prefill_then_decode_matches_reference(family: str, tmp_path: Path) -> N
                     torch.tensor(tile_starts, dtype=torch.int32),
                 )
             else:
-                meta = DecodeMeta(bt, seq_lens, DecodeWorkspace(2, config.num_heads, config.head_dim, 2, bt.device))
+                meta = DecodeMeta(
+                    bt, seq_lens, DecodeWorkspace(2, config.num_heads, config.head_dim, 2, bt.device)
+                )
             out = fused.forward(ids, batch.positions, batch.slot_mapping, fast_cache, meta)
         err = float((out - ref).norm() / ref.norm())
         assert err < 1e-5, (step, err)

@@ -108,9 +108,8 @@ def test_fused_add_rms_norm_matches_reference() -> None:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 48, generator=gen)
     residual = torch.randn(5, 48, generator=gen)
-    norm = RMSNorm(48, 1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(48, generator=gen))
+    norm = RMSNorm(48, 1e-5).requires_grad_(False)
+    norm.weight.copy_(torch.randn(48, generator=gen))
     expected_sum = residual + x
     expected = norm(expected_sum)
     res = residual.clone()
