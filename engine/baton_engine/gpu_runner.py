@@ -24,7 +24,7 @@ from baton_engine.config import EngineConfig
 from baton_engine.fused_decoder import DecodeMeta, FusedDecoder, PrefillMeta
 from baton_engine.loader import LoadedModel
 from baton_engine.model_runner import ModelRunner
-from baton_engine.scheduler_output import SchedulerOutput
+from baton_engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,12 @@ def _put(
     host.numpy()[: len(values)] = values
     device[:n].copy_(host[:n], non_blocking=True)
     return device[:n]
+
+
+def _put_into(host: torch.Tensor, values: np.ndarray, device: torch.Tensor) -> None:
+    n = len(values)
+    host.numpy()[:n] = values
+    device[:n].copy_(host[:n], non_blocking=True)
 
 
 @dataclass
@@ -157,6 +163,22 @@ class GpuModelRunner(ModelRunner):
         return None
 
     # -- the step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """Greedy steps without drafts or logprobs take the argmax on the device and read only
+        the token ids (the same tokens as the sampler's greedy path); all others go through it."""
+        plain_greedy = (
+            step.num_tokens > 0
+            and len(step.sample_rows) > 0
+            and step.sampling.all_greedy
+            and not np.any(np.asarray(step.num_draft_tokens) > 0)
+            and not np.any(np.asarray(step.sampling.num_logprobs) >= 0)
+        )
+        if not plain_greedy:
+            return super().execute(step)
+        tokens = self.compute_logits(step).argmax(dim=-1).tolist()
+        return ModelRunnerOutput(step_id=step.step_id, sampled_token_ids=[[int(t)] for t in tokens])
+
     @contextlib.contextmanager
     def _sync_guard(self) -> Iterator[None]:
         if not self.sync_debug:
@@ -190,19 +212,16 @@ class GpuModelRunner(ModelRunner):
         if graph is not None:
             batch = graph.batch
             pad = batch - rows
-            ids = _put(st.input_ids, np.concatenate([step.input_ids, np.zeros(pad, np.int64)]))
-            pos = _put(st.positions, np.concatenate([step.positions, np.zeros(pad, np.int64)]))
-            slots = _put(st.slots, np.concatenate([step.slot_mapping, np.full(pad, -1, np.int64)]))
-            lens = _put(
-                st.seq_lens, np.concatenate([np.asarray(step.seq_lens, np.int32), np.zeros(pad, np.int32)])
+            # Straight from the pinned buffers into the graph's static inputs.
+            _put_into(st.input_ids[0], np.concatenate([step.input_ids, np.zeros(pad, np.int64)]), self._g_ids)
+            _put_into(st.positions[0], np.concatenate([step.positions, np.zeros(pad, np.int64)]), self._g_pos)
+            _put_into(
+                st.slots[0], np.concatenate([step.slot_mapping, np.full(pad, -1, np.int64)]), self._g_slots
             )
-            self._g_ids[:batch].copy_(ids)
-            self._g_pos[:batch].copy_(pos)
-            self._g_slots[:batch].copy_(slots)
-            self._g_seq_lens[:batch].copy_(lens)
+            lens = np.concatenate([np.asarray(step.seq_lens, np.int32), np.zeros(pad, np.int32)])
+            _put_into(st.seq_lens[0], lens, self._g_seq_lens)
             st.block_tables[0].numpy()[:rows, :width] = tables
-            st.block_tables[1][:rows, :width].copy_(st.block_tables[0][:rows, :width], non_blocking=True)
-            self._g_tables[:rows, :width].copy_(st.block_tables[1][:rows, :width])
+            self._g_tables[:rows, :width].copy_(st.block_tables[0][:rows, :width], non_blocking=True)
             graph.graph.replay()
             return graph.logits[:rows]
         ids = _put(st.input_ids, np.asarray(step.input_ids, np.int64))
