@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from baton_engine.config import EngineConfig
 from baton_engine.engine_core import EngineCore
@@ -335,6 +336,19 @@ def one_b(result: dict[str, Any], quick: bool) -> None:
     var = run_requests(core, prompts, lengths)
     elapsed_var = time.perf_counter() - t0
     result["baton_tokens_per_s_1b_var"] = round(sum(len(v) for v in var.values()) / elapsed_var, 1)
+    result["baton_steps_1b_total"] = core.stats().num_steps
+    # The device time of one captured decode step at batch 256, every row at 640 tokens of context.
+    ctx, blocks = 640, 640 // runner.block_size
+    runner._g_seq_lens.fill_(ctx)
+    runner._g_slots.fill_(-1)
+    runner._g_tables[:, :blocks].copy_(
+        torch.arange(256 * blocks, device="cuda", dtype=torch.int32).view(256, blocks)
+    )
+    graph_ms = statistics.median(cuda_time_ms(runner._graphs[256].graph.replay, 20))
+    kv_bytes = 256 * ctx * runner.kv_cache[:, :, 0, 0].numel() * runner.kv_cache.element_size()
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    result["decode_graph_ms_1b_b256_ctx640"] = round(graph_ms, 3)
+    result["decode_graph_gbps_1b_b256_ctx640"] = round((kv_bytes + weight_bytes) / (graph_ms * 1e-3) / 1e9, 1)
     # transformers on the same weights (shared tensors), all requests in one generate() call.
     state = {k: v for k, v in runner.model.state_dict().items()}
     hf = hf_model(LLAMA_32_1B, state, torch.bfloat16, LlamaConfig, LlamaForCausalLM)
@@ -367,11 +381,73 @@ def one_b(result: dict[str, Any], quick: bool) -> None:
     result["hf_logit_std"] = round(float(last.std()), 4)
 
 
+def kernels(result: dict[str, Any]) -> None:
+    """The attention choice, measured: Triton paged kernels vs PyTorch SDPA (1B shape, bf16)."""
+    from baton_engine.attention.triton_attention import (
+        DecodeWorkspace,
+        decode_num_splits,
+        paged_decode_attention,
+        paged_prefill_attention,
+        prefill_tiles,
+    )
+
+    heads, kv_heads, dim, bs = 32, 8, 64, 16
+    batch, ctx = 256, 640
+    blocks = ctx // bs
+    cache = torch.randn(2, batch * blocks, bs, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    tables = torch.randperm(batch * blocks, device="cuda", dtype=torch.int32).view(batch, blocks)
+    lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+    ws = DecodeWorkspace(batch, heads, dim, decode_num_splits(batch, kv_heads, ctx), torch.device("cuda"))
+    slots = (tables.long()[:, :, None] * bs + torch.arange(bs, device="cuda")).view(batch, ctx)
+
+    def torch_decode() -> None:  # the reference backend's way: gather the rows' K/V, then SDPA
+        k = cache[0].view(-1, kv_heads, dim)[slots].transpose(1, 2)
+        v = cache[1].view(-1, kv_heads, dim)[slots].transpose(1, 2)
+        F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
+
+    def triton_decode() -> None:
+        paged_decode_attention(q, cache, tables, lens, dim**-0.5, ws)
+
+    for fn in (torch_decode, triton_decode):
+        fn()
+    result["attn_decode_torch_ms_b256_ctx640"] = round(statistics.median(cuda_time_ms(torch_decode, 20)), 3)
+    result["attn_decode_triton_ms_b256_ctx640"] = round(statistics.median(cuda_time_ms(triton_decode, 20)), 3)
+    kv_bytes = batch * ctx * 2 * kv_heads * dim * 2
+    result["attn_decode_triton_gbps"] = round(
+        kv_bytes / (result["attn_decode_triton_ms_b256_ctx640"] * 1e-3) / 1e9, 1
+    )
+    # Prefill: 32 fresh prompts of 512 tokens. SDPA gets them as one padded dense batch (its best case).
+    n, length = 32, 512
+    pblocks = length // bs
+    pq = torch.randn(n * length, heads, dim, device="cuda", dtype=torch.bfloat16)
+    ptables = torch.arange(n * pblocks, device="cuda", dtype=torch.int32).view(n, pblocks)
+    starts = torch.arange(0, (n + 1) * length, length, device="cuda", dtype=torch.int32)
+    plens = torch.full((n,), length, device="cuda", dtype=torch.int32)
+    rows, offs = prefill_tiles([length] * n)
+    tile_rows = torch.tensor(rows, device="cuda", dtype=torch.int32)
+    tile_starts = torch.tensor(offs, device="cuda", dtype=torch.int32)
+    dense_q = pq.view(n, length, heads, dim).transpose(1, 2)
+    dense_k = cache[0, : n * pblocks].reshape(n, length, kv_heads, dim).transpose(1, 2)
+    dense_v = cache[1, : n * pblocks].reshape(n, length, kv_heads, dim).transpose(1, 2)
+
+    def torch_prefill() -> None:
+        F.scaled_dot_product_attention(dense_q, dense_k, dense_v, is_causal=True, enable_gqa=True)
+
+    def triton_prefill() -> None:
+        paged_prefill_attention(pq, cache, ptables, starts, plens, tile_rows, tile_starts, dim**-0.5)
+
+    for fn in (torch_prefill, triton_prefill):
+        fn()
+    result["attn_prefill_torch_sdpa_ms_32x512"] = round(statistics.median(cuda_time_ms(torch_prefill, 20)), 3)
+    result["attn_prefill_triton_ms_32x512"] = round(statistics.median(cuda_time_ms(triton_prefill, 20)), 3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--quick", action="store_true", help="small workload (smoke test)")
-    parser.add_argument("--sections", default="copy,parity,8b,1b")
+    parser.add_argument("--sections", default="copy,parity,kernels,8b,1b")
     args = parser.parse_args()
     import triton
 
@@ -386,6 +462,7 @@ def main() -> None:
     sections: dict[str, Callable[[], None]] = {
         "copy": lambda: result.update(copy_bandwidth()),
         "parity": lambda: result.update(parity()),
+        "kernels": lambda: kernels(result),
         "8b": lambda: eight_b(result),
         "1b": lambda: one_b(result, args.quick),
     }

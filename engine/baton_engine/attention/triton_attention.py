@@ -121,9 +121,10 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + bh * HEAD_DIM + d, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def _precision(dtype: torch.dtype) -> str:
-    # float32 runs must not silently drop to tf32 (greedy parity is checked in float32).
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _precision(dtype: torch.dtype) -> str | None:
+    # float32 runs must not silently drop to tf32 (greedy parity is checked in float32); 16-bit
+    # operands take the backend's default (the argument only matters for float32 operands).
+    return "ieee" if dtype == torch.float32 else None
 
 
 def decode_num_splits(
