@@ -156,6 +156,9 @@ def paged_decode_attention(
     scale: float,
     workspace: DecodeWorkspace,
     out: torch.Tensor | None = None,
+    block_n: int = 32,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """One query token per row. q: [B, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32.
 
@@ -168,7 +171,7 @@ def paged_decode_attention(
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device) if out is None else out
     splits = workspace.num_splits
     head_pad = triton.next_power_of_2(head_dim)
-    block_n = 32
+    tuning = {} if num_stages is None else {"num_stages": num_stages}
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q,
         layer_cache,
@@ -189,7 +192,8 @@ def paged_decode_attention(
         HEAD_DIM_PAD=head_pad,
         BLOCK_N=block_n,
         PRECISION=_precision(q.dtype),
-        num_warps=4,
+        num_warps=num_warps,
+        **tuning,
     )
     if splits > 1:
         _decode_reduce_kernel[(batch * num_heads,)](
@@ -307,6 +311,9 @@ def paged_prefill_attention(
     tile_starts: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of any number of query tokens per row over the row's cached positions.
 
@@ -320,7 +327,9 @@ def paged_prefill_attention(
     if num_tiles == 0:
         return out
     head_pad = triton.next_power_of_2(head_dim)
-    block_n = 64 if head_pad <= 64 else 32
+    if block_n is None:
+        block_n = 64 if head_pad <= 64 else 32
+    tuning = {} if num_stages is None else {"num_stages": num_stages}
     _prefill_kernel[(num_tiles, num_heads)](
         q,
         layer_cache,
@@ -342,6 +351,7 @@ def paged_prefill_attention(
         BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_N=block_n,
         PRECISION=_precision(q.dtype),
-        num_warps=4,
+        num_warps=num_warps,
+        **tuning,
     )
     return out
