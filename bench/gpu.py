@@ -443,11 +443,57 @@ def kernels(result: dict[str, Any]) -> None:
     result["attn_prefill_triton_ms_32x512"] = round(statistics.median(cuda_time_ms(triton_prefill, 20)), 3)
 
 
+def agreement(result: dict[str, Any]) -> None:
+    """bf16 noise floor: first greedy token of Baton (bf16) and transformers (bf16) against
+    transformers in float32 on the same (bf16-representable) 1B weights, 16 prompts of 512."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    weights = random_weights(LLAMA_32_1B, torch.bfloat16, "cuda", seed=2)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, LLAMA_32_1B.vocab_size, size=512).tolist() for _ in range(16)]
+    core, runner = make_core(
+        LLAMA_32_1B,
+        weights,
+        torch.bfloat16,
+        (16,),
+        max_num_seqs=16,
+        max_model_len=1024,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.3,
+    )
+    baton = run_requests(core, prompts, [1] * 16)
+    state = dict(runner.model.state_dict())
+    del core, runner
+    ids = torch.tensor(prompts, device="cuda")
+    firsts: dict[str, torch.Tensor] = {
+        "baton_bf16": torch.tensor([baton[f"r{i}"][0] for i in range(16)], device="cuda")
+    }
+    with torch.no_grad():
+        hf16 = hf_model(LLAMA_32_1B, state, torch.bfloat16, LlamaConfig, LlamaForCausalLM)
+        firsts["hf_bf16"] = hf16(ids).logits[:, -1].float().argmax(-1)
+        del hf16
+        hf32 = hf_model(
+            LLAMA_32_1B,
+            {k: v.float() for k, v in state.items()},
+            torch.float32,
+            LlamaConfig,
+            LlamaForCausalLM,
+        )
+        ref = hf32(ids).logits[:, -1].double()
+    best = ref.max(-1).values
+    for name, tokens in firsts.items():
+        margins = best - ref.gather(-1, tokens[:, None])[:, 0]
+        result[f"{name}_first_token_agree_fp32_of_16"] = int((margins == 0).sum())
+        result[f"{name}_max_fp32_logit_margin"] = round(float(margins.max()), 4)
+    top2 = ref.topk(2, dim=-1).values
+    result["fp32_top2_gap_median"] = round(float((top2[:, 0] - top2[:, 1]).median()), 4)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--quick", action="store_true", help="small workload (smoke test)")
-    parser.add_argument("--sections", default="copy,parity,kernels,8b,1b")
+    parser.add_argument("--sections", default="copy,parity,kernels,8b,1b,agree")
     args = parser.parse_args()
     import triton
 
@@ -464,6 +510,7 @@ def main() -> None:
         "parity": lambda: result.update(parity()),
         "kernels": lambda: kernels(result),
         "8b": lambda: eight_b(result),
+        "agree": lambda: agreement(result),
         "1b": lambda: one_b(result, args.quick),
     }
     for name in args.sections.split(","):
