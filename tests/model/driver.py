@@ -7,6 +7,7 @@ puts decode rows before prefill chunks, exactly as `SchedulerOutput` prescribes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,12 +55,21 @@ class DriverStats:
     prefix_hit_tokens: int = 0
     chunked_prefill_rows: int = 0
     mixed_steps: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
 
 
 class TestDriver:
     __test__ = False  # not a pytest class
 
-    def __init__(self, runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        drafter: Callable[[list[int]], list[int]] | None = None,
+    ) -> None:
+        self.drafter = drafter  # tokens so far -> draft tokens to verify in the next decode step
         self.runner = runner
         self.block_size = runner.block_size
         self.budget = max_num_batched_tokens
@@ -111,8 +121,12 @@ class TestDriver:
 
     def _step(self, running: list[_Seq]) -> None:
         decodes = [s for s in running if s.in_decode]
-        rows: list[tuple[_Seq, int, bool]] = [(s, 1, True) for s in decodes]  # (seq, query_len, samples)
-        budget = self.budget - len(decodes)
+        rows: list[tuple[_Seq, list[int], bool, int]] = []  # (seq, tokens fed, samples, drafts)
+        for seq in decodes:
+            drafts = self.drafter(seq.tokens) if self.drafter else []
+            rows.append((seq, [seq.tokens[-1], *drafts], True, len(drafts)))
+            self.stats.drafts_proposed += len(drafts)
+        budget = self.budget - sum(len(fed) for _, fed, _, _ in rows)
         for seq in running:
             if seq.in_decode or budget <= 0:
                 continue
@@ -121,22 +135,31 @@ class TestDriver:
             completes = seq.num_computed + chunk == len(seq.prompt)
             if not completes:
                 self.stats.chunked_prefill_rows += 1
-            rows.append((seq, chunk, completes))
+            rows.append((seq, seq.tokens[seq.num_computed : seq.num_computed + chunk], completes, 0))
         step = self._build(rows, len(decodes))
         out = self.runner.execute(step)
         self.stats.steps += 1
         if decodes and len(rows) > len(decodes):
             self.stats.mixed_steps += 1
-        sampling_seqs = [seq for seq, _, samples in rows if samples]
-        assert len(out.sampled_token_ids) == len(sampling_seqs)
-        for seq, qlen, _ in rows:
-            seq.num_computed += qlen
-            self._publish_prompt_blocks(seq)
-        for index, (seq, tokens) in enumerate(zip(sampling_seqs, out.sampled_token_ids, strict=True)):
-            assert len(tokens) == 1
+        sampling_rows = [(seq, drafts) for seq, _, samples, drafts in rows if samples]
+        assert len(out.sampled_token_ids) == len(sampling_rows)
+        decoding = {seq.seq_id for seq in decodes}
+        for seq, fed, _, _ in rows:
+            if seq.seq_id not in decoding:
+                seq.num_computed += len(fed)
+                self._publish_prompt_blocks(seq)
+        for index, ((seq, drafts), tokens) in enumerate(
+            zip(sampling_rows, out.sampled_token_ids, strict=True)
+        ):
+            assert 1 <= len(tokens) <= 1 + drafts
+            if seq.seq_id in decoding:
+                # KV is valid for the fed token and the accepted drafts, not the rejected ones.
+                seq.num_computed += len(tokens)
+                self.stats.drafts_accepted += len(tokens) - 1
+            tokens = tokens[: seq.max_new_tokens - len(seq.outputs)]
             seq.tokens.extend(tokens)
             if out.logprobs is not None:
-                seq.logprobs.extend(out.logprobs[index])
+                seq.logprobs.extend(out.logprobs[index][: len(tokens)])
 
     def _publish_prompt_blocks(self, seq: _Seq) -> None:
         bs = self.block_size
@@ -144,7 +167,7 @@ class TestDriver:
         for index in range(full):
             self.prefix_blocks.setdefault(tuple(seq.prompt[: (index + 1) * bs]), seq.blocks[index])
 
-    def _build(self, rows: list[tuple[_Seq, int, bool]], num_decode_rows: int) -> SchedulerOutput:
+    def _build(self, rows: list[tuple[_Seq, list[int], bool, int]], num_decode_rows: int) -> SchedulerOutput:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -152,23 +175,23 @@ class TestDriver:
         computed: list[int] = []
         logits_indices: list[int] = []
         sample_rows: list[int] = []
-        for row, (seq, qlen, samples) in enumerate(rows):
+        for row, (seq, fed, samples, drafts) in enumerate(rows):
             start = seq.num_computed
-            for position in range(start, start + qlen):
-                input_ids.append(seq.tokens[position])
-                positions.append(position)
-                slots.append(self._slot(seq, position))
-            query_lens.append(qlen)
+            for offset, token in enumerate(fed):
+                input_ids.append(token)
+                positions.append(start + offset)
+                slots.append(self._slot(seq, start + offset))
+            query_lens.append(len(fed))
             computed.append(start)
             if samples:
-                logits_indices.append(len(input_ids) - 1)
+                logits_indices.extend(range(len(input_ids) - 1 - drafts, len(input_ids)))
                 sample_rows.append(row)
-        width = max(len(seq.blocks) for seq, _, _ in rows)
+        width = max(len(seq.blocks) for seq, _, _, _ in rows)
         tables = np.zeros((len(rows), width), dtype=np.int32)
-        for row, (seq, _, _) in enumerate(rows):
+        for row, (seq, _, _, _) in enumerate(rows):
             tables[row, : len(seq.blocks)] = seq.blocks
         qlens = np.asarray(query_lens, dtype=np.int32)
-        seqs = [seq for seq, _, _ in rows]
+        seqs = [seq for seq, _, _, _ in rows]
         samplers = [seq.sampling for seq in seqs]
         step = SchedulerOutput(
             step_id=self.step_id,
@@ -184,7 +207,7 @@ class TestDriver:
             block_tables=tables,
             logits_indices=np.asarray(logits_indices, dtype=np.int64),
             sample_rows=np.asarray(sample_rows, dtype=np.int32),
-            num_draft_tokens=np.zeros(len(rows), dtype=np.int32),
+            num_draft_tokens=np.asarray([drafts for _, _, _, drafts in rows], dtype=np.int32),
             sampling=SamplingBatch(
                 temperature=np.asarray([s.temperature for s in samplers], dtype=np.float32),
                 top_p=np.asarray([s.top_p for s in samplers], dtype=np.float32),
