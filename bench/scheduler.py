@@ -6,7 +6,7 @@ KV-event drain) are timed. The stand-in model's output for every step is precomp
 work is timed. Case "mixed": the same, plus a new 512-token prompt every 10 steps (its prefill
 runs in the same step as the decodes). Zero preemptions is asserted.
 
-Each case is timed `--repeats` times (consecutive 200-step windows on the same scheduler) and
+Each case is timed `--repeats` (default 10) times (consecutive 200-step windows on the same scheduler) and
 the fastest window is reported (the machine is shared; the fastest window is the least
 disturbed one), in wall-clock time and, as ``cpu_us_per_seq_step``, in process CPU time (which
 a loaded machine disturbs less). KV events are recorded (the heavier setting).
@@ -42,17 +42,19 @@ class _Bench:
         self.n = n
         self.rng = np.random.default_rng(seed)
         extra = repeats * STEPS // MIXED_EVERY + 8
+        # Room for every sequence to grow through warm-up (< 1024 steps) and all windows.
+        max_len = PROMPT_LEN + 1024 + repeats * STEPS
         self.scheduler = Scheduler(
-            num_blocks=(n + extra) * 128,
+            num_blocks=(n + extra) * -(-max_len // BLOCK_SIZE),
             block_size=BLOCK_SIZE,
             max_num_seqs=n + extra,
             max_num_batched_tokens=8192,
-            max_model_len=4096,
+            max_model_len=max_len,
             enable_chunked_prefill=True,
             enable_prefix_caching=True,
             eos_token_id=EOS,
         )
-        self.params = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_len, ignore_eos=True)
         self.next_id = 0
 
     def add_prompt(self) -> None:
@@ -139,7 +141,7 @@ def run(repeats: int, sizes: tuple[int, ...]) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--sizes", type=str, default=",".join(str(n) for n in SIZES))
     args = parser.parse_args()
     sizes = tuple(int(x) for x in args.sizes.split(","))

@@ -3,7 +3,9 @@
 * Blocks hold ``block_size`` tokens. A sequence's `block_table` lists its blocks in order.
 * Prefix cache: a full block whose KV has been computed is *published* under its chain key
   (`prefix_hash`); a later sequence with the same leading tokens shares it (ref count + 1). A hit
-  is confirmed by comparing the stored token ids, so a key collision can only cause a miss.
+  is confirmed by comparing the stored token ids and the block's physical parent (the previous
+  hit block, same allocation generation), so even a weak or colliding hasher can only cause a
+  miss, never KV computed after a different prefix.
 * The last block of a prompt is never served from the cache: the forward must compute at least
   one token to produce logits.
 * Keys are published only after the forward that wrote the block's KV (`publish`), never at
@@ -24,6 +26,8 @@ from collections.abc import Iterable
 from baton_engine.kv_cache_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVCacheEvent
 from baton_engine.prefix_hash import BlockHash, PrefixHasher, fast_prefix_hash, parent_and_tokens_packer
 from baton_engine.sequence import Sequence
+
+_NO_PARENT = (-1, 0)
 
 
 class BlockManager:
@@ -49,6 +53,10 @@ class BlockManager:
         self.ref_counts: list[int] = [0] * num_blocks
         self.block_keys: list[BlockHash | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.block_generation: list[int] = [0] * num_blocks
+        """Bumped each time a block is taken for new content."""
+        self.block_parent: list[tuple[int, int]] = [_NO_PARENT] * num_blocks
+        """(previous block id, its generation) when the block was published; block 0: (-1, 0)."""
         self._index: dict[BlockHash, int] = {}
         self._vacant: list[int] = list(range(num_blocks))  # already a valid min-heap
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # least recently freed first
@@ -100,13 +108,25 @@ class BlockManager:
         max_hits = (seq.num_tokens - 1) // bs
         hits: list[int] = []
         tokens = seq.token_ids
+        parent = _NO_PARENT
         for i in range(max_hits):
             key = self._ensure_keys(seq, i + 1)[i]
             block_id = self._index.get(key)
-            if block_id is None or self.block_tokens[block_id] != tuple(tokens[i * bs : (i + 1) * bs]):
+            if (
+                block_id is None
+                or self.block_parent[block_id] != parent
+                or self.block_tokens[block_id] != tuple(tokens[i * bs : (i + 1) * bs])
+            ):
                 break
             hits.append(block_id)
+            parent = (block_id, self.block_generation[block_id])
         return hits
+
+    def _parent_link(self, seq: Sequence, index: int) -> tuple[int, int]:
+        if index == 0:
+            return _NO_PARENT
+        parent = seq.block_table[index - 1]
+        return (parent, self.block_generation[parent])
 
     # -- allocation -------------------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:
@@ -155,6 +175,7 @@ class BlockManager:
                 block_id, _ = self._cached_free.popitem(last=False)
                 self._evict(block_id)
             self.ref_counts[block_id] = 1
+            self.block_generation[block_id] += 1
             taken.append(block_id)
         self._num_used += count
         return taken
@@ -239,6 +260,7 @@ class BlockManager:
             index[key] = block_id
             self.block_keys[block_id] = key
             self.block_tokens[block_id] = tuple(tokens[i * bs : (i + 1) * bs])
+            self.block_parent[block_id] = self._parent_link(seq, i)
             if run_start < 0:
                 run_start = i
         if run_start >= 0:
@@ -255,6 +277,8 @@ class BlockManager:
         hasher = self.hasher
         block_keys = self.block_keys
         block_tokens = self.block_tokens
+        block_parent = self.block_parent
+        generation = self.block_generation
         events = self._events if self.record_events else None
         make_event = BlocksStored.fast
         # The default hasher, inlined (same bytes as `fast_prefix_hash`, minus two calls).
@@ -265,11 +289,12 @@ class BlockManager:
         for seq in seqs:
             i = seq.num_published_blocks
             keys = seq.block_hashes
-            if len(keys) != i:
-                self.publish(seq, (i + 1) * bs)
+            if len(keys) != i:  # keys already computed ahead (e.g. after a preemption)
+                self.publish(seq, seq.num_computed_tokens)
                 continue
             parent = keys[i - 1] if i else None
             block_token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            key: BlockHash
             if inline_default and type(parent) is int:
                 key = from_bytes(blake2b(pack(parent, *block_token_ids), digest_size=8).digest(), "little")
             else:
@@ -282,6 +307,11 @@ class BlockManager:
             index[key] = block_id
             block_keys[block_id] = key
             block_tokens[block_id] = block_token_ids
+            if i:
+                parent_id = seq.block_table[i - 1]
+                block_parent[block_id] = (parent_id, generation[parent_id])
+            else:
+                block_parent[block_id] = _NO_PARENT
             if events is not None:
                 events.append(make_event((key,), parent, block_token_ids, bs))
 

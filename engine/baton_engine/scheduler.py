@@ -32,15 +32,10 @@ import numpy as np
 from baton_engine.batch_state import BatchState
 from baton_engine.block_manager import BlockManager
 from baton_engine.prefix_hash import PrefixHasher, fast_prefix_hash
-from baton_engine.scheduler_output import (
-    Int32Array,
-    Int64Array,
-    ModelRunnerOutput,
-    SamplingBatch,
-    SchedulerOutput,
-)
+from baton_engine.scheduler_output import Int64Array, ModelRunnerOutput, SchedulerOutput
 from baton_engine.scheduler_stats import PrefixCacheStats, SpecDecodeStats
 from baton_engine.sequence import FinishReason, Sequence, SequenceStatus
+from baton_engine.step_builder import build_step
 
 if TYPE_CHECKING:
     from baton_engine.config import EngineConfig
@@ -55,6 +50,8 @@ class StepResult:
     """Sequences that gained tokens this step (the sampling rows, in row order)."""
     new_token_ids: list[list[int]]
     """Tokens appended to each of `seq_ids` (a speculative run is cut after a stop token)."""
+    logprobs: list[list[list[tuple[int, float]]]] | None = None
+    """The runner's logprobs, aligned with `new_token_ids` (cut the same way); None if none."""
     finished: list[Sequence] = field(default_factory=list)
     """Sequences finished since the previous `postprocess`: stopped here, or rejected or aborted
     in between."""
@@ -205,23 +202,24 @@ class Scheduler:
 
     # -- admission --------------------------------------------------------------------------
     def rejection_reason(self, seq: Sequence) -> str | None:
-        """Why `seq` can never be scheduled with this configuration, or None."""
+        """Why `seq` can never be (re)computed with this configuration, or None."""
         n = seq.num_tokens
+        what = "prompt" if seq.num_output_tokens == 0 else "prompt + output"
         if n > self.max_model_len:
             return (
-                f"prompt has {n} tokens, more than max_model_len={self.max_model_len}; "
+                f"{what} has {n} tokens, more than max_model_len={self.max_model_len}; "
                 "shorten the prompt or raise --max-model-len"
             )
         if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
             return (
-                f"prompt has {n} tokens, more than max_num_batched_tokens="
+                f"{what} has {n} tokens, more than max_num_batched_tokens="
                 f"{self.max_num_batched_tokens} and chunked prefill is off; enable chunked prefill "
                 "or raise --max-num-batched-tokens"
             )
         needed = self.block_manager.blocks_needed(n)
         if needed > self.block_manager.num_blocks:
             return (
-                f"prompt needs {needed} KV blocks, more than the whole pool "
+                f"{what} needs {needed} KV blocks, more than the whole pool "
                 f"({self.block_manager.num_blocks} blocks of {self.block_size} tokens)"
             )
         return None
@@ -312,7 +310,8 @@ class Scheduler:
             short_rows = np.flatnonzero(needed_blocks > batch.num_blocks[:d])
             if not len(short_rows):
                 return
-            if not self.num_speculative_tokens and bm.num_free_blocks >= len(short_rows):
+            missing_blocks = needed_blocks[short_rows] - batch.num_blocks[short_rows]
+            if bm.num_free_blocks >= len(short_rows) and (missing_blocks == 1).all():
                 # Common case: each short row needs exactly one block and the pool has them.
                 new_blocks = bm.take_blocks(len(short_rows))
                 batch.block_table[short_rows, batch.num_blocks[short_rows]] = new_blocks
@@ -354,11 +353,16 @@ class Scheduler:
                 if not self._reserve_for_remote(seq):
                     skipped.append(seq)
                 continue
-            reason = self.rejection_reason(seq)
+            reason = None if seq.block_table else self.rejection_reason(seq)
             if reason is not None:
+                # Only a preempted sequence that grew past what can ever be recomputed gets here
+                # with output: it ends as if it hit a length limit.
                 self.waiting.popleft()
                 del self._unfinished[seq.seq_id]
-                self._mark_finished(seq, FinishReason.REJECTED, reason)
+                if seq.num_output_tokens:
+                    self._mark_finished(seq, FinishReason.LENGTH, f"cannot resume after preemption: {reason}")
+                else:
+                    self._mark_finished(seq, FinishReason.REJECTED, reason)
                 continue
             if seq.block_table:
                 # KV arrived from a producer: blocks are there, the rest is computed normally.
@@ -421,99 +425,14 @@ class Scheduler:
                 self._stop_id_union = np.zeros(0, dtype=np.int64)
 
     def _build_output(self, num_decode: int, chunks: list[int]) -> SchedulerOutput:
-        batch = self.batch
-        bs = self.block_size
-        b = num_decode + len(chunks)
-        query_lens = np.empty(b, dtype=np.int32)
-        query_lens[:num_decode] = 1
-        speculating = bool(self.num_speculative_tokens) and bool(batch.num_drafts[:num_decode].any())
-        num_drafts = np.zeros(b, dtype=np.int32)
-        if speculating:
-            num_drafts[:num_decode] = batch.num_drafts[:num_decode]
-            query_lens[:num_decode] += num_drafts[:num_decode]
-        query_lens[num_decode:] = chunks
-        query_start_loc = np.zeros(b + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        computed = batch.num_computed[:b]
-        num_computed = computed.astype(np.int32)
-        seq_lens = num_computed + query_lens
-
-        if b == num_decode and not speculating:
-            positions: Int64Array = computed.copy()
-            rows: Int64Array | np.ndarray = np.arange(b)
-            input_ids: Int64Array = batch.last_token[:b].copy()
-        else:
-            rows = np.repeat(np.arange(b), query_lens)
-            positions = (
-                np.arange(num_tokens, dtype=np.int64)
-                - np.repeat(query_start_loc[:-1].astype(np.int64), query_lens)
-                + np.repeat(computed, query_lens)
-            )
-            input_ids = np.empty(num_tokens, dtype=np.int64)
-            input_ids[query_start_loc[:num_decode]] = batch.last_token[:num_decode]
-            if speculating:
-                for row in np.flatnonzero(num_drafts).tolist():
-                    start = int(query_start_loc[row]) + 1
-                    k = int(num_drafts[row])
-                    input_ids[start : start + k] = batch.seqs[row].draft_token_ids[:k]
-            for i, chunk in enumerate(chunks):
-                row = num_decode + i
-                start_tok = int(computed[row])
-                start = int(query_start_loc[row])
-                input_ids[start : start + chunk] = batch.token_lists[row][start_tok : start_tok + chunk]
-        block_ids = batch.block_table[rows, positions // bs]
-        slot_mapping = block_ids.astype(np.int64) * bs + positions % bs
-
-        # Rows that sample: all decode rows, plus prefill chunks reaching the last known token
-        # (a prefix of the prefill rows: only the last scheduled chunk can stop short).
-        num_sample = num_decode
-        for i, chunk in enumerate(chunks):
-            row = num_decode + i
-            if computed[row] + chunk == batch.num_tokens[row]:
-                num_sample += 1
-            else:
-                break
-        sample_rows: Int32Array = np.arange(num_sample, dtype=np.int32)
-        if speculating:
-            counts = np.ones(num_sample, dtype=np.int64)
-            counts[:num_decode] += num_drafts[:num_decode]
-            ends = query_start_loc[1 : num_sample + 1].astype(np.int64)
-            firsts = np.repeat(ends - counts, counts)
-            offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-            logits_indices: Int64Array = firsts + offsets
-        else:
-            logits_indices = query_start_loc[1 : num_sample + 1].astype(np.int64) - 1
-
-        temperature = batch.temperature[:b].copy()
-        sampling = SamplingBatch(
-            temperature=temperature,
-            top_p=batch.top_p[:b].copy(),
-            top_k=batch.top_k[:b].copy(),
-            seeds=batch.seed[:b].copy(),
-            output_positions=(batch.num_tokens[:b] - batch.prompt_len[:b]).astype(np.int32),
-            num_logprobs=batch.num_logprobs[:b].copy(),
-            all_greedy=not bool(temperature.any()),
-        )
         finished_ids, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(
+        return build_step(
+            self.batch,
             step_id=self._step_id,
-            seq_ids=batch.seq_ids[:b],
-            num_decode_rows=num_decode,
-            query_lens=query_lens,
-            query_start_loc=query_start_loc,
-            num_computed_tokens=num_computed,
-            seq_lens=seq_lens,
-            input_ids=input_ids,
-            positions=positions,
-            slot_mapping=slot_mapping,
-            block_tables=batch.block_table[:b],
-            logits_indices=logits_indices,
-            sample_rows=sample_rows,
-            num_draft_tokens=num_drafts,
-            sampling=sampling,
-            num_prefill_tokens=num_tokens - int(query_lens[:num_decode].sum()),
-            num_decode_tokens=int(query_lens[:num_decode].sum()),
+            num_decode=num_decode,
+            chunks=chunks,
+            block_size=self.block_size,
+            speculative=bool(self.num_speculative_tokens),
             finished_seq_ids=finished_ids,
         )
 
@@ -540,6 +459,9 @@ class Scheduler:
             finishing, new_token_ids = self._apply_speculative(out, result, now)
         else:
             finishing, new_token_ids = self._apply_tokens(out, result, now)
+            if self.num_speculative_tokens:
+                for seq in batch.seqs[:num_decode]:
+                    seq.draft_token_ids = []  # drafts are for one position only
 
         bm = self.block_manager
         if bm.enable_prefix_caching:
@@ -571,9 +493,35 @@ class Scheduler:
             step_id=out.step_id,
             seq_ids=out.seq_ids[:num_sample],
             new_token_ids=new_token_ids,
+            logprobs=self._align_logprobs(result, new_token_ids),
             finished=finished,
             timestamp=now,
         )
+
+    @staticmethod
+    def _align_logprobs(
+        result: ModelRunnerOutput, new_token_ids: list[list[int]]
+    ) -> list[list[list[tuple[int, float]]]] | None:
+        if result.logprobs is None:
+            return None
+        if len(result.logprobs) != len(new_token_ids):
+            raise ValueError(
+                f"runner returned logprobs for {len(result.logprobs)} rows, expected {len(new_token_ids)}"
+            )
+        return [
+            row if len(row) == len(tokens) else row[: len(tokens)]
+            for row, tokens in zip(result.logprobs, new_token_ids, strict=True)
+        ]
+
+    def discard_step(self, out: SchedulerOutput) -> None:
+        """Forget step `out` without applying it (the forward failed): nothing it computed counts,
+        so the next step recomputes the same tokens. Aborts requested meanwhile are applied."""
+        if self._in_flight is not out:
+            raise RuntimeError(f"step {out.step_id} is not the step in flight")
+        self._in_flight = None
+        for seq_id in self._pending_aborts:
+            self.abort(seq_id)
+        self._pending_aborts.clear()
 
     def _apply_tokens(
         self, out: SchedulerOutput, result: ModelRunnerOutput, now: float
@@ -633,6 +581,8 @@ class Scheduler:
         num_decode = out.num_decode_rows
         b = out.num_rows
         s = len(out.sample_rows)
+        if len(result.sampled_token_ids) != s:
+            raise ValueError(f"speculative step needs sampled_token_ids for all {s} sampling rows")
         finishing: list[tuple[Sequence, FinishReason]] = []
         new_token_ids: list[list[int]] = []
         batch.num_computed[num_decode:b] += out.query_lens[num_decode:]

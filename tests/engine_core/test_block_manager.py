@@ -199,3 +199,31 @@ def test_prefix_caching_off() -> None:
     assert bm.can_allocate(Sequence(1, [1, 2, 3, 4, 5])) == 0
     bm.free(a)
     assert bm.cached_free_blocks() == []
+
+
+def test_hit_requires_the_same_physical_parent() -> None:
+    def ignores_parent(parent: object, tokens: tuple[int, ...]) -> int:
+        return hash(tokens)  # a (bad) hasher without the chain
+
+    bm = BlockManager(12, BS, hasher=ignores_parent)
+    x = admit(bm, 0, [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    bm.publish(x, 9)
+    y = admit(bm, 1, [9, 9, 9, 9, 5, 6, 7, 8, 0])
+    bm.publish(y, 9)
+    assert x.block_table == [0, 1, 2] and y.block_table == [3, 4, 5]
+    assert bm.lookup(hash((5, 6, 7, 8))) == 1  # y's second block stayed private
+    # Block 1 has the right tokens and key but was computed after [1, 2, 3, 4], not [9, 9, 9, 9].
+    w = Sequence(2, [9, 9, 9, 9, 5, 6, 7, 8, 1])
+    assert bm.can_allocate(w) == 1
+    z = Sequence(3, [1, 2, 3, 4, 5, 6, 7, 8, 1])
+    assert bm.can_allocate(z) == 2
+
+
+def test_fast_event_constructor_builds_the_same_frozen_record() -> None:
+    import dataclasses
+
+    fast = BlocksStored.fast((1, 2), None, (3, 4), 2)
+    assert fast == BlocksStored((1, 2), None, (3, 4), 2)
+    assert hash(fast) == hash(BlocksStored((1, 2), None, (3, 4), 2))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.block_size = 3  # type: ignore[misc]

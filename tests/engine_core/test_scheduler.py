@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from baton_engine.kv_cache_events import BlocksStored
+from baton_engine.kv_cache_events import AllBlocksCleared, BlocksRemoved, BlocksStored
 from baton_engine.sampling_params import SamplingParams
 from baton_engine.scheduler import Scheduler, StepResult
 from baton_engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -341,8 +341,11 @@ def test_speculative_drafts_stats_and_rollback() -> None:
     assert out.input_ids.tolist() == [truth[6], truth[7], truth[8], (truth[9] + 1) % vocab]
     assert out.logits_indices.tolist() == [0, 1, 2, 3]
     assert seq.block_table == [0, 1, 2]  # positions 6..9 need a third block
-    result = s.postprocess(out, model.run(out))
+    verified = model.run(out)
+    verified.logprobs = [[[(t, -0.5)] for t in verified.sampled_token_ids[0]]]
+    result = s.postprocess(out, verified)
     assert result.new_token_ids == [[truth[7], truth[8], truth[9]]]
+    assert result.logprobs == [[[(truth[7], -0.5)], [(truth[8], -0.5)], [(truth[9], -0.5)]]]
     assert seq.token_ids == truth[:10]
     assert seq.num_computed_tokens == 9
     assert s.spec_stats.num_draft_tokens == 3 and s.spec_stats.num_accepted_tokens == 2
@@ -415,4 +418,86 @@ def test_remote_first_token_eos_and_failure_without_recompute() -> None:
     with pytest.raises(KeyError, match="not waiting for remote KV"):
         s.mark_remote_kv_arrived(2, num_computed_tokens=3)
     assert s.take_finished() == [done, failed]
+    assert_no_leaks(s)
+
+
+def test_speculative_run_is_cut_after_a_stop_token() -> None:
+    s = make(num_speculative_tokens=2)
+    seq = Sequence(1, [1, 2, 3], SamplingParams(max_tokens=10))
+    s.add(seq)
+    step(s, 4)
+    seq.draft_token_ids = [5, EOS]
+    out = s.schedule()
+    assert out.input_ids.tolist() == [4, 5, EOS]
+    result = s.postprocess(
+        out,
+        ModelRunnerOutput(out.step_id, [[5, EOS, 7]], logprobs=[[[(5, -1.0)], [(EOS, -2.0)], [(7, -3.0)]]]),
+    )
+    assert result.new_token_ids == [[5, EOS]]
+    assert result.logprobs == [[[(5, -1.0)], [(EOS, -2.0)]]]
+    assert seq.finish_reason is FinishReason.STOP and seq.output_token_ids == [4, 5, EOS]
+    assert result.finished == [seq]
+    assert_no_leaks(s)
+
+
+def test_preempted_sequence_that_outgrew_the_pool_ends_with_length() -> None:
+    s = make(num_blocks=3, max_num_batched_tokens=16)
+    seq = Sequence(1, [1, 2, 3, 4, 5, 6, 7, 8], params(max_tokens=20))
+    s.add(seq)
+    for token in (9, 10, 11, 12, 13):
+        step(s, token)  # 13 tokens, 12 computed: 3 blocks, the whole pool
+    out = s.schedule()  # position 12 needs a 4th block: it preempts itself
+    assert out.num_rows == 0 and seq.num_preemptions == 1
+    assert s.schedule().num_rows == 0
+    assert seq.finish_reason is FinishReason.LENGTH
+    assert seq.finish_message == (
+        "cannot resume after preemption: prompt + output needs 4 KV blocks, more than the whole pool "
+        "(3 blocks of 4 tokens)"
+    )
+    assert s.take_finished() == [seq]
+    assert_no_leaks(s)
+
+
+def test_eviction_and_reset_events_through_the_scheduler() -> None:
+    s = make(num_blocks=4, max_num_batched_tokens=16)
+    a = Sequence(1, [1, 2, 3, 4, 5, 6, 7, 8, 9], params(max_tokens=1))
+    s.add(a)
+    step(s, 10)
+    k0 = key(None, [1, 2, 3, 4])
+    k1 = key(k0, [5, 6, 7, 8])
+    assert s.block_manager.take_events() == [BlocksStored((k0, k1), None, tuple(range(1, 9)), BS)]
+    assert s.block_manager.usage() == 0.0  # finished: its blocks are free (but cached)
+    assert s.block_manager.cached_free_blocks() == [1, 0]
+    b = Sequence(2, [20, 21, 22, 23, 24, 25, 26, 27, 28, 29], params(max_tokens=1))
+    s.add(b)
+    out = s.schedule()
+    assert b.block_table == [2, 3, 1]  # vacant blocks first, then the LRU cached block (a's tail)
+    assert s.block_manager.usage() == 0.75
+    s.postprocess(out, ModelRunnerOutput(out.step_id, [[30]]))
+    kb0 = key(None, [20, 21, 22, 23])
+    assert s.block_manager.take_events() == [
+        BlocksRemoved((k1,)),
+        BlocksStored((kb0, key(kb0, [24, 25, 26, 27])), None, tuple(range(20, 28)), BS),
+    ]
+    s.reset_prefix_cache()
+    assert s.block_manager.take_events() == [AllBlocksCleared()]
+    assert s.block_manager.cached_free_blocks() == []
+    assert_no_leaks(s)
+
+
+def test_discarded_step_is_recomputed() -> None:
+    s = make()
+    seq = Sequence(1, [1, 2, 3, 4, 5], params(max_tokens=2))
+    s.add(seq)
+    out = s.schedule()
+    s.discard_step(out)  # e.g. the forward raised
+    again = s.schedule()
+    assert again.step_id == out.step_id + 1
+    assert again.input_ids.tolist() == out.input_ids.tolist()
+    assert again.slot_mapping.tolist() == out.slot_mapping.tolist()
+    with pytest.raises(RuntimeError, match="is not the step in flight"):
+        s.discard_step(out)
+    s.postprocess(again, ModelRunnerOutput(again.step_id, [[6]]))
+    step(s, 7)
+    assert seq.output_token_ids == [6, 7]
     assert_no_leaks(s)

@@ -14,6 +14,7 @@ CORE_MODULES = [
     "baton_engine.batch_state",
     "baton_engine.scheduler_stats",
     "baton_engine.scheduler_output",
+    "baton_engine.step_builder",
     "baton_engine.scheduler",
 ]
 
