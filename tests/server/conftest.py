@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,3 +29,19 @@ def tiny_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     server = ServerProcess(str(tiny_model_dir), *TINY_SERVER_ARGS, log_path=log)
     yield server
     server.stop()
+
+
+@pytest.fixture()
+def start_tiny_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """Start extra tiny-model servers in a test; each is stopped (by pid) at teardown."""
+    started: list[ServerProcess] = []
+
+    def start(*extra_args: str) -> ServerProcess:
+        log = tmp_path / f"server-{len(started)}.log"
+        server = ServerProcess(str(tiny_model_dir), *TINY_SERVER_ARGS, *extra_args, log_path=log)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop(signal.SIGKILL, timeout=10)

@@ -62,7 +62,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
+        self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [BATON_ENGINE, "serve", "--model", model, "--host", "127.0.0.1", "--port", str(self.port), *args],
             stdout=self._log,
@@ -89,7 +89,8 @@ class ServerProcess:
             return False
 
     def log_text(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def stats(self) -> dict[str, Any]:
@@ -103,7 +104,9 @@ class ServerProcess:
 
         def idle() -> dict[str, Any] | None:
             stats = self.stats()
-            quiet = stats["num_used_kv_blocks"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+            quiet = (
+                stats["num_used_kv_blocks"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+            )
             return stats if quiet else None
 
         result: dict[str, Any] = wait_for(idle, timeout, "the engine to go idle with every KV block free")

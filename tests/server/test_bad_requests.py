@@ -78,7 +78,11 @@ def test_bad_requests_get_openai_errors_and_leak_nothing(tiny_server: ServerProc
         response = tiny_server.http.post(
             path, content=content, headers={"content-type": "application/json", "X-Request-Id": f"bad-{case}"}
         )
-        error = response.json().get("error") if response.headers.get("content-type") == "application/json" else None
+        error = (
+            response.json().get("error")
+            if response.headers.get("content-type") == "application/json"
+            else None
+        )
         if (
             response.status_code != status
             or not isinstance(error, dict)
