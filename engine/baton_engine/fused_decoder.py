@@ -1,9 +1,8 @@
-"""The decoder's GPU forward: fused projections and Triton kernels over the `CausalLM`'s weights.
+"""The decoder's GPU forward: the `CausalLM`'s weights driven through Triton kernels.
 
-q/k/v and gate/up are concatenated once into single matrices (one GEMM each instead of three or
-two); the original `nn.Linear` weights are re-pointed at row slices of them, so the reference
-module keeps working and no weight is stored twice. A layer is then 7 launches: add+norm, qkv,
-rotary+cache write, attention, o_proj, add+norm, gate_up, silu*mul, down.
+The model already fuses q/k/v and gate/up into single projections; this forward adds the fused
+element-wise kernels, so a layer is 9 launches: add+norm, qkv, rotary+cache write, attention,
+o_proj, add+norm, gate_up, silu*mul, down. It holds no weights of its own.
 """
 
 from __future__ import annotations
@@ -43,21 +42,6 @@ class PrefillMeta:
     tile_starts: torch.Tensor
 
 
-def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight = torch.cat([lin.weight for lin in linears], dim=0)
-    bias = None
-    if linears[0].bias is not None:
-        bias = torch.cat([lin.bias for lin in linears if lin.bias is not None], dim=0)
-    row = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight = nn.Parameter(weight[row : row + rows], requires_grad=False)
-        if bias is not None:
-            lin.bias = nn.Parameter(bias[row : row + rows], requires_grad=False)
-        row += rows
-    return weight, bias
-
-
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
@@ -91,17 +75,15 @@ class FusedDecoder:
         for layer in model.model.layers:
             attn = layer.self_attn
             mlp = layer.mlp
-            qkv_w, qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            gu_w, gu_b = _fuse([mlp.gate_proj, mlp.up_proj])
             self.layers.append(
                 _Layer(
                     input_norm=layer.input_layernorm.weight,
-                    qkv_weight=qkv_w,
-                    qkv_bias=qkv_b,
+                    qkv_weight=attn.qkv_proj.weight,
+                    qkv_bias=attn.qkv_proj.bias,
                     o_proj=attn.o_proj,
                     post_norm=layer.post_attention_layernorm.weight,
-                    gate_up_weight=gu_w,
-                    gate_up_bias=gu_b,
+                    gate_up_weight=mlp.gate_up_proj.weight,
+                    gate_up_bias=mlp.gate_up_proj.bias,
                     down_proj=mlp.down_proj,
                     q_norm=attn.q_norm,
                     k_norm=attn.k_norm,
