@@ -279,14 +279,23 @@ def eight_b(result: dict[str, Any]) -> None:
     result["weight_sweep_gbps_8b"] = round(weight_bytes / (sweep_ms * 1e-3) / 1e9, 1)
     # Baton: one request, 512-token prompt, then timed engine steps (each ends with the token read).
     prompt = np.random.default_rng(0).integers(0, LLAMA_31_8B.vocab_size, size=512).tolist()
-    core.add_request("b1", prompt, SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))
-    core.step()  # prefill + first token
-    times = []
-    while core.has_unfinished():
-        t0 = time.perf_counter()
-        core.step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    step_ms = statistics.median(times[8:])
+
+    def b1_step_ms(request_id: str) -> float:
+        core.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))
+        core.step()  # prefill + first token
+        times = []
+        while core.has_unfinished():
+            t0 = time.perf_counter()
+            core.step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times[8:])
+
+    runner.decode_ahead = False
+    result["b1_decode_ms_8b_no_ahead"] = round(b1_step_ms("b1-plain"), 3)
+    runner.decode_ahead = True
+    hits = runner.ahead_hits
+    step_ms = b1_step_ms("b1")
+    result["ahead_hits_8b_of_79"] = runner.ahead_hits - hits
     graph_ms = statistics.median(cuda_time_ms(runner._graphs[1].graph.replay, 20))
     result["b1_decode_ms_8b"] = round(step_ms, 3)
     result["b1_decode_graph_ms_8b"] = round(graph_ms, 3)
@@ -340,6 +349,13 @@ def one_b(result: dict[str, Any], quick: bool) -> None:
     var = run_requests(core, prompts, lengths)
     elapsed_var = time.perf_counter() - t0
     result["baton_tokens_per_s_1b_var"] = round(sum(len(v) for v in var.values()) / elapsed_var, 1)
+    result["ahead_hits_1b"] = runner.ahead_hits
+    result["ahead_misses_1b"] = runner.ahead_misses
+    runner.decode_ahead = False
+    t0 = time.perf_counter()
+    run_requests(core, prompts, [n_out] * n_req)
+    result["baton_tokens_per_s_1b_no_ahead"] = round(n_req * n_out / (time.perf_counter() - t0), 1)
+    runner.decode_ahead = True
     result["baton_steps_1b_total"] = core.stats().num_steps
     # The device time of one captured decode step at batch 256, every row at 640 tokens of context.
     ctx, blocks = 640, 640 // runner.block_size

@@ -21,6 +21,7 @@ import torch
 
 from baton_engine.attention.triton_attention import PREFILL_BLOCK_M, DecodeWorkspace, decode_num_splits
 from baton_engine.config import EngineConfig
+from baton_engine.decode_ahead import AheadPlan, is_decode_only, match_rows, plan_next_decode
 from baton_engine.fused_decoder import DecodeMeta, FusedDecoder, PrefillMeta
 from baton_engine.loader import LoadedModel
 from baton_engine.model_runner import ModelRunner
@@ -72,6 +73,13 @@ def _put_into(host: torch.Tensor, values: np.ndarray, device: torch.Tensor) -> N
 
 
 @dataclass
+class _Ahead:
+    plan: AheadPlan
+    tokens_host: torch.Tensor  # pinned int64, filled by the device
+    done: torch.cuda.Event
+
+
+@dataclass
 class _Graph:
     batch: int
     graph: torch.cuda.CUDAGraph
@@ -85,6 +93,7 @@ class GpuModelRunner(ModelRunner):
         loaded: LoadedModel | None = None,
         graph_batch_sizes: tuple[int, ...] | None = None,
         sync_debug: bool = False,
+        decode_ahead: bool = True,
     ) -> None:
         super().__init__(config, loaded)
         if self.device.type != "cuda":
@@ -97,6 +106,17 @@ class GpuModelRunner(ModelRunner):
             self.device,
         )
         self.sync_debug = sync_debug
+        self.decode_ahead = decode_ahead
+        self._max_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self.ahead_hits = 0
+        self.ahead_misses = 0
+        self._ahead: _Ahead | None = None
+        # Two pinned token buffers: the one being read and the one the next ahead step fills.
+        self._ahead_slots = [
+            (torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            for _ in range(2)
+        ]
+        self._ahead_turn = 0
         self.fused = FusedDecoder(self.model)
         mc = self.model_config
         self.max_tokens = max(
@@ -166,7 +186,9 @@ class GpuModelRunner(ModelRunner):
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Greedy steps without drafts or logprobs take the argmax on the device and read only
-        the token ids (the same tokens as the sampler's greedy path); all others go through it."""
+        the token ids (the same tokens as the sampler's greedy path); all others go through it.
+        Greedy decode steps also launch the predicted next step (`decode_ahead`)."""
+        ahead, self._ahead = self._ahead, None
         plain_greedy = (
             step.num_tokens > 0
             and len(step.sample_rows) > 0
@@ -176,8 +198,45 @@ class GpuModelRunner(ModelRunner):
         )
         if not plain_greedy:
             return super().execute(step)
-        tokens = self.compute_logits(step).argmax(dim=-1).tolist()
+        tokens: list[int] | None = None
+        if ahead is not None:
+            index = match_rows(ahead.plan, step, self.block_size)
+            if index is not None:
+                ahead.done.synchronize()  # the sampled tokens of the step run ahead
+                tokens = ahead.tokens_host.numpy()[: ahead.plan.num_rows][index].tolist()
+                self.ahead_hits += 1
+            else:
+                self.ahead_misses += 1
+        if tokens is None:
+            tokens = self.compute_logits(step).argmax(dim=-1).tolist()
+        if self.decode_ahead and is_decode_only(step):
+            self._launch_ahead(step, np.asarray(tokens, dtype=np.int64))
         return ModelRunnerOutput(step_id=step.step_id, sampled_token_ids=[[int(t)] for t in tokens])
+
+    def _launch_ahead(self, step: SchedulerOutput, sampled: np.ndarray) -> None:
+        graph = self._graph_for(step.num_rows)
+        if graph is None:
+            return
+        plan = plan_next_decode(step, sampled, self.block_size, self._max_len)
+        if plan is None:
+            return
+        staging = self._staging[self._turn]
+        self._turn ^= 1
+        staging.done.synchronize()
+        slot = self._ahead_slots[self._ahead_turn]
+        self._ahead_turn ^= 1
+        with self._sync_guard():
+            self._stage_graph(
+                staging, graph, plan.input_ids, plan.positions, plan.slots, plan.seq_lens, plan.block_tables
+            )
+            graph.graph.replay()
+            tokens_host, done = slot
+            tokens_host[: plan.num_rows].copy_(
+                graph.logits[: plan.num_rows].argmax(dim=-1), non_blocking=True
+            )
+            done.record()
+            staging.done.record()
+        self._ahead = _Ahead(plan, tokens_host, done)
 
     @contextlib.contextmanager
     def _sync_guard(self) -> Iterator[None]:
@@ -199,6 +258,29 @@ class GpuModelRunner(ModelRunner):
             staging.done.record()
         return logits
 
+    def _stage_graph(
+        self,
+        st: _Staging,
+        graph: _Graph,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        seq_lens: np.ndarray,
+        tables: np.ndarray,
+    ) -> None:
+        """Pinned buffers -> the graph's static inputs; padding rows get seq_len 0, slot -1."""
+        rows = len(input_ids)
+        pad = graph.batch - rows
+        zeros = np.zeros(pad, np.int64)
+        _put_into(st.input_ids[0], np.concatenate([np.asarray(input_ids, np.int64), zeros]), self._g_ids)
+        _put_into(st.positions[0], np.concatenate([np.asarray(positions, np.int64), zeros]), self._g_pos)
+        _put_into(st.slots[0], np.concatenate([np.asarray(slots, np.int64), zeros - 1]), self._g_slots)
+        lens = np.concatenate([np.asarray(seq_lens, np.int32), np.zeros(pad, np.int32)])
+        _put_into(st.seq_lens[0], lens, self._g_seq_lens)
+        width = min(tables.shape[1], self.max_blocks)
+        st.block_tables[0].numpy()[:rows, :width] = tables[:, :width]
+        self._g_tables[:rows, :width].copy_(st.block_tables[0][:rows, :width], non_blocking=True)
+
     def _run(self, step: SchedulerOutput, st: _Staging) -> torch.Tensor:
         rows = step.num_rows
         tokens = step.num_tokens
@@ -210,18 +292,9 @@ class GpuModelRunner(ModelRunner):
         tables = np.asarray(step.block_tables, dtype=np.int32)[:, : self.max_blocks]
         width = tables.shape[1]
         if graph is not None:
-            batch = graph.batch
-            pad = batch - rows
-            # Straight from the pinned buffers into the graph's static inputs.
-            _put_into(st.input_ids[0], np.concatenate([step.input_ids, np.zeros(pad, np.int64)]), self._g_ids)
-            _put_into(st.positions[0], np.concatenate([step.positions, np.zeros(pad, np.int64)]), self._g_pos)
-            _put_into(
-                st.slots[0], np.concatenate([step.slot_mapping, np.full(pad, -1, np.int64)]), self._g_slots
+            self._stage_graph(
+                st, graph, step.input_ids, step.positions, step.slot_mapping, step.seq_lens, tables
             )
-            lens = np.concatenate([np.asarray(step.seq_lens, np.int32), np.zeros(pad, np.int32)])
-            _put_into(st.seq_lens[0], lens, self._g_seq_lens)
-            st.block_tables[0].numpy()[:rows, :width] = tables
-            self._g_tables[:rows, :width].copy_(st.block_tables[0][:rows, :width], non_blocking=True)
             graph.graph.replay()
             return graph.logits[:rows]
         ids = _put(st.input_ids, np.asarray(step.input_ids, np.int64))

@@ -32,7 +32,7 @@ def _prompts() -> list[list[int]]:
     ]
 
 
-def _generate(model_dir: Path, fast: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[int]], object]:
+def _llm(model_dir: Path, fast: bool, monkeypatch: pytest.MonkeyPatch) -> LLM:
     monkeypatch.setenv("BATON_GPU_FAST_PATH", "1" if fast else "0")
     llm = LLM(
         str(model_dir),
@@ -44,15 +44,16 @@ def _generate(model_dir: Path, fast: bool, monkeypatch: pytest.MonkeyPatch) -> t
         block_size=16,
         num_kv_blocks=64,
     )
-    runner = llm.core.runner
     if fast:
-        assert isinstance(runner, GpuModelRunner)
-        runner.sync_debug = True  # every device step under set_sync_debug_mode("error")
-    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=42, max_tokens=12, ignore_eos=True)
-    prompts = _prompts()
-    outs = llm.generate(prompts + [prompts[3]], [greedy] * len(prompts) + [seeded])
-    return [o.outputs[0].token_ids for o in outs], runner
+        assert isinstance(llm.core.runner, GpuModelRunner)
+        llm.core.runner.sync_debug = True  # every device step under set_sync_debug_mode("error")
+    else:
+        assert type(llm.core.runner) is ModelRunner
+    return llm
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -60,8 +61,32 @@ def test_fast_path_matches_reference_runner(
     family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     make_tiny_model(family, tmp_path / family)
-    reference, ref_runner = _generate(tmp_path / family, False, monkeypatch)
-    assert type(ref_runner) is ModelRunner
-    fast, _ = _generate(tmp_path / family, True, monkeypatch)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=42, max_tokens=12, ignore_eos=True)
+    prompts = _prompts()
+    prompts = prompts + [prompts[3]]
+    params = [greedy] * (len(prompts) - 1) + [seeded]
+    reference = _generate(_llm(tmp_path / family, False, monkeypatch), prompts, params)
+    fast = _generate(_llm(tmp_path / family, True, monkeypatch), prompts, params)
     assert fast == reference
     assert [len(t) for t in fast] == [20, 20, 20, 20, 20, 12]
+
+
+def test_decode_ahead_matches_reference_runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_tiny_model("llama", tmp_path / "llama")
+    gen = np.random.default_rng(12)
+    prompts = [gen.integers(0, VOCAB, size=n).tolist() for n in (5, 9, 16, 30, 3)]
+    lengths = [3, 17, 40, 25, 33]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    reference_llm = _llm(tmp_path / "llama", False, monkeypatch)
+    reference = _generate(reference_llm, prompts, params)
+    single_ref = _generate(reference_llm, prompts[2:3], params[2:3])
+    fast_llm = _llm(tmp_path / "llama", True, monkeypatch)
+    runner = fast_llm.core.runner
+    assert isinstance(runner, GpuModelRunner)
+    assert _generate(fast_llm, prompts, params) == reference
+    assert [len(t) for t in reference] == lengths
+    hits_batch = runner.ahead_hits
+    assert hits_batch > 0
+    assert _generate(fast_llm, prompts[2:3], params[2:3]) == single_ref
+    assert runner.ahead_hits - hits_batch >= 30  # batch 1, 40 tokens: all but boundary steps
