@@ -7,6 +7,8 @@
 * Every other step (prefill chunks, mixed batches, speculative rows) runs eagerly with the varlen
   paged prefill kernel. Nothing reads device memory on the host except the sampler's tokens;
   `sync_debug=True` runs each device step under ``torch.cuda.set_sync_debug_mode("error")``.
+* Plain greedy steps take the argmax on the device; after a greedy decode step the predicted
+  next step is launched at once (`decode_ahead`), so the device works while the scheduler plans.
 """
 
 from __future__ import annotations
