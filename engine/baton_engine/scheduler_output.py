@@ -135,3 +135,8 @@ class ModelRunnerOutput:
     logprobs: list[list[list[tuple[int, float]]]] | None = None
     """Per sampling row, per accepted token: the sampled token's logprob first, then the top-n
     ``(token id, logprob)`` pairs; None when no row asked for logprobs."""
+    sampled_token_array: Int64Array | None = None
+    """Optional fast path (added by the engine core): the same tokens as one flat array, one per
+    sampling row, when no row speculated. The runner has them as an array already; with it,
+    `postprocess` needs no per-row Python pass. When given it must agree with
+    `sampled_token_ids`."""

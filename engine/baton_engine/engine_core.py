@@ -1,0 +1,194 @@
+"""The engine core: the step loop (schedule -> run -> postprocess) and per-request outputs.
+
+The core speaks token ids only. Text (tokenizing, detokenizing, stop strings) is the caller's:
+the offline `LLM` runs it in-process, the HTTP server in its own process (`core_process`). A
+request id is the caller's string; the scheduler's sequences get integer ids here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from baton_engine.config import EngineConfig
+from baton_engine.engine_outputs import RequestOutput, TokenLogprobs
+from baton_engine.engine_stats import EngineStats
+from baton_engine.kv_cache_events import KVCacheEvent
+from baton_engine.sampling_params import SamplingParams
+from baton_engine.scheduler import Scheduler
+from baton_engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from baton_engine.sequence import Sequence as EngineSequence
+
+log = logging.getLogger(__name__)
+
+KVEventSink = Callable[[list[KVCacheEvent]], None]
+"""Receives the KV-cache events of one step (the KV-event publisher, when enabled)."""
+
+
+class Runner(Protocol):
+    """What the core needs from a model runner."""
+
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@dataclass
+class _Request:
+    request_id: str
+    seq: EngineSequence
+    num_emitted: int = 0
+    reported_queue_time: bool = False
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: Runner,
+        *,
+        kv_event_sink: KVEventSink | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.kv_event_sink = kv_event_sink
+        self._requests: dict[int, _Request] = {}
+        self._ids: dict[str, int] = {}
+        self._next_seq_id = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._num_steps = 0
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. A request that can never fit is finished as ``rejected`` in the next
+        `step` (with the reason in `RequestOutput.finish_message`)."""
+        if request_id in self._ids:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        seq = EngineSequence(seq_id, list(prompt_token_ids), params, arrival_time=arrival_time)
+        self._requests[seq_id] = _Request(request_id, seq)
+        self._ids[request_id] = seq_id
+        self.scheduler.add(seq)
+
+    def abort_requests(self, request_ids: Sequence[str], message: str | None = None) -> None:
+        """Finish requests now and free their KV; unknown or finished ids are ignored."""
+        for request_id in request_ids:
+            seq_id = self._ids.get(request_id)
+            if seq_id is not None:
+                self.scheduler.abort(seq_id, message)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or self.scheduler.has_unfinished()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the outputs of every request that gained tokens or finished."""
+        sched = self.scheduler
+        out = sched.schedule()
+        touched: dict[int, _Request] = {}
+        if out.num_rows:
+            result = self.runner.execute(out)
+            step = sched.postprocess(out, result)
+            self._num_steps += 1
+            logprobs = result.logprobs
+            for i, (seq_id, tokens) in enumerate(zip(step.seq_ids, step.new_token_ids, strict=True)):
+                req = self._requests.get(seq_id)
+                if req is None:
+                    continue
+                touched[seq_id] = req
+                if logprobs is not None and req.seq.sampling_params.logprobs is not None:
+                    req.new_logprobs.extend(logprobs[i][: len(tokens)])
+            finished = step.finished
+        else:  # an empty step is not in flight: nothing to run or postprocess
+            finished = sched.take_finished()
+        for seq in finished:
+            req = self._requests.get(seq.seq_id)
+            if req is not None:
+                touched[seq.seq_id] = req
+        if self.kv_event_sink is not None:
+            events = sched.block_manager.take_events()
+            if events:
+                self.kv_event_sink(events)
+        else:
+            sched.block_manager.take_events()  # keep the log bounded when nobody listens
+        return [self._output(req) for req in touched.values()]
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        output_ids = seq.output_token_ids
+        new_ids = output_ids[req.num_emitted :]
+        if req.num_emitted == 0 and new_ids:
+            self._prompt_tokens += seq.num_prompt_tokens
+        self._generation_tokens += len(new_ids)
+        req.num_emitted = len(output_ids)
+        queue_time = None
+        if not req.reported_queue_time and seq.first_scheduled_time is not None:
+            queue_time = max(0.0, seq.first_scheduled_time - seq.arrival_time)
+            req.reported_queue_time = True
+        logprobs = None
+        if seq.sampling_params.logprobs is not None:
+            logprobs, req.new_logprobs = req.new_logprobs, []
+        finished = seq.is_finished
+        if finished:
+            del self._requests[seq.seq_id]
+            del self._ids[req.request_id]
+        reason = seq.finish_reason.value if finished and seq.finish_reason is not None else None
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            finished=finished,
+            finish_reason=reason,
+            finish_message=seq.finish_message if finished else None,
+            new_logprobs=logprobs,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            queue_time=queue_time,
+        )
+
+    # -- metrics ----------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        bm = sched.block_manager
+        prefix = sched.prefix_cache_stats
+        spec = sched.spec_stats
+        return EngineStats(
+            num_waiting=sched.num_waiting,
+            num_running=sched.num_running,
+            kv_usage=bm.usage(),
+            num_kv_blocks=bm.num_blocks,
+            num_used_kv_blocks=bm.num_used_blocks,
+            prefix_queried_tokens=prefix.queried_tokens,
+            prefix_hit_tokens=prefix.hit_tokens,
+            num_preemptions=sched.num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            spec_draft_tokens=spec.num_draft_tokens,
+            spec_accepted_tokens=spec.num_accepted_tokens,
+            num_steps=self._num_steps,
+        )
+
+
+def run_until_idle(core: EngineCore, on_outputs: Callable[[list[RequestOutput]], None]) -> None:
+    """Step until no request is left (the offline path's loop)."""
+    while core.has_unfinished():
+        started = time.monotonic()
+        outputs = core.step()
+        if outputs:
+            on_outputs(outputs)
+        elif time.monotonic() - started < 1e-4:
+            time.sleep(0.001)  # nothing schedulable yet (e.g. waiting for remote KV)

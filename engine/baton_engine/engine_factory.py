@@ -1,0 +1,88 @@
+"""Build an `EngineCore` (model runner + scheduler) or just a tokenizer from an `EngineConfig`.
+
+The server process needs only the tokenizer (it never loads weights); the core process and
+the offline `LLM` build the whole core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from baton_engine.config import EngineConfig
+from baton_engine.engine_core import EngineCore, KVEventSink
+from baton_engine.sampling_params import SamplingParams
+from baton_engine.tokenizer import Tokenizer
+
+
+class NoTokenizerError(ValueError):
+    """The model reference has no tokenizer files."""
+
+
+def load_tokenizer(reference: str) -> Tokenizer:
+    """The tokenizer (and chat template) of a model reference, without reading any weights."""
+    from baton_engine.loader import resolve_model
+
+    resolved = resolve_model(reference)
+    if resolved.format == "gguf":
+        from baton_engine.loader.gguf_loader import open_gguf
+        from baton_engine.loader.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(open_gguf(resolved.path))
+    tokenizer = Tokenizer.from_pretrained_dir(resolved.path)
+    if tokenizer is None:
+        raise NoTokenizerError(f"model {reference!r} has no tokenizer.json in {resolved.path}")
+    return tokenizer
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    """The name clients use (`served_model_name`, else the model's own)."""
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+
+    def with_extra_eos(self, params: SamplingParams) -> SamplingParams:
+        """The scheduler knows one EOS id; models with several stop on the others through
+        `stop_token_ids` (unless the request ignores EOS)."""
+        extra = tuple(t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids)
+        if params.ignore_eos or not extra:
+            return params
+        return dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
+
+
+def build_engine_core(
+    config: EngineConfig, *, kv_event_sink: KVEventSink | None = None
+) -> tuple[EngineCore, ModelInfo]:
+    from baton_engine.model_runner import ModelRunner
+    from baton_engine.scheduler import Scheduler
+
+    runner = ModelRunner(config)
+    model_config = runner.model_config
+    max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
+    tokenizer = runner.loaded.tokenizer
+    eos_ids = tuple(model_config.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer is not None else ())
+    scheduler = Scheduler.from_config(
+        config.model_copy(update={"max_model_len": max_model_len}),
+        num_blocks=runner.num_blocks,
+        eos_token_id=eos_ids[0] if eos_ids else None,
+        prefix_hasher=_prefix_hasher(config),
+    )
+    info = ModelInfo(
+        name=config.served_model_name or runner.loaded.name,
+        max_model_len=max_model_len,
+        eos_token_ids=eos_ids,
+        vocab_size=model_config.vocab_size,
+    )
+    return EngineCore(scheduler, runner, kv_event_sink=kv_event_sink), info
+
+
+def _prefix_hasher(config: EngineConfig):  # type: ignore[no-untyped-def]
+    from baton_engine.prefix_hash import fast_prefix_hash
+
+    if config.prefix_hash == "fast":
+        return fast_prefix_hash
+    from baton_engine import vllm_prefix_hash  # type: ignore[attr-defined]
+
+    return vllm_prefix_hash.vllm_sha256_cbor_hash

@@ -1,0 +1,41 @@
+"""A snapshot of the engine core's state for metrics: gauges now, counters since start.
+
+Torch-free and plain data, so the core process can send it to the server process as a dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int = 0
+    """Requests queued for (re)admission, including those waiting for remote KV."""
+    num_running: int = 0
+    """Requests holding a row in the running batch."""
+    kv_usage: float = 0.0
+    """Fraction of KV blocks referenced by live requests (0..1)."""
+    num_kv_blocks: int = 0
+    num_used_kv_blocks: int = 0
+    prefix_queried_tokens: int = 0
+    """Cumulative prompt tokens looked up in the prefix cache."""
+    prefix_hit_tokens: int = 0
+    """Cumulative prompt tokens served from the prefix cache."""
+    num_preemptions: int = 0
+    """Cumulative preemptions (recompute)."""
+    prompt_tokens: int = 0
+    """Cumulative prompt tokens of admitted requests."""
+    generation_tokens: int = 0
+    """Cumulative generated tokens."""
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    num_steps: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> EngineStats:
+        return cls(**raw)

@@ -1,0 +1,465 @@
+"""The FastAPI application: OpenAI endpoints, health, readiness and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from baton_engine import contract
+from baton_engine.sampling_params import SamplingParams
+from baton_engine.server import errors
+from baton_engine.server.engine_client import EngineDeadError
+from baton_engine.server.errors import APIError, bad_request
+from baton_engine.server.generation import ChoiceDelta, DeadlineExceeded, Generation
+from baton_engine.server.openai_format import TokenText, chat_logprobs, completion_logprobs, now
+from baton_engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    decode_body,
+    parse,
+    stop_list,
+)
+from baton_engine.server.state import ServerState
+
+log = logging.getLogger("baton_engine.server")
+REQUEST_ID_HEADER = "X-Request-Id"
+RETRY_AFTER_SECONDS = 1
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="Baton engine", docs_url=None, redoc_url=None)
+    app.state.baton = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        response = exc.response()
+        request_id = getattr(request.state, "request_id", None)
+        if request_id:
+            response.headers[REQUEST_ID_HEADER] = request_id
+        log.info("request %s: %d %s", request_id, exc.status, exc.message)
+        return response
+
+    @app.get(contract.PATH_HEALTH)
+    async def health() -> JSONResponse:
+        if state.client is not None and state.client.dead:
+            return JSONResponse({"status": "engine dead", "detail": state.client.dead}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get(contract.PATH_READY)
+    async def ready() -> JSONResponse:
+        if state.draining:
+            return JSONResponse({"ready": False, "reason": "draining"}, status_code=503)
+        if not state.ready:
+            return JSONResponse({"ready": False, "reason": state.load_error or "loading"}, status_code=503)
+        return JSONResponse({"ready": True})
+
+    @app.get(contract.PATH_METRICS)
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        data = []
+        if state.ready:
+            data.append(
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": now(),
+                    "owned_by": "baton",
+                    "max_model_len": state.max_model_len,
+                }
+            )
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/debug/stats")
+    async def debug_stats() -> JSONResponse:
+        """A fresh engine-core snapshot (queues, KV blocks in use, counters)."""
+        client = _require_ready(state)
+        stats = await client.call("stats")
+        return JSONResponse({**stats, "core_pid": client.info["pid"], "in_flight": state.in_flight})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        request_id = _request_id(request, "cmpl")
+        req: CompletionRequest = parse(CompletionRequest, decode_body(await request.body()))
+        _check_model(state, req.model)
+        prompts = _completion_prompts(state, req)
+        params = _sampling_params(state, req, prompts, req.max_tokens, req.logprobs)
+        gen = _start(state, request_id, prompts, params, req.timeout)
+        log.info(
+            "request %s: completion, %d prompt(s), %d prompt tokens, stream=%s",
+            request_id, len(prompts), sum(map(len, prompts)), req.stream,
+        )  # fmt: skip
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            return _sse(state, request_id, _completion_stream(state, gen, request_id, include_usage))
+        return await _collect(state, request, gen, request_id, "text_completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        request_id = _request_id(request, "chatcmpl")
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, decode_body(await request.body()))
+        _check_model(state, req.model)
+        tokenizer = _tokenizer(state)
+        try:
+            prompt = tokenizer.encode_chat(chat_messages(req))
+        except APIError:
+            raise
+        except Exception as exc:  # template errors (e.g. roles the template refuses)
+            raise bad_request(f"messages: the chat template rejected them: {exc}", param="messages") from exc
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = _sampling_params(state, req, [prompt], max_tokens, num_logprobs)
+        gen = _start(state, request_id, [prompt], params, req.timeout)
+        log.info("request %s: chat, %d prompt tokens, stream=%s", request_id, len(prompt), req.stream)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            return _sse(state, request_id, _chat_stream(state, gen, request_id, include_usage))
+        return await _collect(state, request, gen, request_id, "chat.completion")
+
+    return app
+
+
+# ------------------------------------------------------------------------------ admission
+
+
+def _request_id(request: Request, prefix: str) -> str:
+    given = request.headers.get(REQUEST_ID_HEADER)
+    request_id = (
+        given if given and len(given) <= 256 and given.isprintable() else f"{prefix}-{uuid.uuid4().hex}"
+    )
+    request.state.request_id = request_id
+    return request_id
+
+
+def _require_ready(state: ServerState) -> Any:
+    if state.draining:
+        raise errors.draining()
+    if not state.ready or state.client is None:
+        raise APIError(503, "the model is still loading", type="service_unavailable", code="loading")
+    if state.client.dead:
+        raise APIError(503, f"the engine is not running: {state.client.dead}", type="service_unavailable")
+    return state.client
+
+
+def _tokenizer(state: ServerState) -> Any:
+    _require_ready(state)
+    if state.tokenizer is None:
+        raise bad_request("this model has no tokenizer; send prompts as token id lists", param="prompt")
+    return state.tokenizer
+
+
+def _check_model(state: ServerState, model: str) -> None:
+    _require_ready(state)
+    if model != state.model_name:
+        raise APIError(
+            404,
+            f"model: {model!r} does not exist; this server serves {state.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
+    raw = req.prompt
+    if isinstance(raw, str):
+        texts: list[str] | None = [raw]
+        prompts: list[list[int]] = []
+    elif raw and all(isinstance(x, int) for x in raw):
+        texts, prompts = None, [list(raw)]  # type: ignore[arg-type]
+    elif all(isinstance(x, str) for x in raw):
+        texts, prompts = list(raw), []  # type: ignore[arg-type]
+    else:
+        texts, prompts = None, [list(p) for p in raw]  # type: ignore[union-attr]
+    if texts is not None:
+        tokenizer = _tokenizer(state)
+        prompts = [tokenizer.encode(t) for t in texts]
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise bad_request(f"prompt[{i}]: must not be empty", param="prompt")
+        bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"prompt[{i}]: token id {bad} is out of range [0, {state.vocab_size})", param="prompt"
+            )
+    return prompts
+
+
+def _sampling_params(
+    state: ServerState,
+    req: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    num_logprobs: int | None,
+) -> SamplingParams:
+    longest = max(len(p) for p in prompts)
+    if longest >= state.max_model_len:
+        raise bad_request(
+            f"prompt: {longest} tokens, but max_model_len is {state.max_model_len} (the prompt must leave "
+            "room for at least one generated token)",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    room = state.max_model_len - longest
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
+        raise bad_request(
+            f"max_tokens: {max_tokens} plus the prompt's {longest} tokens exceeds max_model_len "
+            f"{state.max_model_len}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    try:
+        params = SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            max_tokens=max_tokens,
+            stop=tuple(stop_list(req)),
+            ignore_eos=req.ignore_eos,
+            seed=req.seed,
+            logprobs=num_logprobs,
+            n=req.n,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc)) from exc
+    extra = tuple(t for t in state.eos_token_ids[1:] if t not in params.stop_token_ids)
+    if extra and not params.ignore_eos:
+        import dataclasses
+
+        params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
+    return params
+
+
+def _start(
+    state: ServerState,
+    request_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    timeout: float | None,
+) -> Generation:
+    client = _require_ready(state)
+    if client.num_not_started + len(prompts) * params.n > state.config.max_queued_requests:
+        raise errors.server_overloaded(RETRY_AFTER_SECONDS)
+    assert state.tokenizer is not None or all(prompts)
+    return Generation(
+        client,
+        state.tokenizer,
+        state.metrics,
+        request_id,
+        prompts,
+        params,
+        timeout=timeout,  # type: ignore[arg-type]
+    )
+
+
+# ------------------------------------------------------------------------------ responses
+
+
+def _error_event(exc: APIError) -> str:
+    return f"data: {json.dumps(exc.body())}\n\n"
+
+
+def _sse(state: ServerState, request_id: str, events: AsyncIterator[str]) -> StreamingResponse:
+    state.in_flight += 1
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            state.in_flight -= 1
+            log.info("request %s: stream closed", request_id)
+
+    return StreamingResponse(
+        body(),
+        media_type="text/event-stream",
+        headers={REQUEST_ID_HEADER: request_id, "Cache-Control": "no-cache"},
+    )
+
+
+async def _guarded(gen: Generation) -> AsyncIterator[list[ChoiceDelta]]:
+    """Deltas with engine failures turned into API errors (the caller decides how to send them)."""
+    async with contextlib.aclosing(gen.deltas()) as deltas:
+        try:
+            async for batch in deltas:
+                for delta in batch:
+                    if delta.finish_reason == "rejected":
+                        raise bad_request(f"prompt: {delta.message}", param="prompt")
+                yield batch
+        except DeadlineExceeded as exc:
+            raise errors.deadline_exceeded(gen.timeout or 0.0) from exc
+        except EngineDeadError as exc:
+            raise APIError(500, str(exc), type="internal_error", code="engine_dead") from exc
+
+
+async def _completion_stream(
+    state: ServerState, gen: Generation, request_id: str, include_usage: bool
+) -> AsyncIterator[str]:
+    created = now()
+    token_text = TokenText(state.tokenizer) if state.tokenizer is not None else None
+    offsets: dict[int, int] = {}
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        body: dict[str, Any] = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": state.model_name,
+            "choices": choices,
+        }
+        if include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    try:
+        async for batch in _guarded(gen):
+            choices = []
+            for d in batch:
+                logprobs = None
+                if d.logprobs is not None and token_text is not None:
+                    logprobs = completion_logprobs(d.logprobs, token_text, offsets.get(d.index, 0))
+                offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
+                choices.append(
+                    {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+                )
+            yield chunk(choices)
+    except APIError as exc:
+        yield _error_event(exc)
+    else:
+        if include_usage:
+            yield chunk([], gen.usage.to_dict())
+    yield "data: [DONE]\n\n"
+
+
+async def _chat_stream(
+    state: ServerState, gen: Generation, request_id: str, include_usage: bool
+) -> AsyncIterator[str]:
+    created = now()
+    token_text = TokenText(state.tokenizer) if state.tokenizer is not None else None
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        body: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": state.model_name,
+            "choices": choices,
+        }
+        if include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    n = len(gen.prompts) * gen.params.n
+    yield chunk(
+        [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(n)
+        ]
+    )
+    try:
+        async for batch in _guarded(gen):
+            choices = []
+            for d in batch:
+                if not d.text and d.finish_reason is None and not d.logprobs:
+                    continue  # tokens that do not yet form text (a partial UTF-8 character)
+                logprobs = None
+                if d.logprobs is not None and token_text is not None:
+                    logprobs = chat_logprobs(d.logprobs, token_text)
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                choices.append(
+                    {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
+                )
+            if choices:
+                yield chunk(choices)
+    except APIError as exc:
+        yield _error_event(exc)
+    else:
+        if include_usage:
+            yield chunk([], gen.usage.to_dict())
+    yield "data: [DONE]\n\n"
+
+
+async def _collect(
+    state: ServerState, request: Request, gen: Generation, request_id: str, kind: str
+) -> Response:
+    """A non-streaming answer; a client that goes away meanwhile aborts the request."""
+    n = len(gen.prompts) * gen.params.n
+    texts = [""] * n
+    finish: list[str | None] = [None] * n
+    logprobs: list[list[Any]] = [[] for _ in range(n)]
+
+    async def run() -> None:
+        async for batch in _guarded(gen):
+            for d in batch:
+                texts[d.index] += d.text
+                if d.finish_reason is not None:
+                    finish[d.index] = d.finish_reason
+                if d.logprobs is not None:
+                    logprobs[d.index].extend(d.logprobs)
+
+    state.in_flight += 1
+    task = asyncio.create_task(run())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                task.result()
+                break
+            if await request.is_disconnected():
+                log.info("request %s: client disconnected; aborting", request_id)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return Response(status_code=499)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        state.in_flight -= 1
+
+    token_text = TokenText(state.tokenizer) if state.tokenizer is not None else None
+    want_logprobs = gen.params.logprobs is not None and token_text is not None
+    choices: list[dict[str, Any]] = []
+    for i in range(n):
+        if kind == "text_completion":
+            lp = completion_logprobs(logprobs[i], token_text, 0) if want_logprobs else None  # type: ignore[arg-type]
+            choices.append({"index": i, "text": texts[i], "logprobs": lp, "finish_reason": finish[i]})
+        else:
+            lp = chat_logprobs(logprobs[i], token_text) if want_logprobs else None  # type: ignore[arg-type]
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": texts[i]},
+                    "logprobs": lp,
+                    "finish_reason": finish[i],
+                }
+            )
+    body = {
+        "id": request_id,
+        "object": kind,
+        "created": now(),
+        "model": state.model_name,
+        "choices": choices,
+        "usage": gen.usage.to_dict(),
+    }
+    log.info("request %s: done, %d completion tokens", request_id, gen.usage.completion_tokens)
+    return JSONResponse(body, headers={REQUEST_ID_HEADER: request_id})

@@ -1,0 +1,215 @@
+"""The server's handle on the engine-core process: start it, talk to it, stop it.
+
+Runs inside the server's asyncio loop. Requests go out on a PUSH socket; a reader task
+dispatches each step's outputs to the per-request queues (`add` registers one). The core is a
+child process (``python -m baton_engine.core_process``); it exits on ``shutdown`` or when this
+process dies. If it dies first, every open request fails with `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from baton_engine import ipc
+from baton_engine.config import EngineConfig
+from baton_engine.engine_outputs import RequestOutput
+from baton_engine.engine_stats import EngineStats
+from baton_engine.sampling_params import SamplingParams
+
+log = logging.getLogger("baton_engine.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process failed to start or exited."""
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, on_stats: Callable[[EngineStats], None] | None = None) -> None:
+        self.config = config
+        self.on_stats = on_stats
+        self.info: dict[str, Any] = {}
+        self.stats = EngineStats()
+        self.dead: str | None = None
+        self.process: subprocess.Popen[bytes] | None = None
+        self._paths = ipc.IpcPaths.create()
+        self._ctx = zmq.asyncio.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._input.bind(self._paths.input_address)
+        self._output.bind(self._paths.output_address)
+        self._queues: dict[str, asyncio.Queue[RequestOutput | EngineDeadError]] = {}
+        self._not_started: set[str] = set()
+        self._utility: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self, timeout: float = 600.0) -> None:
+        """Spawn the core and wait for its ``ready`` (or raise `EngineDeadError`)."""
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "baton_engine.core_process",
+                "--config-json",
+                self.config.model_dump_json(),
+                "--input",
+                self._paths.input_address,
+                "--output",
+                self._paths.output_address,
+                "--parent-pid",
+                str(os.getpid()),
+            ],
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise EngineDeadError(f"engine core exited with code {self.process.returncode} while loading")
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"engine core not ready after {timeout:g} s")
+            if await self._output.poll(500):
+                kind, payload = ipc.decode(await self._output.recv())
+                if kind == ipc.READY:
+                    self.info = payload
+                    break
+                if kind == ipc.FAILED:
+                    raise EngineDeadError(f"engine core failed to load: {payload}")
+        self._tasks = [
+            asyncio.create_task(self._read_outputs(), name="engine-outputs"),
+            asyncio.create_task(self._watch_process(), name="engine-watchdog"),
+        ]
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Tell the core to stop, wait for it (kill it after `timeout`), release the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        proc = self.process
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._input.send(ipc.encode(ipc.SHUTDOWN, None), zmq.NOBLOCK)
+            deadline = time.monotonic() + timeout
+            while proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if proc.poll() is None:
+                log.error("engine core %d did not exit in %g s; killing it", proc.pid, timeout)
+                proc.kill()
+                proc.wait()
+        self._input.close()
+        self._output.close()
+        self._ctx.term()
+        self._paths.cleanup()
+
+    # -- requests ---------------------------------------------------------------------------
+    @property
+    def num_not_started(self) -> int:
+        """Requests sent to the core that have produced no output yet (queued or prefilling)."""
+        return len(self._not_started)
+
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        queue: asyncio.Queue[RequestOutput | EngineDeadError],
+        arrival_time: float,
+    ) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self._queues[request_id] = queue
+        self._not_started.add(request_id)
+        payload = [request_id, prompt_token_ids, _params_dict(params), arrival_time]
+        self._input.send(ipc.encode(ipc.ADD, payload))
+
+    def abort(self, request_ids: list[str], message: str) -> None:
+        """Abort in the core (frees KV); outputs still in flight for them are dropped."""
+        live = [r for r in request_ids if self._queues.pop(r, None) is not None]
+        for r in live:
+            self._not_started.discard(r)
+        if live and self.dead is None and not self._closed:
+            self._input.send(ipc.encode(ipc.ABORT, [live, message]))
+
+    async def call(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._utility[call_id] = future
+        self._input.send(ipc.encode(ipc.UTILITY, [call_id, method, list(args)]))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._utility.pop(call_id, None)
+
+    # -- background tasks -------------------------------------------------------------------
+    async def _read_outputs(self) -> None:
+        while True:
+            kind, payload = ipc.decode(await self._output.recv())
+            if kind == ipc.OUTPUTS:
+                raw_outputs, raw_stats = payload
+                for raw in raw_outputs:
+                    out = RequestOutput.from_wire(raw)
+                    self._not_started.discard(out.request_id)
+                    queue = self._queues.get(out.request_id)
+                    if queue is None:
+                        continue
+                    if out.finished:
+                        del self._queues[out.request_id]
+                    queue.put_nowait(out)
+                self.stats = EngineStats.from_dict(raw_stats)
+                if self.on_stats is not None:
+                    self.on_stats(self.stats)
+            elif kind == ipc.UTILITY_RESULT:
+                call_id, ok, result = payload
+                future = self._utility.get(call_id)
+                if future is not None and not future.done():
+                    if ok:
+                        future.set_result(result)
+                    else:
+                        future.set_exception(RuntimeError(result))
+            else:
+                log.error("unexpected message %r from the engine core", kind)
+
+    async def _watch_process(self) -> None:
+        assert self.process is not None
+        while self.process.poll() is None:
+            await asyncio.sleep(0.5)
+        self.dead = f"engine core exited with code {self.process.returncode}"
+        log.error("%s; failing %d open requests", self.dead, len(self._queues))
+        error = EngineDeadError(self.dead)
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        self._queues.clear()
+        self._not_started.clear()
+        for future in self._utility.values():
+            if not future.done():
+                future.set_exception(error)
+
+
+def _params_dict(params: SamplingParams) -> dict[str, Any]:
+    raw = asdict(params)
+    raw["stop"] = list(params.stop)
+    raw["stop_token_ids"] = list(params.stop_token_ids)
+    return raw

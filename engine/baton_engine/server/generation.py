@@ -1,0 +1,190 @@
+"""One HTTP request's generation: its choices (prompts x n) in the core, as text deltas.
+
+Each choice is one engine request (``<request id>-<choice index>``). Text is detokenized
+here with stop strings applied; a matched stop string aborts that choice in the core. Leaving
+the iterator early (client disconnect, deadline, error) aborts every unfinished choice, which
+frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from baton_engine.engine_outputs import RequestOutput, TokenLogprobs
+from baton_engine.metrics import EngineMetrics
+from baton_engine.sampling_params import SamplingParams
+from baton_engine.server.engine_client import EngineClient, EngineDeadError
+from baton_engine.text_stream import TextStream, TokenDecoder
+
+
+class DeadlineExceeded(Exception):
+    pass
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None
+    message: str | None = None
+    """Why the engine rejected or aborted the choice."""
+
+
+@dataclass
+class _Choice:
+    index: int
+    engine_id: str
+    stream: TextStream
+    want_logprobs: bool
+    arrival: float
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated: int = 0
+    finish_reason: str | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    queue_time: float | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class Generation:
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer: TokenDecoder,
+        metrics: EngineMetrics,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        self.client = client
+        self.metrics = metrics
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.timeout = timeout
+        self.arrival = time.monotonic()
+        self.usage = Usage(prompt_tokens=sum(len(p) for p in prompts) * params.n)
+        self._queue: asyncio.Queue[RequestOutput | EngineDeadError] = asyncio.Queue()
+        self._choices: dict[str, _Choice] = {}
+        want_logprobs = params.logprobs is not None
+        for i in range(len(prompts) * params.n):
+            engine_id = f"{request_id}-{i}"
+            self._choices[engine_id] = _Choice(
+                i, engine_id, TextStream(tokenizer, params.stop), want_logprobs, self.arrival
+            )
+
+    def _child_params(self, choice_index: int) -> SamplingParams:
+        import dataclasses
+
+        j = choice_index % self.params.n
+        seed = self.params.seed
+        if seed is not None and j:
+            seed = (seed + j) % 2**63
+        return dataclasses.replace(self.params, n=1, seed=seed)
+
+    async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
+        """Yield each step's deltas until every choice finished; abort the rest on exit."""
+        deadline = None if self.timeout is None else self.arrival + self.timeout
+        try:
+            for engine_id, choice in self._choices.items():
+                prompt = self.prompts[choice.index // self.params.n]
+                self.client.add(
+                    engine_id, prompt, self._child_params(choice.index), self._queue, time.monotonic()
+                )
+            remaining = len(self._choices)
+            while remaining:
+                batch = [await self._next(deadline)]
+                while not self._queue.empty():
+                    batch.append(self._queue.get_nowait())
+                deltas: list[ChoiceDelta] = []
+                for item in batch:
+                    if isinstance(item, EngineDeadError):
+                        raise item
+                    delta = self._apply(item)
+                    if delta is not None:
+                        deltas.append(delta)
+                        if delta.finish_reason is not None:
+                            remaining -= 1
+                if deltas:
+                    yield deltas
+        finally:
+            unfinished = [c.engine_id for c in self._choices.values() if c.finish_reason is None]
+            if unfinished:
+                self.client.abort(unfinished, "client gone or request cancelled")
+
+    async def _next(self, deadline: float | None) -> RequestOutput | EngineDeadError:
+        if deadline is None:
+            return await self._queue.get()
+        left = deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(self._queue.get(), max(left, 0.0))
+        except TimeoutError as exc:
+            raise DeadlineExceeded from exc
+
+    def _apply(self, out: RequestOutput) -> ChoiceDelta | None:
+        choice = self._choices.get(out.request_id)
+        if choice is None or choice.finish_reason is not None:
+            return None
+        now = time.monotonic()
+        if out.queue_time is not None:
+            choice.queue_time = out.queue_time
+        choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
+        if out.new_token_ids:
+            if choice.first_token_at is None:
+                choice.first_token_at = now
+            elif choice.last_token_at is not None:
+                choice.gaps.extend(
+                    [(now - choice.last_token_at) / len(out.new_token_ids)] * len(out.new_token_ids)
+                )
+            choice.last_token_at = now
+        choice.num_generated += len(out.new_token_ids)
+        self.usage.completion_tokens += len(out.new_token_ids)
+        text = choice.stream.push(out.new_token_ids)
+        finish: str | None = None
+        if choice.stream.stopped:
+            finish = "stop"
+            self.client.abort([choice.engine_id], "stop string matched")
+        elif out.finished:
+            text += choice.stream.finish()
+            finish = "stop" if out.finish_reason == "stop" else out.finish_reason
+        if finish is not None:
+            choice.finish_reason = finish
+            self.usage.cached_tokens += choice.num_cached_tokens
+            self._observe(choice, now)
+        logprobs = out.new_logprobs if choice.want_logprobs else None
+        if not text and not out.new_token_ids and finish is None:
+            return None
+        message = out.finish_message if out.finished else None
+        return ChoiceDelta(choice.index, text, list(out.new_token_ids), logprobs, finish, message)
+
+    def _observe(self, choice: _Choice, now: float) -> None:
+        self.metrics.observe_finished(
+            choice.finish_reason or "abort",
+            ttft=None if choice.first_token_at is None else choice.first_token_at - choice.arrival,
+            e2e=now - choice.arrival,
+            queue_time=choice.queue_time,
+            inter_token=choice.gaps,
+        )

@@ -1,0 +1,124 @@
+"""Run one engine pod: start uvicorn at once (``/health`` answers while loading), load the
+tokenizer and start the engine-core process in the background, then serve.
+
+SIGTERM/SIGINT start a drain: ``/ready`` turns 503 at once, new requests get 503, in-flight
+requests finish (up to the grace period), then the server stops, the core process is shut
+down, and the process exits 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Iterator
+
+import uvicorn
+
+from baton_engine.config import EngineConfig
+from baton_engine.engine_factory import load_tokenizer
+from baton_engine.metrics import EngineMetrics
+from baton_engine.server.app import build_app
+from baton_engine.server.engine_client import EngineClient
+from baton_engine.server.state import ServerState
+
+log = logging.getLogger("baton_engine.server")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: `serve` installs draining handlers instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def _load(state: ServerState, server: _Server) -> None:
+    config = state.config
+    try:
+        try:
+            state.tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
+        except Exception as exc:  # a model without tokenizer files still serves token-id prompts
+            log.warning("no tokenizer for %s (%s); only token-id prompts will work", config.model, exc)
+        client = EngineClient(config, on_stats=state.metrics.update)
+        state.client = client
+        await client.start()
+        info = client.info
+        state.model_name = config.served_model_name or str(info["model_name"])
+        state.metrics.model_name = state.model_name
+        state.max_model_len = int(info["max_model_len"])
+        state.vocab_size = int(info["vocab_size"])
+        state.eos_token_ids = tuple(info["eos_token_ids"])
+        state.metrics.kv_blocks.labels(state.model_name).set(int(info["num_kv_blocks"]))
+        state.ready = True
+        log.info(
+            "ready: model %s, %d KV blocks, max_model_len %d, engine core pid %s",
+            state.model_name, info["num_kv_blocks"], state.max_model_len, info["pid"],
+        )  # fmt: skip
+    except Exception as exc:
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        log.error("loading failed: %s", state.load_error)
+        server.should_exit = True
+
+
+async def _drain(state: ServerState, server: _Server, grace_seconds: float) -> None:
+    deadline = time.monotonic() + grace_seconds
+    while state.in_flight > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if state.in_flight:
+        log.warning("grace period over with %d requests in flight; stopping anyway", state.in_flight)
+    else:
+        log.info("drained; stopping")
+    server.should_exit = True
+
+
+async def _serve(config: EngineConfig, grace_seconds: float, log_level: str) -> int:
+    state = ServerState(config=config, metrics=EngineMetrics(config.served_model_name or config.model))
+    app = build_app(state)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="off",
+    )
+    server = _Server(uv_config)
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task[None]] = []
+
+    def on_signal(signum: int) -> None:
+        if state.draining:
+            log.warning("second signal %d: stopping now", signum)
+            server.force_exit = True
+            server.should_exit = True
+            return
+        log.info(
+            "signal %d: draining (%d requests in flight, grace %g s)", signum, state.in_flight, grace_seconds
+        )
+        state.draining = True
+        tasks.append(asyncio.create_task(_drain(state, server, grace_seconds)))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    tasks.append(asyncio.create_task(_load(state, server)))
+    try:
+        await server.serve()
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if state.client is not None:
+            await state.client.close()
+    return 1 if state.load_error else 0
+
+
+def serve(config: EngineConfig, *, grace_seconds: float = 30.0, log_level: str = "info") -> int:
+    """Serve until drained; the process exit code (1 when loading failed)."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(_serve(config, grace_seconds, log_level))

@@ -1,0 +1,126 @@
+"""`baton-engine serve` as a real subprocess on 127.0.0.1 with a free port, stopped by pid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+BATON_ENGINE = str(Path(sys.executable).with_name("baton-engine"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (from /proc)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            children.append(int(entry))
+    return children
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_for(condition: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+class ServerProcess:
+    def __init__(self, model: str, *args: str, log_path: Path, ready_timeout: float = 300.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [BATON_ENGINE, "serve", "--model", model, "--host", "127.0.0.1", "--port", str(self.port), *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.http = httpx.Client(base_url=self.url, timeout=60.0)
+        try:
+            wait_for(self._ready, ready_timeout, f"{self.url}/ready", interval=0.2)
+        except BaseException:
+            self.stop(signal.SIGKILL)
+            raise
+        self.core_pid = int(self.stats()["core_pid"]) if "core_pid" in self.stats() else None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
+        try:
+            return self.http.get("/ready").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def log_text(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stats(self) -> dict[str, Any]:
+        response = self.http.get("/debug/stats")
+        response.raise_for_status()
+        result: dict[str, Any] = response.json()
+        return result
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Wait until no request is queued or running and no KV block is in use."""
+
+        def idle() -> dict[str, Any] | None:
+            stats = self.stats()
+            quiet = (
+                stats["num_used_kv_blocks"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+            )
+            return stats if quiet else None
+
+        result: dict[str, Any] = wait_for(idle, timeout, "the engine to go idle with every KV block free")
+        return result
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """Signal the server by pid and wait for it; returns its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.http.close()
+        self._log.close()
+        return self.proc.returncode
