@@ -459,6 +459,9 @@ class Scheduler:
             finishing, new_token_ids = self._apply_speculative(out, result, now)
         else:
             finishing, new_token_ids = self._apply_tokens(out, result, now)
+            if self.num_speculative_tokens:
+                for seq in batch.seqs[:num_decode]:
+                    seq.draft_token_ids = []  # drafts are for one position only
 
         bm = self.block_manager
         if bm.enable_prefix_caching:
