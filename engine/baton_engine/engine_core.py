@@ -34,6 +34,12 @@ class Runner(Protocol):
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
+class Drafter(Protocol):
+    """Speculative decoding: sets the decoding sequences' drafts before each schedule."""
+
+    def before_schedule(self, scheduler: Scheduler) -> None: ...
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -50,9 +56,11 @@ class EngineCore:
         runner: Runner,
         *,
         kv_event_sink: KVEventSink | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        self.drafter = drafter
         self.kv_event_sink = kv_event_sink
         self._requests: dict[int, _Request] = {}
         self._ids: dict[str, int] = {}
@@ -99,6 +107,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of every request that gained tokens or finished."""
         sched = self.scheduler
+        if self.drafter is not None:
+            self.drafter.before_schedule(sched)
         out = sched.schedule()
         touched: dict[int, _Request] = {}
         if out.num_rows:
@@ -179,6 +189,8 @@ class EngineCore:
             generation_tokens=self._generation_tokens,
             spec_draft_tokens=spec.num_draft_tokens,
             spec_accepted_tokens=spec.num_accepted_tokens,
+            spec_num_drafts=spec.num_forwards,
+            spec_accepted_per_position=list(spec.accepted_per_position),
             num_steps=self._num_steps,
         )
 

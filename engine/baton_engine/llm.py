@@ -90,12 +90,17 @@ class LLM:
                 completion, text, result = entry
                 if completion.finish_reason is not None:
                     continue  # already cut by a stop string; this is the abort's echo
-                completion.token_ids.extend(out.new_token_ids)
-                if completion.logprobs is not None and out.new_logprobs:
-                    completion.logprobs.extend(out.new_logprobs)
+                new_ids, new_logprobs = out.new_token_ids, out.new_logprobs
+                if text is not None:
+                    text.push(new_ids)
+                    # A speculative step may run past a stop string: keep what precedes it.
+                    new_ids = new_ids[: text.num_ids_kept]
+                    new_logprobs = new_logprobs[: text.num_ids_kept] if new_logprobs else new_logprobs
+                completion.token_ids.extend(new_ids)
+                if completion.logprobs is not None and new_logprobs:
+                    completion.logprobs.extend(new_logprobs)
                 result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
                 if text is not None:
-                    text.push(out.new_token_ids)
                     if text.stopped:
                         completion.finish_reason = "stop"
                         completion.stop_string = text.stop_string

@@ -52,6 +52,8 @@ class TextStream:
         self._stops = StopStringMatcher(stops)
         self.text = ""
         """Everything emitted so far."""
+        self.num_ids_kept = 0
+        """How many ids of the latest `push` are part of the output (see `push`)."""
 
     @property
     def stop_string(self) -> str | None:
@@ -64,7 +66,22 @@ class TextStream:
         return self._stops.matched is not None
 
     def push(self, new_ids: list[int]) -> str:
-        delta = self._stops.push(self._decoder.push(new_ids))
+        """Feed tokens; returns the text that can be shown now. Afterwards `num_ids_kept` says
+        how many of `new_ids` belong to the output: with a stop string, the tokens up to the one
+        that completed it — a speculative step can deliver tokens past a stop string, and those
+        must not reach the client (one token at a time, they would never have been generated)."""
+        if len(new_ids) > 1 and self._stops.stops:
+            delta = ""
+            for i, token_id in enumerate(new_ids):
+                delta += self._stops.push(self._decoder.push([token_id]))
+                if self.stopped:
+                    self.num_ids_kept = i + 1
+                    break
+            else:
+                self.num_ids_kept = len(new_ids)
+        else:
+            delta = self._stops.push(self._decoder.push(new_ids))
+            self.num_ids_kept = len(new_ids)
         self.text += delta
         return delta
 
