@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from baton_engine.config import EngineConfig
 from baton_engine.engine_outputs import RequestOutput, TokenLogprobs
 from baton_engine.engine_stats import EngineStats
 from baton_engine.kv_cache_events import KVCacheEvent

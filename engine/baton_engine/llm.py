@@ -1,7 +1,7 @@
 """The offline API: ``LLM(model=..., **engine settings).generate(prompts, params)``.
 
-Drives the same `EngineCore` as the server, in-process, and applies stop strings with the same
-`TextStream`. Imports nothing server-only (FastAPI, uvicorn, pyzmq).
+Drives the same `EngineCore` as the server, in-process, and matches stop strings with the same
+`IncrementalDetokenizer`. Imports nothing server-only (FastAPI, uvicorn, pyzmq).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baton_engine.config import EngineConfig
+from baton_engine.detokenizer import IncrementalDetokenizer
 from baton_engine.engine_core import run_until_idle
 from baton_engine.engine_factory import build_engine_core
 from baton_engine.engine_outputs import RequestOutput, TokenLogprobs
 from baton_engine.sampling_params import SamplingParams
-from baton_engine.text_stream import TextStream
 
 Prompt = str | list[int]
 
@@ -64,7 +64,7 @@ class LLM:
                     "one per prompt"
                 )
         results: list[GenerationOutput] = []
-        streams: dict[str, tuple[CompletionOutput, TextStream | None, GenerationOutput]] = {}
+        streams: dict[str, tuple[CompletionOutput, IncrementalDetokenizer | None, GenerationOutput]] = {}
         for prompt, params in zip(prompt_list, params_list, strict=True):
             ids = self._encode(prompt)
             result = GenerationOutput(prompt if isinstance(prompt, str) else None, ids)
@@ -77,7 +77,11 @@ class LLM:
                     j, "", [], None, logprobs=[] if params.logprobs is not None else None
                 )
                 result.outputs.append(completion)
-                text = TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
+                text = (
+                    IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+                    if self.tokenizer is not None
+                    else None
+                )
                 streams[request_id] = (completion, text, result)
                 self.core.add_request(request_id, ids, self.info.with_extra_eos(child))
 
@@ -91,26 +95,26 @@ class LLM:
                 if completion.finish_reason is not None:
                     continue  # already cut by a stop string; this is the abort's echo
                 new_ids, new_logprobs = out.new_token_ids, out.new_logprobs
-                if text is not None:
-                    text.push(new_ids)
+                delta = text.add(new_ids) if text is not None else None
+                if delta is not None:
                     # A speculative step may run past a stop string: keep what precedes it.
-                    new_ids = new_ids[: text.num_ids_kept]
-                    new_logprobs = new_logprobs[: text.num_ids_kept] if new_logprobs else new_logprobs
+                    new_ids = new_ids[: delta.num_ids_kept]
+                    new_logprobs = new_logprobs[: delta.num_ids_kept] if new_logprobs else new_logprobs
                 completion.token_ids.extend(new_ids)
                 if completion.logprobs is not None and new_logprobs:
                     completion.logprobs.extend(new_logprobs)
                 result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
-                if text is not None:
-                    if text.stopped:
+                if text is not None and delta is not None:
+                    if delta.stopped:
                         completion.finish_reason = "stop"
-                        completion.stop_string = text.stop_string
-                        completion.text = text.text
+                        completion.stop_string = delta.stop_string
+                        completion.text = text.output_text
                         stopped.append(out.request_id)
                         continue
                 if out.finished:
                     if text is not None:
                         text.finish()
-                        completion.text = text.text
+                        completion.text = text.output_text
                     completion.finish_reason = out.finish_reason
                     completion.finish_message = out.finish_message
             if stopped:

@@ -134,3 +134,37 @@ def test_over_the_queue_limit_gets_429(start_tiny_server: Callable[..., ServerPr
     assert retry_after == "1"
     assert body_json["error"]["code"] == "queue_full"  # type: ignore[index]
     assert server.wait_idle()["num_used_kv_blocks"] == 0
+
+
+def test_metrics_expose_contract_names(tiny_server: ServerProcess) -> None:
+    from baton_engine import contract
+
+    response = tiny_server.http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "metrics please", "max_tokens": 5, "ignore_eos": True},
+    )
+    assert response.status_code == 200
+    tiny_server.wait_idle()
+    text = tiny_server.http.get("/metrics").text
+    for name in (
+        contract.M_REQUESTS_WAITING,
+        contract.M_REQUESTS_RUNNING,
+        contract.M_KV_USAGE,
+        contract.M_PREFIX_QUERIES,
+        contract.M_PREFIX_HITS,
+        contract.M_PREEMPTIONS,
+        contract.M_PROMPT_TOKENS,
+        contract.M_GENERATION_TOKENS,
+    ):
+        assert f"\n{name}{{" in text, name
+    for name in (contract.M_TTFT, contract.M_ITL, contract.M_E2E, contract.M_QUEUE_TIME):
+        assert f"\n{name}_count{{" in text, name
+    samples = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("baton_") and 'model_name="tiny-chat"' in line and "_bucket" not in line
+    }
+    assert samples[contract.M_KV_USAGE] == 0.0
+    assert samples[contract.M_REQUESTS_RUNNING] == 0.0
+    assert samples[contract.M_GENERATION_TOKENS] >= 5
+    assert samples[contract.M_TTFT + "_count"] >= 1

@@ -1,9 +1,9 @@
 """One HTTP request's generation: its choices (prompts x n) in the core, as text deltas.
 
 Each choice is one engine request (``<request id>-<choice index>``). Text is detokenized
-here with stop strings applied; a matched stop string aborts that choice in the core. Leaving
-the iterator early (client disconnect, deadline, error) aborts every unfinished choice, which
-frees their KV blocks.
+here (`IncrementalDetokenizer`, which also matches stop strings); a matched stop string
+aborts that choice in the core. Leaving the iterator early (client disconnect, deadline,
+error) aborts every unfinished choice, which frees their KV blocks.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from baton_engine.detokenizer import IncrementalDetokenizer
 from baton_engine.engine_outputs import RequestOutput, TokenLogprobs
 from baton_engine.metrics import EngineMetrics
 from baton_engine.sampling_params import SamplingParams
 from baton_engine.server.engine_client import EngineClient, EngineDeadError
-from baton_engine.text_stream import TextStream, TokenDecoder
+from baton_engine.tokenizer import Tokenizer
 
 
 class DeadlineExceeded(Exception):
@@ -39,7 +40,7 @@ class ChoiceDelta:
 class _Choice:
     index: int
     engine_id: str
-    stream: TextStream
+    detokenizer: IncrementalDetokenizer
     want_logprobs: bool
     arrival: float
     num_prompt_tokens: int = 0
@@ -71,7 +72,7 @@ class Generation:
     def __init__(
         self,
         client: EngineClient,
-        tokenizer: TokenDecoder,
+        tokenizer: Tokenizer,
         metrics: EngineMetrics,
         request_id: str,
         prompts: list[list[int]],
@@ -92,9 +93,9 @@ class Generation:
         want_logprobs = params.logprobs is not None
         for i in range(len(prompts) * params.n):
             engine_id = f"{request_id}-{i}"
-            self._choices[engine_id] = _Choice(
-                i, engine_id, TextStream(tokenizer, params.stop), want_logprobs, self.arrival
-            )
+            prompt = prompts[i // params.n]
+            detokenizer = IncrementalDetokenizer(tokenizer, prompt, params.stop)
+            self._choices[engine_id] = _Choice(i, engine_id, detokenizer, want_logprobs, self.arrival)
 
     def _child_params(self, choice_index: int) -> SamplingParams:
         import dataclasses
@@ -152,9 +153,10 @@ class Generation:
         if out.queue_time is not None:
             choice.queue_time = out.queue_time
         choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
-        text = choice.stream.push(out.new_token_ids)
+        delta = choice.detokenizer.add(out.new_token_ids)
+        text = delta.text
         # A speculative step may run past a stop string: nothing after it reaches the client.
-        new_ids = out.new_token_ids[: choice.stream.num_ids_kept]
+        new_ids = out.new_token_ids[: delta.num_ids_kept]
         if new_ids:
             if choice.first_token_at is None:
                 choice.first_token_at = now
@@ -164,12 +166,12 @@ class Generation:
         choice.num_generated += len(new_ids)
         self.usage.completion_tokens += len(new_ids)
         finish: str | None = None
-        if choice.stream.stopped:
+        if delta.stopped:
             finish = "stop"
             self.client.abort([choice.engine_id], "stop string matched")
         elif out.finished:
-            text += choice.stream.finish()
-            finish = "stop" if out.finish_reason == "stop" else out.finish_reason
+            text += choice.detokenizer.finish().text
+            finish = out.finish_reason
         if finish is not None:
             choice.finish_reason = finish
             self.usage.cached_tokens += choice.num_cached_tokens

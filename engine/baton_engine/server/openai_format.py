@@ -6,13 +6,13 @@ import time
 from typing import Any
 
 from baton_engine.engine_outputs import TokenLogprobs
-from baton_engine.text_stream import TokenDecoder
+from baton_engine.tokenizer import Tokenizer
 
 
 class TokenText:
     """Token id -> its text piece, cached (logprobs name tokens by text)."""
 
-    def __init__(self, tokenizer: TokenDecoder) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
 

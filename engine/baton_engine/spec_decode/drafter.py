@@ -43,9 +43,7 @@ class NgramDrafter:
         buffers: dict[int, TokenBuffer] = {}
         previous = self._buffers
         for seq in seqs:
-            room = min(
-                seq.sampling_params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens
-            )
+            room = min(seq.sampling_params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens)
             buffer = previous.get(seq.seq_id)
             if buffer is None:
                 buffer = TokenBuffer(seq.num_tokens + 64)

@@ -1,0 +1,171 @@
+"""Offline throughput on CPU: Baton's `LLM` vs transformers `generate()` with static batching.
+
+Workload (fixed seed): 64 prompts of 128-512 random token ids (no special tokens), each with
+its own ``max_tokens`` drawn from 32-256; greedy; EOS ignored on both sides; float32; the same
+SmolLM2-135M-Instruct GGUF loaded by both; both sides use the same number of torch threads.
+
+* Baton: all prompts submitted at once to one `LLM` (continuous batching, chunked prefill).
+* transformers: prompts in arrival order in static batches of ``--hf-batch-size`` (left padded);
+  each batch generates until its longest request is done (``min_new_tokens`` = ``max_new_tokens``
+  = the batch's largest ``max_tokens``, EOS off).
+
+Only requested tokens count on both sides (sum of the per-request ``max_tokens``); tokens a
+static batch generates past a request's own limit are work, but not throughput. Model loading and
+a short warm-up are not timed. Run: ``python -m bench.cpu_throughput --json`` (``--quick`` runs
+a 16-prompt subset with shorter outputs for development).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+MODEL = "builtin:smollm2-135m-instruct"
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def requested_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def make_workload(
+    num_prompts: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int
+) -> Workload:
+    rng = np.random.default_rng(seed)
+    # ids below 20 hold SmolLM2's special tokens; random ids above them are ordinary text pieces
+    prompts = [
+        rng.integers(20, vocab, size=int(rng.integers(prompt_range[0], prompt_range[1] + 1))).tolist()
+        for _ in range(num_prompts)
+    ]
+    max_tokens = [int(rng.integers(output_range[0], output_range[1] + 1)) for _ in range(num_prompts)]
+    return Workload(prompts, max_tokens)
+
+
+def run_baton(work: Workload, max_num_seqs: int, max_num_batched_tokens: int) -> dict[str, Any]:
+    from baton_engine.llm import LLM
+    from baton_engine.sampling_params import SamplingParams
+
+    longest = max(len(p) + m for p, m in zip(work.prompts, work.max_tokens, strict=True))
+    blocks = sum(-(-(len(p) + m) // 16) for p, m in zip(work.prompts, work.max_tokens, strict=True)) + 64
+    llm = LLM(
+        model=MODEL,
+        dtype="float32",
+        max_model_len=max(longest, 1024),
+        num_kv_blocks=blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=False,  # random prompts share nothing; keep the comparison plain
+    )
+    llm.generate([work.prompts[0][:64]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.max_tokens]
+    start = time.perf_counter()
+    outputs = llm.generate(work.prompts, params)
+    elapsed = time.perf_counter() - start
+    produced = [len(o.outputs[0].token_ids) for o in outputs]
+    if produced != work.max_tokens:
+        raise RuntimeError("Baton produced a different number of tokens than requested")
+    return {"seconds": elapsed, "tokens_per_s": work.requested_tokens / elapsed}
+
+
+def run_hf(work: Workload, batch_size: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from baton_engine.loader import resolve_model
+
+    resolved = resolve_model(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(resolved.path.parent), gguf_file=resolved.path.name, dtype=torch.float32
+    ).eval()
+    pad = 0
+
+    def generate(batch: list[list[int]], new_tokens: int) -> torch.Tensor:
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, prompt in enumerate(batch):  # left padding
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        with torch.inference_mode():
+            out: torch.Tensor = model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                eos_token_id=None,
+                pad_token_id=pad,
+            )
+        return out
+
+    generate([work.prompts[0][:64]], 4)
+    start = time.perf_counter()
+    for first in range(0, len(work.prompts), batch_size):
+        batch = work.prompts[first : first + batch_size]
+        new_tokens = max(work.max_tokens[first : first + batch_size])
+        out = generate(batch, new_tokens)
+        if out.shape[1] != max(len(p) for p in batch) + new_tokens:
+            raise RuntimeError("transformers stopped early")
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "tokens_per_s": work.requested_tokens / elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--quick", action="store_true", help="16 prompts, 32-64 output tokens (development)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both sides")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size for transformers")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="Baton's running-batch limit")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=1024, help="Baton's per-step token budget"
+    )
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    vocab = 49152
+    if args.quick:
+        work = make_workload(16, (128, 512), (32, 64), vocab, args.seed)
+    else:
+        work = make_workload(64, (128, 512), (32, 256), vocab, args.seed)
+    baton = run_baton(work, args.max_num_seqs, args.max_num_batched_tokens)
+    hf = run_hf(work, args.hf_batch_size)
+    result = {
+        "benchmark": "cpu_throughput",
+        "quick": args.quick,
+        "num_prompts": len(work.prompts),
+        "prompt_tokens": sum(len(p) for p in work.prompts),
+        "requested_tokens": work.requested_tokens,
+        "threads": args.threads,
+        "hf_batch_size": args.hf_batch_size,
+        "baton_seconds": round(baton["seconds"], 2),
+        "hf_seconds": round(hf["seconds"], 2),
+        "baton_tokens_per_s": round(baton["tokens_per_s"], 2),
+        "hf_tokens_per_s": round(hf["tokens_per_s"], 2),
+        "ratio": round(baton["tokens_per_s"] / hf["tokens_per_s"], 3),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    if not args.json:
+        for key, value in result.items():
+            print(f"{key:>20}: {value}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
