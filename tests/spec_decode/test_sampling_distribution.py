@@ -63,10 +63,14 @@ def exact_joint(model_dir: Path, temperature: float, top_k: int = -1) -> dict[tu
     return joint
 
 
-def chi_squared_p_value(counts: dict[tuple[int, ...], int], expected_probs: dict[tuple[int, ...], float]) -> float:
+def chi_squared_p_value(
+    counts: dict[tuple[int, ...], int], expected_probs: dict[tuple[int, ...], float]
+) -> float:
     """Pearson's test; outcomes expected fewer than 5 times are pooled into one bin."""
     n = sum(counts.values())
-    assert set(counts) <= {k for k, p in expected_probs.items() if p > 0}, "an impossible sequence was sampled"
+    assert set(counts) <= {k for k, p in expected_probs.items() if p > 0}, (
+        "an impossible sequence was sampled"
+    )
     bins: list[tuple[float, int]] = []
     pooled_expected, pooled_observed = 0.0, 0
     for outcome, p in expected_probs.items():
@@ -118,7 +122,9 @@ def test_speculative_sampling_matches_the_model_distribution(
     counts = histogram(run)
     assert chi_squared_p_value(counts, exact_joint(small_vocab_model, temperature, top_k)) > SIGNIFICANCE
     # Control: the same samples against a slightly hotter distribution are rejected.
-    assert chi_squared_p_value(counts, exact_joint(small_vocab_model, temperature * 1.15, top_k)) < SIGNIFICANCE
+    assert (
+        chi_squared_p_value(counts, exact_joint(small_vocab_model, temperature * 1.15, top_k)) < SIGNIFICANCE
+    )
 
 
 def test_seeded_samples_are_identical_with_and_without_speculation(small_vocab_model: Path) -> None:
