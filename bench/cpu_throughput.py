@@ -71,13 +71,13 @@ def run_baton(work: Workload, max_num_seqs: int, max_num_batched_tokens: int) ->
     )
     llm.generate([work.prompts[0][:64]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.max_tokens]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate(work.prompts, params)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     produced = [len(o.outputs[0].token_ids) for o in outputs]
     if produced != work.max_tokens:
         raise RuntimeError("Baton produced a different number of tokens than requested")
-    return {"seconds": elapsed, "tokens_per_s": work.requested_tokens / elapsed}
+    return {"seconds": elapsed, "cpu_seconds": cpu, "tokens_per_s": work.requested_tokens / elapsed}
 
 
 def run_hf(work: Workload, batch_size: int) -> dict[str, Any]:
@@ -111,15 +111,15 @@ def run_hf(work: Workload, batch_size: int) -> dict[str, Any]:
         return out
 
     generate([work.prompts[0][:64]], 4)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for first in range(0, len(work.prompts), batch_size):
         batch = work.prompts[first : first + batch_size]
         new_tokens = max(work.max_tokens[first : first + batch_size])
         out = generate(batch, new_tokens)
         if out.shape[1] != max(len(p) for p in batch) + new_tokens:
             raise RuntimeError("transformers stopped early")
-    elapsed = time.perf_counter() - start
-    return {"seconds": elapsed, "tokens_per_s": work.requested_tokens / elapsed}
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return {"seconds": elapsed, "cpu_seconds": cpu, "tokens_per_s": work.requested_tokens / elapsed}
 
 
 def main() -> None:
@@ -158,6 +158,11 @@ def main() -> None:
         "baton_tokens_per_s": round(baton["tokens_per_s"], 2),
         "hf_tokens_per_s": round(hf["tokens_per_s"], 2),
         "ratio": round(baton["tokens_per_s"] / hf["tokens_per_s"], 3),
+        # process CPU time (all threads): on a shared machine wall clock also counts the neighbours
+        "baton_cpu_seconds": round(baton["cpu_seconds"], 2),
+        "hf_cpu_seconds": round(hf["cpu_seconds"], 2),
+        "ratio_cpu_time": round(hf["cpu_seconds"] / baton["cpu_seconds"], 3),
+        "load_average_1m": round(os.getloadavg()[0], 2),
         "torch": torch.__version__,
         "python": platform.python_version(),
     }

@@ -23,6 +23,7 @@ import zmq
 from baton_engine import ipc
 from baton_engine.config import EngineConfig
 from baton_engine.engine_core import EngineCore
+from baton_engine.engine_outputs import RequestOutput
 from baton_engine.sampling_params import SamplingParams
 
 log = logging.getLogger("baton_engine.core")
@@ -36,6 +37,7 @@ class _LoopState:
     shutdown: bool = False
     was_busy: bool = False
     utility_results: list[list[Any]] = field(default_factory=list)
+    rejected: list[RequestOutput] = field(default_factory=list)
 
 
 def _handle(core: EngineCore, kind: str, payload: Any, state: _LoopState) -> None:
@@ -45,6 +47,11 @@ def _handle(core: EngineCore, kind: str, payload: Any, state: _LoopState) -> Non
             core.add_request(request_id, prompt_ids, SamplingParams(**params), arrival_time=arrival)
         except ValueError as exc:  # the server validates first; this is a last line of defence
             log.error("rejected request %s: %s", request_id, exc)
+            state.rejected.append(
+                RequestOutput(
+                    request_id, [], finished=True, finish_reason="rejected", finish_message=str(exc)
+                )
+            )
     elif kind == ipc.ABORT:
         request_ids, message = payload
         core.abort_requests(request_ids, message)
@@ -86,6 +93,11 @@ def serve_core(core: EngineCore, pull: zmq.Socket[bytes], push: zmq.Socket[bytes
         for result in state.utility_results:
             push.send(ipc.encode(ipc.UTILITY_RESULT, result))
         state.utility_results.clear()
+        if state.rejected:
+            push.send(
+                ipc.encode(ipc.OUTPUTS, [[o.to_wire() for o in state.rejected], core.stats().to_dict()])
+            )
+            state.rejected.clear()
         if core.has_unfinished():
             outputs = core.step()
             state.was_busy = True
@@ -94,6 +106,29 @@ def serve_core(core: EngineCore, pull: zmq.Socket[bytes], push: zmq.Socket[bytes
         elif state.was_busy:
             state.was_busy = False
             push.send(ipc.encode(ipc.OUTPUTS, [[], core.stats().to_dict()]))
+
+
+def _start_kv_event_publisher(config: EngineConfig, model_name: str) -> Any:
+    """The KV-event publisher (PUB + replay ROUTER) when ``--kv-events`` is on, else None.
+
+    Binds the pod's own address (`contract.ENV_POD_IP`, else ``--host``): on the local control
+    plane several pods share one machine on different loopback addresses and the same ports.
+    """
+    if not config.kv_events:
+        return None
+    from baton_engine import contract
+    from baton_engine.kv_events_publisher import KVEventPublisher  # type: ignore[import-not-found]
+
+    address = os.environ.get(contract.ENV_POD_IP) or config.host
+    publisher = KVEventPublisher(
+        f"tcp://{address}:{config.kv_events_port}",
+        contract.kv_events_topic(address, model_name),
+        replay_endpoint=f"tcp://{address}:{config.kv_events_replay_port}",
+        buffer_steps=config.kv_events_buffer_steps,
+        sndhwm=config.kv_events_hwm,
+    )
+    log.info("publishing KV events on %s (replay %s)", publisher.endpoint, publisher.replay_endpoint)
+    return publisher
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
 
         config = EngineConfig.model_validate_json(args.config_json)
         core, info = build_engine_core(config)
+        publisher = _start_kv_event_publisher(config, info.name)
+        if publisher is not None:
+            core.kv_event_sink = publisher.publish
     except Exception as exc:  # report any loading failure to the server, then exit
         log.exception("engine core failed to start")
         push.send(ipc.encode(ipc.FAILED, f"{type(exc).__name__}: {exc}"))
@@ -143,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve_core(core, pull, push, args.parent_pid)
     finally:
+        if publisher is not None:
+            publisher.shutdown()
         push.close()
         pull.close()
         ctx.term()

@@ -33,12 +33,11 @@ class BlocksStored:
         """Same as the constructor, about twice as fast (the decode path records one event per
         block boundary crossed; the generated frozen `__init__` is the slow part)."""
         event = object.__new__(cls)
-        event.__dict__.update(
-            block_hashes=block_hashes,
-            parent_block_hash=parent_block_hash,
-            token_ids=token_ids,
-            block_size=block_size,
-        )
+        fields = event.__dict__
+        fields["block_hashes"] = block_hashes
+        fields["parent_block_hash"] = parent_block_hash
+        fields["token_ids"] = token_ids
+        fields["block_size"] = block_size
         return event
 
 

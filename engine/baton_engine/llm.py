@@ -77,11 +77,10 @@ class LLM:
                     j, "", [], None, logprobs=[] if params.logprobs is not None else None
                 )
                 result.outputs.append(completion)
-                text = (
-                    IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-                    if self.tokenizer is not None
-                    else None
-                )
+                # Only stop strings need text while generating; otherwise decode once at the end.
+                text = None
+                if self.tokenizer is not None and params.stop:
+                    text = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
                 streams[request_id] = (completion, text, result)
                 self.core.add_request(request_id, ids, self.info.with_extra_eos(child))
 
@@ -112,6 +111,9 @@ class LLM:
                         stopped.append(out.request_id)
                         continue
                 if out.finished:
+                    if text is None and self.tokenizer is not None:
+                        text = IncrementalDetokenizer(self.tokenizer, result.prompt_token_ids)
+                        text.add(completion.token_ids)
                     if text is not None:
                         text.finish()
                         completion.text = text.output_text

@@ -1,4 +1,9 @@
-"""The model runner: owns the model and the KV cache; turns a `SchedulerOutput` into tokens."""
+"""The model runner: owns the model and the KV cache; turns a `SchedulerOutput` into tokens.
+
+Usage: ``runner = ModelRunner(EngineConfig(...))``; each step ``runner.execute(scheduler_output)``
+returns a `ModelRunnerOutput`. The KV cache is one tensor laid out as `contract.KV_LAYOUT`;
+`read_blocks` / `write_blocks` move whole blocks for KV transfer.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from baton_engine.model.attention_backend import get_attention_backend
 from baton_engine.model.attention_batch import AttentionBatch
 from baton_engine.sampler import Sampler, SamplingParamsBatch
 from baton_engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from baton_engine.tokenizer import Tokenizer
 
 _DTYPES = {
     "float32": torch.float32,
@@ -39,6 +45,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.loaded = loaded if loaded is not None else load_model(config.model, self.device, self.dtype)
         self.model = self.loaded.model
+        weight = self.model.model.embed_tokens.weight
+        if weight.dtype != self.dtype or weight.device.type != self.device.type:
+            raise ValueError(
+                f"the preloaded model is {weight.dtype} on {weight.device}, but the engine is configured "
+                f"for {self.dtype} on {self.device}"
+            )
         self.model_config = self.loaded.config
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks or default_num_blocks(
@@ -49,6 +61,33 @@ class ModelRunner:
         )
         self.backend = get_attention_backend(attention_backend, self.device)
         self.sampler = Sampler(config.seed, self.device)
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.loaded.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence the model supports (the scheduler caps `max_model_len` by it)."""
+        return self.model_config.max_position_embeddings
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        return tuple(dict.fromkeys(self.model_config.eos_token_ids + tokenizer_eos))
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the given blocks: [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return self.kv_cache.index_select(2, index)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Overwrite the given blocks with `data`, shaped as `read_blocks` returns it."""
+        expected = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
+        if tuple(data.shape) != expected:
+            raise ValueError(f"KV block data has shape {tuple(data.shape)}, expected {expected}")
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        self.kv_cache.index_copy_(2, index, data.to(device=self.device, dtype=self.kv_cache.dtype))
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:

@@ -513,6 +513,16 @@ class Scheduler:
             for row, tokens in zip(result.logprobs, new_token_ids, strict=True)
         ]
 
+    def discard_step(self, out: SchedulerOutput) -> None:
+        """Forget step `out` without applying it (the forward failed): nothing it computed counts,
+        so the next step recomputes the same tokens. Aborts requested meanwhile are applied."""
+        if self._in_flight is not out:
+            raise RuntimeError(f"step {out.step_id} is not the step in flight")
+        self._in_flight = None
+        for seq_id in self._pending_aborts:
+            self.abort(seq_id)
+        self._pending_aborts.clear()
+
     def _apply_tokens(
         self, out: SchedulerOutput, result: ModelRunnerOutput, now: float
     ) -> tuple[list[tuple[Sequence, FinishReason]], list[list[int]]]:

@@ -75,7 +75,8 @@ class Sequence:
         self._num_computed_tokens = 0
 
         self.draft_token_ids: list[int] = []
-        """Speculative drafts proposed for the next step (set by the drafter, consumed by it)."""
+        """Speculative drafts for the next step: set by the drafter, cleared by the scheduler
+        after each step (drafts are only valid for one position)."""
         self.num_preemptions = 0
 
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -217,3 +217,13 @@ def test_hit_requires_the_same_physical_parent() -> None:
     assert bm.can_allocate(w) == 1
     z = Sequence(3, [1, 2, 3, 4, 5, 6, 7, 8, 1])
     assert bm.can_allocate(z) == 2
+
+
+def test_fast_event_constructor_builds_the_same_frozen_record() -> None:
+    import dataclasses
+
+    fast = BlocksStored.fast((1, 2), None, (3, 4), 2)
+    assert fast == BlocksStored((1, 2), None, (3, 4), 2)
+    assert hash(fast) == hash(BlocksStored((1, 2), None, (3, 4), 2))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.block_size = 3  # type: ignore[misc]

@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from baton_engine.kv_cache_events import BlocksStored
+from baton_engine.kv_cache_events import AllBlocksCleared, BlocksRemoved, BlocksStored
 from baton_engine.sampling_params import SamplingParams
 from baton_engine.scheduler import Scheduler, StepResult
 from baton_engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -456,3 +456,67 @@ def test_preempted_sequence_that_outgrew_the_pool_ends_with_length() -> None:
     )
     assert s.take_finished() == [seq]
     assert_no_leaks(s)
+
+
+def test_eviction_and_reset_events_through_the_scheduler() -> None:
+    s = make(num_blocks=4, max_num_batched_tokens=16)
+    a = Sequence(1, [1, 2, 3, 4, 5, 6, 7, 8, 9], params(max_tokens=1))
+    s.add(a)
+    step(s, 10)
+    k0 = key(None, [1, 2, 3, 4])
+    k1 = key(k0, [5, 6, 7, 8])
+    assert s.block_manager.take_events() == [BlocksStored((k0, k1), None, tuple(range(1, 9)), BS)]
+    assert s.block_manager.usage() == 0.0  # finished: its blocks are free (but cached)
+    assert s.block_manager.cached_free_blocks() == [1, 0]
+    b = Sequence(2, [20, 21, 22, 23, 24, 25, 26, 27, 28, 29], params(max_tokens=1))
+    s.add(b)
+    out = s.schedule()
+    assert b.block_table == [2, 3, 1]  # vacant blocks first, then the LRU cached block (a's tail)
+    assert s.block_manager.usage() == 0.75
+    s.postprocess(out, ModelRunnerOutput(out.step_id, [[30]]))
+    kb0 = key(None, [20, 21, 22, 23])
+    assert s.block_manager.take_events() == [
+        BlocksRemoved((k1,)),
+        BlocksStored((kb0, key(kb0, [24, 25, 26, 27])), None, tuple(range(20, 28)), BS),
+    ]
+    s.reset_prefix_cache()
+    assert s.block_manager.take_events() == [AllBlocksCleared()]
+    assert s.block_manager.cached_free_blocks() == []
+    assert_no_leaks(s)
+
+
+def test_discarded_step_is_recomputed() -> None:
+    s = make()
+    seq = Sequence(1, [1, 2, 3, 4, 5], params(max_tokens=2))
+    s.add(seq)
+    out = s.schedule()
+    s.discard_step(out)  # e.g. the forward raised
+    again = s.schedule()
+    assert again.step_id == out.step_id + 1
+    assert again.input_ids.tolist() == out.input_ids.tolist()
+    assert again.slot_mapping.tolist() == out.slot_mapping.tolist()
+    with pytest.raises(RuntimeError, match="is not the step in flight"):
+        s.discard_step(out)
+    s.postprocess(again, ModelRunnerOutput(again.step_id, [[6]]))
+    step(s, 7)
+    assert seq.output_token_ids == [6, 7]
+    assert_no_leaks(s)
+
+
+def test_from_engine_config() -> None:
+    from baton_engine.config import EngineConfig
+
+    config = EngineConfig(
+        block_size=8,
+        max_num_seqs=3,
+        max_num_batched_tokens=24,
+        max_model_len=40,
+        enable_prefix_caching=False,
+        kv_lease_seconds=5.0,
+        kv_events=True,
+    )
+    s = Scheduler.from_config(config, num_blocks=10, eos_token_id=2)
+    assert (s.block_size, s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len) == (8, 3, 24, 40)
+    assert not s.block_manager.enable_prefix_caching and s.block_manager.record_events
+    assert s.kv_lease_seconds == 5.0 and s.eos_token_id == 2
+    assert s.batch.block_table.shape == (3, 6)

@@ -122,3 +122,43 @@ def test_a_step_without_sampling_rows_returns_no_tokens(tiny_llama: tuple[Path, 
     out = runner.execute(step)
     assert out.step_id == 41 and out.sampled_token_ids == [] and out.logprobs is None
     assert torch.isfinite(runner.kv_cache[:, :, 1, :3]).all()
+
+
+def test_blocks_moved_to_another_runner_continue_the_same_sequence(tiny_llama: tuple[Path, Any]) -> None:
+    # What a P/D hand-off does: copy a prefilled sequence's blocks into another engine's cache
+    # (at other block ids) and continue decoding there.
+    directory, _ = tiny_llama
+    prompt = _prompts(1, seed=21)[0] + _prompts(1, seed=22)[0]
+    expected = TestDriver(_runner(directory), 64, 1).generate([prompt], [6])[0].outputs
+
+    producer_driver = TestDriver(_runner(directory), 64, 1)
+    first = producer_driver.generate([prompt], [1])[0]
+    data = producer_driver.runner.read_blocks(first.blocks)
+    assert data.shape == (3, 2, len(first.blocks), 4, 2, 16)
+
+    consumer = _runner(directory)
+    consumer_blocks = [50 + 2 * i for i in range(len(first.blocks))]
+    consumer.write_blocks(consumer_blocks, data)
+    assert torch.equal(consumer.read_blocks(consumer_blocks), data)
+    with pytest.raises(ValueError, match="expected"):
+        consumer.write_blocks(consumer_blocks[:1], data)
+
+    driver = TestDriver(consumer, 64, 1)
+    driver.next_block = 50 + 2 * len(first.blocks)
+    for index, block in enumerate(consumer_blocks):
+        driver.prefix_blocks[tuple(prompt[: (index + 1) * 4])] = block
+    continued = driver.generate([prompt], [6])[0]
+    assert driver.stats.prefix_hit_tokens == ((len(prompt) - 1) // 4) * 4
+    assert continued.outputs == expected
+    assert continued.outputs[0] == first.outputs[0]
+
+
+def test_a_preloaded_model_must_match_the_configured_dtype(tiny_llama: tuple[Path, Any]) -> None:
+    directory, _ = tiny_llama
+    loaded = _runner(directory).loaded
+    with pytest.raises(
+        ValueError, match="preloaded model is torch.float64 on cpu, but the engine is configured"
+    ):
+        ModelRunner(EngineConfig(model=str(directory), dtype="float32", num_kv_blocks=4), loaded=loaded)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        ModelRunner(EngineConfig(model=str(directory), dtype="float64", num_kv_blocks=4), loaded, "flash")

@@ -118,6 +118,7 @@ def _prompts(loaded: LoadedModel) -> list[list[int]]:
     return prompts
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers_gguf_float32(loaded: LoadedModel, gguf_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 

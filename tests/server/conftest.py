@@ -36,9 +36,11 @@ def start_tiny_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable
     """Start extra tiny-model servers in a test; each is stopped (by pid) at teardown."""
     started: list[ServerProcess] = []
 
-    def start(*extra_args: str) -> ServerProcess:
+    def start(*extra_args: str, wait_ready: bool = True) -> ServerProcess:
         log = tmp_path / f"server-{len(started)}.log"
-        server = ServerProcess(str(tiny_model_dir), *TINY_SERVER_ARGS, *extra_args, log_path=log)
+        server = ServerProcess(
+            str(tiny_model_dir), *TINY_SERVER_ARGS, *extra_args, log_path=log, wait_ready=wait_ready
+        )
         started.append(server)
         return server
 

@@ -58,7 +58,9 @@ def wait_for(condition: Any, timeout: float, what: str, interval: float = 0.05) 
 
 
 class ServerProcess:
-    def __init__(self, model: str, *args: str, log_path: Path, ready_timeout: float = 300.0) -> None:
+    def __init__(
+        self, model: str, *args: str, log_path: Path, ready_timeout: float = 300.0, wait_ready: bool = True
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -69,12 +71,25 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
         )
         self.http = httpx.Client(base_url=self.url, timeout=60.0)
+        self.ready_timeout = ready_timeout
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
         try:
-            wait_for(self._ready, ready_timeout, f"{self.url}/ready", interval=0.2)
+            wait_for(self._ready, self.ready_timeout, f"{self.url}/ready", interval=0.2)
         except BaseException:
             self.stop(signal.SIGKILL)
             raise
-        self.core_pid = int(self.stats()["core_pid"]) if "core_pid" in self.stats() else None
+
+    def answers(self, path: str) -> int | None:
+        """The status of GET `path`, or None while nothing listens yet."""
+        if self.proc.poll() is not None:
+            raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
+        try:
+            return self.http.get(path).status_code
+        except httpx.TransportError:
+            return None
 
     @property
     def pid(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 from collections.abc import Callable
 
@@ -59,7 +60,9 @@ def test_sigterm_during_load_finishes_in_flight_and_exits_0(
                 await asyncio.wait_for(started.get(), 120)  # every stream is under way
             server.proc.send_signal(signal.SIGTERM)
             ready = await client.get("/ready")
-            while ready.status_code == 200:  # the handler runs on the server's loop; poll until it has
+            deadline = asyncio.get_running_loop().time() + 10
+            while ready.status_code == 200:  # the signal is handled on the server's loop; poll for it
+                assert asyncio.get_running_loop().time() < deadline, "/ready stayed 200 after SIGTERM"
                 ready = await client.get("/ready")
             refused = await client.post(
                 "/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 2}
@@ -85,8 +88,43 @@ def test_core_exits_when_the_server_is_killed(start_tiny_server: Callable[..., S
     wait_for(lambda: not pid_alive(core_pid), 15, "the orphaned engine core to exit")
 
 
-def test_idle_sigterm_exits_0_without_children(start_tiny_server: Callable[..., ServerProcess]) -> None:
-    server = start_tiny_server()
+def test_not_ready_while_loading_then_idle_sigterm_exits_0(
+    start_tiny_server: Callable[..., ServerProcess],
+) -> None:
+    server = start_tiny_server(wait_ready=False)
+    wait_for(lambda: server.answers("/health") == 200, 120, "/health to answer")
+    # the engine core is a fresh interpreter importing torch: it cannot be ready this soon
+    ready = server.http.get("/ready")
+    assert (ready.status_code, ready.json()) == (503, {"ready": False, "reason": "loading"})
+    refused = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert (refused.status_code, refused.json()["error"]["code"]) == (503, "loading")
+    server.wait_ready()
     core_pid = server.stats()["core_pid"]
     assert server.stop(signal.SIGTERM) == 0
     assert not pid_alive(core_pid)
+
+
+def test_engine_core_crash_fails_open_requests_cleanly(
+    start_tiny_server: Callable[..., ServerProcess],
+) -> None:
+    server = start_tiny_server()
+    core_pid = server.stats()["core_pid"]
+
+    async def main() -> tuple[int, str]:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 240, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(base_url=server.url, timeout=60.0) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.aiter_lines()
+                while not (await anext(lines)).startswith("data: {"):
+                    pass
+                os.kill(core_pid, signal.SIGKILL)
+                rest = [line async for line in lines if line.startswith("data: ")]
+                return response.status_code, "\n".join(rest)
+
+    status, rest = asyncio.run(main())
+    assert status == 200
+    assert '"code": "engine_dead"' in rest and rest.endswith("data: [DONE]")
+    health = server.http.get("/health")
+    assert health.status_code == 503
+    assert server.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 503
+    assert server.stop(signal.SIGTERM) == 0

@@ -71,10 +71,6 @@ def read_config(reader: Any, name: str = "") -> ModelConfig:
         raise UnsupportedArchitectureError(
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})"
         )
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise UnsupportedArchitectureError(
-            "GGUF files with rope_freqs (llama3 rope scaling) are not supported"
-        )
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -92,6 +88,10 @@ def read_config(reader: Any, name: str = "") -> ModelConfig:
         rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     elif scaling_type not in (None, "none"):
         raise UnsupportedArchitectureError(f"GGUF rope scaling {scaling_type!r} is not supported")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # Llama 3.1 scaling, precomputed per frequency by llama.cpp
+        factors = tuple(float(x) for x in np.asarray(freqs.data, dtype=np.float32).reshape(-1))
+        rope_scaling = {"rope_type": "freq_factors", "factors": factors}
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     has_qkv_bias = any(t.name == "blk.0.attn_q.bias" for t in reader.tensors)
     has_o_bias = any(t.name == "blk.0.attn_output.bias" for t in reader.tensors)

@@ -15,7 +15,9 @@ SUPPORTED_ARCHITECTURES: dict[str, ModelFamily] = {
 }
 
 #: RoPE variants the rotary table implements.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+#: "freq_factors" divides each frequency by a per-pair factor (llama.cpp's `rope_freqs` tensor,
+#: how GGUF files carry Llama 3.1 scaling); the factors are in ``rope_scaling["factors"]``.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 class UnsupportedArchitectureError(ValueError):

@@ -1,8 +1,9 @@
 """The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) on flattened tokens.
 
-Module names follow the Hugging Face checkpoints (``model.layers.N.self_attn.q_proj`` ...), so a
-safetensors state dict loads without renaming. One forward runs a whole scheduler step: decode
-rows and prefill chunks concatenated into ``T`` tokens, attention routed through a backend.
+Module names follow the Hugging Face checkpoints (``model.layers.N.self_attn.o_proj`` ...),
+except for the fused ``qkv_proj`` and ``gate_up_proj`` (see `weights.py`). One forward runs a
+whole scheduler step: decode rows and prefill chunks concatenated into ``T`` tokens, attention
+routed through a backend.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from torch import nn
 from baton_engine.model.attention_backend import AttentionBackend
 from baton_engine.model.attention_batch import AttentionBatch
 from baton_engine.model.config import ModelConfig
-from baton_engine.model.layers import GatedMLP, RMSNorm
+from baton_engine.model.layers import Embedding, GatedMLP, Linear, RMSNorm
 from baton_engine.model.rope import RotaryTable, apply_rotary
+from baton_engine.model.weights import fuse_checkpoint_weights
 
 
 class SelfAttention(nn.Module):
@@ -27,10 +29,9 @@ class SelfAttention(nn.Module):
         self.scale = config.head_dim**-0.5
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -48,9 +49,10 @@ class SelfAttention(nn.Module):
         plan: object,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        q_flat, k_flat, v_flat = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        q = q_flat.reshape(tokens, self.num_heads, self.head_dim)
+        k = k_flat.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v_flat.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -89,7 +91,7 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -101,9 +103,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderStack(config)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryTable(config, dtype, device)
 
     def forward(
@@ -131,16 +133,15 @@ def build_model(
 ) -> CausalLM:
     """A `CausalLM` holding `weights` (Hugging Face names), cast to `dtype` on `device`.
 
-    Parameters are created on the meta device and replaced by the loaded tensors, so no memory
-    is spent on an initialisation that would be overwritten.
+    The skeleton's parameters are uninitialised (untouched) CPU memory, replaced by the loaded
+    tensors, so the device never holds two copies of the weights.
     """
-    with torch.device("meta"):
-        model = CausalLM(config, dtype, "meta")
+    weights = fuse_checkpoint_weights(weights, config)
+    model = CausalLM(config, dtype, device)
     expected = set(model.state_dict().keys())
     missing = sorted(expected - weights.keys())
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weights the model needs, e.g. {missing[:3]}")
     state = {name: weights[name].to(device=device, dtype=dtype) for name in expected}
     model.load_state_dict(state, assign=True, strict=True)
-    model.rotary = RotaryTable(config, dtype, device)
     return model.eval().requires_grad_(False)

@@ -24,6 +24,13 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         return inv_freq / float(scaling["factor"])
     if rope_type == "llama3":
         return _llama3_scaled(inv_freq, scaling)
+    if rope_type == "freq_factors":
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"rope frequency factors: expected {inv_freq.numel()} values, got {factors.numel()}"
+            )
+        return inv_freq / factors
     return inv_freq
 
 

@@ -114,31 +114,42 @@ class TorchAttentionBackend:
         v_cache.index_copy_(0, batch.slot_mapping, v)
         out = torch.empty_like(q)
         if plan.decode is not None:
-            self._decode(q, k_cache, v_cache, plan.decode, scale, out)
+            self._decode(q, layer_cache, plan.decode, scale, out)
         for row in plan.prefills:
             out[row.start : row.end] = self._prefill(q, k, v, k_cache, v_cache, row, scale)
         return out
 
     @staticmethod
     def _decode(
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        plan: _DecodePlan,
-        scale: float,
-        out: torch.Tensor,
+        q: torch.Tensor, layer_cache: torch.Tensor, plan: _DecodePlan, scale: float, out: torch.Tensor
     ) -> None:
-        queries = q[plan.query_index].transpose(1, 2)  # [rows, heads, max_q, dim]
-        keys = k_cache[plan.key_slots].transpose(1, 2)  # [rows, kv_heads, max_len, dim]
-        values = v_cache[plan.key_slots].transpose(1, 2)
-        result = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=plan.mask, scale=scale, enable_gqa=True
-        ).transpose(1, 2)  # [rows, max_q, heads, dim]
+        rows, max_q = plan.query_index.shape
+        max_len = plan.key_slots.shape[1]
+        kv_heads, head_dim = layer_cache.shape[-2], layer_cache.shape[-1]
+        group = q.shape[1] // kv_heads
+        # One gather for K and V: [2, rows * max_len, kv_heads, dim].
+        kv = layer_cache.view(2, -1, kv_heads, head_dim).index_select(1, plan.key_slots.view(-1))
+        keys = kv[0].view(rows, max_len, kv_heads, head_dim).transpose(1, 2)
+        values = kv[1].view(rows, max_len, kv_heads, head_dim).transpose(1, 2)
+        # The query heads sharing a KV head become extra query rows of it, so K/V are never
+        # repeated: [rows, kv_heads, group * max_q, dim], head h = kv_head * group + g.
+        queries = q[plan.query_index].view(rows, max_q, kv_heads, group, head_dim)
+        queries = queries.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, group * max_q, head_dim)
+        mask = plan.mask
+        if mask is not None and max_q > 1:
+            mask = (
+                mask.unsqueeze(2)
+                .expand(rows, 1, group, max_q, max_len)
+                .reshape(rows, 1, group * max_q, max_len)
+            )
+        result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+        result = result.view(rows, kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        result = result.reshape(rows, max_q, kv_heads * group, head_dim)
         if plan.single_token:
-            out[: result.shape[0]] = result[:, 0]
+            out[:rows] = result[:, 0]
         else:
             assert plan.valid_tokens is not None and plan.valid_flat is not None
-            flat = result.reshape(-1, result.shape[2], result.shape[3])
+            flat = result.reshape(rows * max_q, kv_heads * group, head_dim)
             out[plan.valid_tokens] = flat[plan.valid_flat]
 
     @staticmethod

@@ -253,16 +253,14 @@ def _start(
     client = _require_ready(state)
     if client.num_not_started + len(prompts) * params.n > state.config.max_queued_requests:
         raise errors.server_overloaded(RETRY_AFTER_SECONDS)
-    assert state.tokenizer is not None or all(prompts)
-    return Generation(
-        client,
-        state.tokenizer,
-        state.metrics,
-        request_id,
-        prompts,
-        params,
-        timeout=timeout,  # type: ignore[arg-type]
-    )
+    if state.tokenizer is None:
+        raise APIError(
+            400,
+            "this model has no tokenizer files, so the server cannot produce text for it",
+            param="model",
+            code="no_tokenizer",
+        )
+    return Generation(client, state.tokenizer, state.metrics, request_id, prompts, params, timeout=timeout)
 
 
 # ------------------------------------------------------------------------------ responses

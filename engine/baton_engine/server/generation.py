@@ -1,6 +1,6 @@
 """One HTTP request's generation: its choices (prompts x n) in the core, as text deltas.
 
-Each choice is one engine request (``<request id>-<choice index>``). Text is detokenized
+Each choice is one engine request (``<request id>-<n>-<choice index>``). Text is detokenized
 here (`IncrementalDetokenizer`, which also matches stop strings); a matched stop string
 aborts that choice in the core. Leaving the iterator early (client disconnect, deadline,
 error) aborts every unfinished choice, which frees their KV blocks.
@@ -9,6 +9,7 @@ error) aborts every unfinished choice, which frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from baton_engine.metrics import EngineMetrics
 from baton_engine.sampling_params import SamplingParams
 from baton_engine.server.engine_client import EngineClient, EngineDeadError
 from baton_engine.tokenizer import Tokenizer
+
+_engine_ids = itertools.count()
 
 
 class DeadlineExceeded(Exception):
@@ -91,8 +94,9 @@ class Generation:
         self._queue: asyncio.Queue[RequestOutput | EngineDeadError] = asyncio.Queue()
         self._choices: dict[str, _Choice] = {}
         want_logprobs = params.logprobs is not None
+        unique = next(_engine_ids)  # clients may reuse an X-Request-Id; engine ids must not collide
         for i in range(len(prompts) * params.n):
-            engine_id = f"{request_id}-{i}"
+            engine_id = f"{request_id}-{unique}-{i}"
             prompt = prompts[i // params.n]
             detokenizer = IncrementalDetokenizer(tokenizer, prompt, params.stop)
             self._choices[engine_id] = _Choice(i, engine_id, detokenizer, want_logprobs, self.arrival)
