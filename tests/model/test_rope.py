@@ -18,7 +18,7 @@ BASE = {
     "num_hidden_layers": 1,
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
-    "max_position_embeddings": 256,
+    "max_position_embeddings": 16384,
 }
 LLAMA3 = {
     "rope_type": "llama3",

@@ -58,11 +58,11 @@ class TorchAttentionBackend:
         seq_lens = batch.seq_lens[:rows]
         max_q = int(qlens.max())
         max_len = int(seq_lens.max())
-        key_slots = np.empty((rows, max_len), dtype=np.int64)
-        for row in range(rows):
-            n = int(seq_lens[row])
-            key_slots[row, :n] = batch.slots_of(row, n)
-            key_slots[row, n:] = key_slots[row, 0]
+        # Positions past a row's length read its position 0 (written, finite) and are masked.
+        key_pos = np.arange(max_len)[None, :]
+        key_pos = np.where(key_pos < seq_lens[:, None], key_pos, 0)
+        blocks = np.take_along_axis(batch.block_tables_host[:rows], key_pos // batch.block_size, axis=1)
+        key_slots = blocks * batch.block_size + key_pos % batch.block_size
         offsets = np.minimum(np.arange(max_q)[None, :], qlens[:, None] - 1)
         query_index = starts[:, None] + offsets
         query_pos = batch.positions_host[query_index]
