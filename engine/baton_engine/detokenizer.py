@@ -13,7 +13,7 @@ delta says the request must stop.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from baton_engine.tokenizer import Tokenizer
 
@@ -28,7 +28,7 @@ class DetokenizerDelta:
     """New output text, safe to send."""
     stop_string: str | None = None
     """The stop string that matched; the request must be aborted (already truncated)."""
-    num_ids_kept: int = 0
+    num_ids_kept: int = field(default=0, compare=False)
     """How many of the tokens given to `add` belong to the output: all of them, or with a stop
     string those up to the one that completed it. A speculative step can deliver tokens past a
     stop string; one token at a time they would never have been generated, so callers drop them
