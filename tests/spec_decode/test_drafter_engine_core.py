@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from baton_engine.engine_core import EngineCore, run_until_idle
@@ -13,7 +14,7 @@ from baton_engine.engine_outputs import RequestOutput
 from baton_engine.sampling_params import SamplingParams
 from baton_engine.scheduler import Scheduler
 from baton_engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from baton_engine.sequence import Sequence
+from baton_engine.sequence import Sequence, SequenceStatus
 from baton_engine.spec_decode.drafter import NgramDrafter
 from baton_engine.spec_decode.ngram_proposer import NgramProposer
 from tests.engine_core.helpers import assert_no_leaks, check_step_invariants
@@ -153,3 +154,38 @@ def test_token_buffers_follow_the_decoding_sequences() -> None:
     a.token_ids.extend([1, 2])
     drafter.propose([a], 100)
     assert a.draft_token_ids == [1, 5]
+
+
+def test_a_pd_consumer_speculates_on_pulled_kv() -> None:
+    """Decode pod: the prompt's KV arrives from a producer (written straight into the cache here),
+    the producer's first token comes with it, and the consumer then decodes with drafts."""
+    k, num_blocks = 4, 64
+    scheduler = Scheduler(
+        num_blocks=num_blocks,
+        block_size=BLOCK,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=MAX_MODEL_LEN,
+        eos_token_id=EOS,
+        num_speculative_tokens=k,
+    )
+    runner = CheckedRunner(scheduler, num_blocks)
+    core = EngineCore(scheduler, runner, drafter=NgramDrafter(NgramProposer(k, 1, 3)))
+    prompt = [1, 2, 1, 1, 2, 2, 1, 2, 1, 1, 2]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    seq = Sequence(0, prompt, params)
+    seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+    scheduler.add(seq)
+    assert scheduler.schedule().num_rows == 0  # reserves the blocks
+    (reserved,) = scheduler.take_remote_kv_reservations()
+    positions = np.arange(len(prompt))
+    slots = np.asarray(reserved.block_table)[positions // BLOCK] * BLOCK + positions % BLOCK
+    runner.model.kv_tokens[slots] = prompt
+    runner.model.kv_positions[slots] = positions
+    first = reference_next_token(prompt, VOCAB)
+    scheduler.mark_remote_kv_arrived(0, len(prompt), first_token_id=first)
+    while scheduler.has_unfinished():
+        core.step()
+    assert seq.output_token_ids == reference(prompt, params)
+    assert scheduler.spec_stats.num_accepted_tokens > 0
+    assert_no_leaks(scheduler)
