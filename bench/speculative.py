@@ -151,12 +151,12 @@ def timed_generate(
 
     runner.execute = tracing_execute
     try:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params)
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     finally:
         del runner.execute
-    return elapsed, [out.outputs[0].token_ids for out in outputs]
+    return elapsed, cpu, [out.outputs[0].token_ids for out in outputs]
 
 
 def cpu_part(args: argparse.Namespace) -> tuple[dict[str, Any], Trace]:
@@ -178,15 +178,17 @@ def cpu_part(args: argparse.Namespace) -> tuple[dict[str, Any], Trace]:
     warm = SamplingParams(temperature=0.0, max_tokens=4)
     for llm in (off, on):
         llm.generate(prompts[:1], warm)
-    times_off, times_on = [], []
+    times_off, times_on, cpu_off, cpu_on = [], [], [], []
     trace_off, trace = Trace(), Trace()
     outputs_off: list[list[int]] = []
     outputs_on: list[list[int]] = []
     for repeat in range(args.repeats):
-        t, outputs_off = timed_generate(off, prompts, params, trace_off if repeat == 0 else None)
+        t, c, outputs_off = timed_generate(off, prompts, params, trace_off if repeat == 0 else None)
         times_off.append(t)
-        t, outputs_on = timed_generate(on, prompts, params, trace if repeat == 0 else None)
+        cpu_off.append(c)
+        t, c, outputs_on = timed_generate(on, prompts, params, trace if repeat == 0 else None)
         times_on.append(t)
+        cpu_on.append(c)
     generated = sum(len(o) for o in outputs_on)
     result = {
         "model": MODEL,
@@ -207,7 +209,10 @@ def cpu_part(args: argparse.Namespace) -> tuple[dict[str, Any], Trace]:
         "forwards_on": trace.forwards,
         "seconds_off": [round(t, 3) for t in times_off],
         "seconds_on": [round(t, 3) for t in times_on],
+        "cpu_seconds_off": [round(t, 3) for t in cpu_off],
+        "cpu_seconds_on": [round(t, 3) for t in cpu_on],
         "speedup_cpu": round(min(times_off) / min(times_on), 3),
+        "speedup_cpu_process_time": round(min(cpu_off) / min(cpu_on), 3),
         "outputs_identical": outputs_on == outputs_off,
         "sample_output": on.tokenizer.decode(outputs_on[0])[:300],
     }
@@ -382,6 +387,7 @@ def main() -> None:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "load_average_1m": [round(os.getloadavg()[0], 2)],
     }
     cpu, trace = cpu_part(args)
     result.update(cpu)
@@ -415,6 +421,7 @@ def main() -> None:
         gpu["gpu_batch_size"] = batch
         gpu["gpu_context"] = args.gpu_context
     result.update(gpu)
+    result["load_average_1m"].append(round(os.getloadavg()[0], 2))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 
