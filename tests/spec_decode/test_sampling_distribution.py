@@ -105,6 +105,7 @@ def sample(model_dir: Path, k: int, temperature: float, top_k: int, seeded: bool
     return generate(llm, [PROMPT] * NUM_SAMPLES, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("temperature", "top_k", "seeded"),
     [(1.0, -1, True), (1.0, -1, False), (0.7, 3, True)],
@@ -127,6 +128,7 @@ def test_speculative_sampling_matches_the_model_distribution(
     )
 
 
+@pytest.mark.slow
 def test_seeded_samples_are_identical_with_and_without_speculation(small_vocab_model: Path) -> None:
     on = sample(small_vocab_model, 3, 1.0, -1, seeded=True)
     off = sample(small_vocab_model, 0, 1.0, -1, seeded=True)
