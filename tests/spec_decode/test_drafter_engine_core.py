@@ -46,6 +46,22 @@ class CheckedRunner:
         return result
 
 
+class CheckingDrafter(NgramDrafter):
+    """Before each step: no decoding sequence holds a block beyond what its tokens need (the
+    previous step's rejected slots were rolled back; the next token's block may still be missing,
+    it is taken at schedule time), and the pool counts exactly the blocks live sequences hold."""
+
+    def before_schedule(self, scheduler: Scheduler) -> None:
+        batch, bm = scheduler.batch, scheduler.block_manager
+        for seq in batch.seqs[: batch.num_decode]:
+            needed = -(-seq.num_tokens // BLOCK)
+            assert needed - 1 <= len(seq.block_table) <= needed, seq
+        held = {b for seq in batch.seqs for b in seq.block_table}
+        held |= {b for seq in scheduler.waiting for b in seq.block_table}
+        assert bm.num_used_blocks == len(held)
+        super().before_schedule(scheduler)
+
+
 def reference(prompt: list[int], params: SamplingParams) -> list[int]:
     tokens = list(prompt)
     while True:
@@ -98,7 +114,7 @@ def test_speculation_never_changes_tokens_and_frees_every_block(config_name: str
         num_speculative_tokens=k,
     )
     runner = CheckedRunner(scheduler, config["num_blocks"])
-    core = EngineCore(scheduler, runner, drafter=NgramDrafter(NgramProposer(k, 1, 3)))
+    core = EngineCore(scheduler, runner, drafter=CheckingDrafter(NgramProposer(k, 1, 3)))
     requests = workload(seed=k)
     for i, (prompt, params) in enumerate(requests):
         core.add_request(f"r{i}", prompt, params)
