@@ -25,7 +25,7 @@ STOP = "their nets"
 
 
 def chats(llm) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    messages = [f"Repeat exactly: '{p.split('.')[0]}.'" for p in PARAGRAPHS[:2]]
+    messages = [f"Repeat exactly: {p.split('.')[0]}." for p in PARAGRAPHS[:2]]
     messages += [INSTRUCTIONS[i % 4].format(text=PARAGRAPHS[i % 4]) for i in range(8)]
     messages += QUESTIONS
     return [
