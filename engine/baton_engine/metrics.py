@@ -90,6 +90,7 @@ class EngineMetrics:
             self.waiting, self.running, self.kv_usage, self.kv_blocks, self.prefix_queries,
             self.prefix_hits, self.preemptions, self.prompt_tokens, self.generation_tokens,
             self.spec_draft, self.spec_accepted, self.ttft, self.itl, self.e2e, self.queue_time,
+            self.spec_num_drafts, self.spec_acceptance_rate, self.spec_tokens_per_forward,
         ):  # fmt: skip
             metric.labels(model_name)
 
