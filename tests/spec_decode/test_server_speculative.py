@@ -66,7 +66,7 @@ def test_stop_string_inside_an_accepted_run_over_http(server: ServerProcess) -> 
         "logprobs": 1,
     }
     before = server.stats()
-    response = server.http.post("/v1/completions", json=body)
+    response = server.http.post("/v1/completions", json=body, timeout=600)
     assert response.status_code == 200, response.text
     result = response.json()
     choice = result["choices"][0]
@@ -78,7 +78,7 @@ def test_stop_string_inside_an_accepted_run_over_http(server: ServerProcess) -> 
     # The engine generated tokens past the stop string; none of them reached the client.
     assert after["generation_tokens"] - before["generation_tokens"] > len(reference.token_ids)
 
-    streamed = server.http.post("/v1/completions", json={**body, "stream": True})
+    streamed = server.http.post("/v1/completions", json={**body, "stream": True}, timeout=600)
     assert streamed.status_code == 200
     events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == reference.text
@@ -87,9 +87,11 @@ def test_stop_string_inside_an_accepted_run_over_http(server: ServerProcess) -> 
 
 @pytest.mark.slow
 def test_metrics_carry_acceptance_statistics(server: ServerProcess) -> None:
+    prompt = f"Repeat the following text exactly, word for word:\n\n{TEXT}\n\n{TEXT}"
     response = server.http.post(
         "/v1/completions",
-        json={"model": "smol", "prompt": f"Repeat exactly: {TEXT}", "max_tokens": 24, "temperature": 0},
+        json={"model": "smol", "prompt": prompt, "max_tokens": 16, "temperature": 0},
+        timeout=600,
     )
     assert response.status_code == 200
     stats = server.wait_idle()
