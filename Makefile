@@ -1,4 +1,11 @@
-.PHONY: test lint setup cluster-build
+.PHONY: test lint setup cluster-build demo demo-down
+
+# Baton end to end on a local control plane; leaves it running (DEMO_NONINTERACTIVE=1 for CI).
+demo:
+	bash scripts/demo.sh up
+
+demo-down:
+	bash scripts/demo.sh down
 
 # Everything on a fresh machine: venv, installs, cached Go builds, lint, type checks, all tests.
 test:

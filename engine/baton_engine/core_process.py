@@ -42,9 +42,16 @@ class _LoopState:
 
 def _handle(core: EngineCore, kind: str, payload: Any, state: _LoopState) -> None:
     if kind == ipc.ADD:
-        request_id, prompt_ids, params, arrival = payload
+        request_id, prompt_ids, params, arrival, *rest = payload
+        kv_transfer_params = rest[0] if rest else None
         try:
-            core.add_request(request_id, prompt_ids, SamplingParams(**params), arrival_time=arrival)
+            core.add_request(
+                request_id,
+                prompt_ids,
+                SamplingParams(**params),
+                arrival_time=arrival,
+                kv_transfer_params=kv_transfer_params,
+            )
         except ValueError as exc:  # the server validates first; this is a last line of defence
             log.error("rejected request %s: %s", request_id, exc)
             state.rejected.append(
@@ -105,6 +112,8 @@ def serve_core(core: EngineCore, pull: zmq.Socket[bytes], push: zmq.Socket[bytes
                 push.send(ipc.encode(ipc.OUTPUTS, [[o.to_wire() for o in outputs], core.stats().to_dict()]))
         elif state.was_busy:
             state.was_busy = False
+            push.send(ipc.encode(ipc.OUTPUTS, [[], core.stats().to_dict()]))
+        elif core.poll_kv_transfer():  # idle: free ended producer leases, report transfers
             push.send(ipc.encode(ipc.OUTPUTS, [[], core.stats().to_dict()]))
 
 

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from baton_engine.engine_outputs import RequestOutput, TokenLogprobs
 from baton_engine.engine_stats import EngineStats
@@ -20,6 +20,9 @@ from baton_engine.sampling_params import SamplingParams
 from baton_engine.scheduler import Scheduler
 from baton_engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton_engine.sequence import Sequence as EngineSequence
+
+if TYPE_CHECKING:
+    from baton_engine.kv_transfer.engine_connector import KVTransferConnector
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +59,14 @@ class EngineCore:
         *,
         kv_event_sink: KVEventSink | None = None,
         drafter: Drafter | None = None,
+        kv_connector: KVTransferConnector | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.drafter = drafter
         self.kv_event_sink = kv_event_sink
+        self.kv_connector = kv_connector
+        self._kv_stats_version = 0
         self._requests: dict[int, _Request] = {}
         self._ids: dict[str, int] = {}
         self._next_seq_id = 0
@@ -76,14 +82,21 @@ class EngineCore:
         params: SamplingParams,
         *,
         arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         """Queue a request. A request that can never fit is finished as ``rejected`` in the next
-        `step` (with the reason in `RequestOutput.finish_message`)."""
+        `step` (with the reason in `RequestOutput.finish_message`). `kv_transfer_params`: a P/D
+        leg (``{"do_remote_decode": true}`` on a producer, signed params on a consumer); bad
+        params raise ValueError."""
         if request_id in self._ids:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq_id = self._next_seq_id
-        self._next_seq_id += 1
         seq = EngineSequence(seq_id, list(prompt_token_ids), params, arrival_time=arrival_time)
+        if kv_transfer_params is not None:
+            if self.kv_connector is None:
+                raise ValueError("kv_transfer_params: this engine does no KV transfer (--kv-role none)")
+            self.kv_connector.prepare(seq, kv_transfer_params)
+        self._next_seq_id += 1
         self._requests[seq_id] = _Request(request_id, seq)
         self._ids[request_id] = seq_id
         self.scheduler.add(seq)
@@ -92,11 +105,25 @@ class EngineCore:
         """Finish requests now and free their KV; unknown or finished ids are ignored."""
         for request_id in request_ids:
             seq_id = self._ids.get(request_id)
-            if seq_id is not None:
-                self.scheduler.abort(seq_id, message)
+            if seq_id is None:
+                continue
+            if self.kv_connector is not None and self.kv_connector.abort(seq_id, message):
+                continue  # its KV pull is stopping; the connector aborts it once it has
+            self.scheduler.abort(seq_id, message)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests) or self.scheduler.has_unfinished()
+
+    def poll_kv_transfer(self) -> bool:
+        """Free the blocks of ended producer leases while idle (`step` does it when busy).
+        True if transfer stats changed since the last poll (worth a stats push)."""
+        if self.kv_connector is None:
+            return False
+        self.kv_connector.before_step()
+        version = self.kv_connector.stats.version
+        changed = version != self._kv_stats_version
+        self._kv_stats_version = version
+        return changed
 
     @property
     def num_requests(self) -> int:
@@ -106,9 +133,13 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of every request that gained tokens or finished."""
         sched = self.scheduler
+        if self.kv_connector is not None:
+            self.kv_connector.before_step()
         if self.drafter is not None:
             self.drafter.before_schedule(sched)
         out = sched.schedule()
+        if self.kv_connector is not None:
+            self.kv_connector.after_schedule()
         touched: dict[int, _Request] = {}
         if out.num_rows:
             result = self.runner.execute(out)
@@ -125,6 +156,8 @@ class EngineCore:
             finished = step.finished
         else:  # an empty step is not in flight: nothing to run or postprocess
             finished = sched.take_finished()
+            if self.kv_connector is not None and self.kv_connector.busy():
+                time.sleep(0.0005)  # only pulls are in flight: leave the GIL to their thread
         for seq in finished:
             req = self._requests.get(seq.seq_id)
             if req is not None:
@@ -153,7 +186,10 @@ class EngineCore:
         if seq.sampling_params.logprobs is not None:
             logprobs, req.new_logprobs = req.new_logprobs, []
         finished = seq.is_finished
+        kv_params = None
         if finished:
+            if self.kv_connector is not None:
+                kv_params = self.kv_connector.producer_finished(seq)
             del self._requests[seq.seq_id]
             del self._ids[req.request_id]
         reason = seq.finish_reason.value if finished and seq.finish_reason is not None else None
@@ -167,6 +203,7 @@ class EngineCore:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             queue_time=queue_time,
+            kv_transfer_params=kv_params,
         )
 
     # -- metrics ----------------------------------------------------------------------------
@@ -191,6 +228,7 @@ class EngineCore:
             spec_num_drafts=spec.num_forwards,
             spec_accepted_per_position=list(spec.accepted_per_position),
             num_steps=self._num_steps,
+            kv_transfer=None if self.kv_connector is None else self.kv_connector.stats.totals().to_dict(),
         )
 
 

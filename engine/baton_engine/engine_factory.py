@@ -7,12 +7,18 @@ the offline `LLM` build the whole core.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from baton_engine.config import EngineConfig
 from baton_engine.engine_core import Drafter, EngineCore, KVEventSink
 from baton_engine.sampling_params import SamplingParams
 from baton_engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from baton_engine.loader import LoadedModel
+    from baton_engine.model_runner import ModelRunner
 
 
 class NoTokenizerError(ValueError):
@@ -53,12 +59,11 @@ class ModelInfo:
 
 
 def build_engine_core(
-    config: EngineConfig, *, kv_event_sink: KVEventSink | None = None
+    config: EngineConfig, *, kv_event_sink: KVEventSink | None = None, loaded: LoadedModel | None = None
 ) -> tuple[EngineCore, ModelInfo]:
-    from baton_engine.model_runner import ModelRunner
     from baton_engine.scheduler import Scheduler
 
-    runner = ModelRunner(config)
+    runner = build_model_runner(config, loaded)
     model_config = runner.model_config
     max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
     tokenizer = runner.loaded.tokenizer
@@ -76,8 +81,29 @@ def build_engine_core(
         eos_token_ids=eos_ids,
         vocab_size=model_config.vocab_size,
     )
-    core = EngineCore(scheduler, runner, kv_event_sink=kv_event_sink, drafter=_drafter(config))
+    connector = None
+    if config.kv_role != "none":
+        from baton_engine.kv_transfer.engine_connector import KVTransferConnector
+
+        connector = KVTransferConnector(config, runner.kv_cache, scheduler, model_name=info.name)
+    core = EngineCore(
+        scheduler, runner, kv_event_sink=kv_event_sink, kv_connector=connector, drafter=_drafter(config)
+    )
     return core, info
+
+
+def build_model_runner(config: EngineConfig, loaded: LoadedModel | None = None) -> ModelRunner:
+    """The GPU runner (Triton kernels, captured decode graphs) on cuda/ROCm devices unless
+    ``BATON_GPU_FAST_PATH=0``; the reference runner everywhere else."""
+    import torch
+
+    from baton_engine.model_runner import ModelRunner
+
+    if torch.device(config.device).type == "cuda" and os.environ.get("BATON_GPU_FAST_PATH", "1") != "0":
+        from baton_engine.gpu_runner import GpuModelRunner
+
+        return GpuModelRunner(config, loaded)
+    return ModelRunner(config, loaded)
 
 
 def _drafter(config: EngineConfig) -> Drafter | None:

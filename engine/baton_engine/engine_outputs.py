@@ -30,6 +30,8 @@ class RequestOutput:
     """Prompt tokens served from the prefix cache."""
     queue_time: float | None = None
     """Seconds between arrival and first scheduling (on the first output that knows it)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """P/D producer: the signed params a consumer pulls this request's KV with (final output)."""
 
     def to_wire(self) -> list[Any]:
         return [
@@ -42,6 +44,7 @@ class RequestOutput:
             self.num_prompt_tokens,
             self.num_cached_tokens,
             self.queue_time,
+            self.kv_transfer_params,
         ]
 
     @classmethod
@@ -59,4 +62,5 @@ class RequestOutput:
             num_prompt_tokens=raw[6],
             num_cached_tokens=raw[7],
             queue_time=raw[8],
+            kv_transfer_params=raw[9] if len(raw) > 9 else None,
         )

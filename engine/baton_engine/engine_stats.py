@@ -36,6 +36,8 @@ class EngineStats:
     spec_accepted_per_position: list[int] = field(default_factory=list)
     """``[j]``: verify rows whose draft ``j`` was accepted (cumulative, length K)."""
     num_steps: int = 0
+    kv_transfer: dict[str, Any] | None = None
+    """Cumulative KV-transfer totals (`kv_transfer.metrics.TransferTotals`), when P/D is on."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

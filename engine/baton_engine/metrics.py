@@ -78,6 +78,9 @@ class EngineMetrics:
         self.e2e = histogram(contract.M_E2E, "Time from arrival to the last output token.")
         self.queue_time = histogram(contract.M_QUEUE_TIME, "Time a request waited before its first step.")
         self._last = EngineStats()
+        from baton_engine.kv_transfer.metrics import KVTransferCollector
+
+        self.kv_transfer = KVTransferCollector(model_name, r)
         self.model_name = model_name
         if model_name:
             self.set_model_name(model_name)
@@ -86,6 +89,7 @@ class EngineMetrics:
         """Label every series with the served model name, and create them at 0 so that a
         counter that never moved (e.g. no prefix hit yet) is still exposed."""
         self.model_name = model_name
+        self.kv_transfer.model_name = model_name
         for metric in (
             self.waiting, self.running, self.kv_usage, self.kv_blocks, self.prefix_queries,
             self.prefix_hits, self.preemptions, self.prompt_tokens, self.generation_tokens,
@@ -96,6 +100,8 @@ class EngineMetrics:
 
     def update(self, stats: EngineStats) -> None:
         m = self.model_name
+        if stats.kv_transfer is not None:
+            self.kv_transfer.update(stats.kv_transfer)
         self.waiting.labels(m).set(stats.num_waiting)
         self.running.labels(m).set(stats.num_running)
         self.kv_usage.labels(m).set(stats.kv_usage)

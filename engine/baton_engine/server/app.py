@@ -96,7 +96,8 @@ def build_app(state: ServerState) -> FastAPI:
         _check_model(state, req.model)
         prompts = _completion_prompts(state, req)
         params = _sampling_params(state, req, prompts, req.max_tokens, req.logprobs)
-        gen = _start(state, request_id, prompts, params, req.timeout)
+        params, kv = _kv_transfer(state, req, prompts, params)
+        gen = _start(state, request_id, prompts, params, req.timeout, kv)
         log.info(
             "request %s: completion, %d prompt(s), %d prompt tokens, stream=%s",
             request_id, len(prompts), sum(map(len, prompts)), req.stream,
@@ -121,7 +122,8 @@ def build_app(state: ServerState) -> FastAPI:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = _sampling_params(state, req, [prompt], max_tokens, num_logprobs)
-        gen = _start(state, request_id, [prompt], params, req.timeout)
+        params, kv = _kv_transfer(state, req, [prompt], params)
+        gen = _start(state, request_id, [prompt], params, req.timeout, kv)
         log.info("request %s: chat, %d prompt tokens, stream=%s", request_id, len(prompt), req.stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
@@ -243,12 +245,35 @@ def _sampling_params(
     return params
 
 
+def _kv_transfer(
+    state: ServerState,
+    req: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    params: SamplingParams,
+) -> tuple[SamplingParams, dict[str, Any] | None]:
+    """P/D legs: a producer leg runs with max_tokens=1; a consumer leg's params are verified
+    here (signature first), so that bad ones are a 400 before any connection is made."""
+    from baton_engine.contract import KVTransferParamsError
+    from baton_engine.kv_transfer.request_params import check_request_params
+
+    try:
+        kv = check_request_params(req.kv_transfer_params, role=state.config.kv_role, prompts=prompts, n=req.n)
+    except KVTransferParamsError as exc:
+        raise bad_request(str(exc), param="kv_transfer_params") from exc
+    if kv is not None and kv.get("do_remote_decode"):
+        import dataclasses
+
+        params = dataclasses.replace(params, max_tokens=1)
+    return params, kv
+
+
 def _start(
     state: ServerState,
     request_id: str,
     prompts: list[list[int]],
     params: SamplingParams,
     timeout: float | None,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> Generation:
     client = _require_ready(state)
     if client.num_not_started + len(prompts) * params.n > state.config.max_queued_requests:
@@ -260,7 +285,16 @@ def _start(
             param="model",
             code="no_tokenizer",
         )
-    return Generation(client, state.tokenizer, state.metrics, request_id, prompts, params, timeout=timeout)
+    return Generation(
+        client,
+        state.tokenizer,
+        state.metrics,
+        request_id,
+        prompts,
+        params,
+        timeout=timeout,
+        kv_transfer_params=kv_transfer_params,
+    )
 
 
 # ------------------------------------------------------------------------------ responses
@@ -339,6 +373,9 @@ async def _completion_stream(
     else:
         if include_usage:
             yield chunk([], gen.usage.to_dict())
+        if gen.kv_transfer_params_out is not None:
+            kv_chunk = {"id": request_id, "kv_transfer_params": gen.kv_transfer_params_out}
+            yield f"data: {json.dumps(kv_chunk)}\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -392,6 +429,9 @@ async def _chat_stream(
     else:
         if include_usage:
             yield chunk([], gen.usage.to_dict())
+        if gen.kv_transfer_params_out is not None:
+            kv_chunk = {"id": request_id, "kv_transfer_params": gen.kv_transfer_params_out}
+            yield f"data: {json.dumps(kv_chunk)}\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -459,5 +499,7 @@ async def _collect(
         "choices": choices,
         "usage": gen.usage.to_dict(),
     }
+    if gen.kv_transfer_params_out is not None:
+        body["kv_transfer_params"] = gen.kv_transfer_params_out
     log.info("request %s: done, %d completion tokens", request_id, gen.usage.completion_tokens)
     return JSONResponse(body, headers={REQUEST_ID_HEADER: request_id})

@@ -135,12 +135,13 @@ class EngineClient:
         params: SamplingParams,
         queue: asyncio.Queue[RequestOutput | EngineDeadError],
         arrival_time: float,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         self._queues[request_id] = queue
         self._not_started.add(request_id)
-        payload = [request_id, prompt_token_ids, _params_dict(params), arrival_time]
+        payload = [request_id, prompt_token_ids, _params_dict(params), arrival_time, kv_transfer_params]
         self._input.send(ipc.encode(ipc.ADD, payload))
 
     def abort(self, request_ids: list[str], message: str) -> None:

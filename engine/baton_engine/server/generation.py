@@ -13,6 +13,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from baton_engine.detokenizer import IncrementalDetokenizer
 from baton_engine.engine_outputs import RequestOutput, TokenLogprobs
@@ -82,8 +83,12 @@ class Generation:
         params: SamplingParams,
         *,
         timeout: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.client = client
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_transfer_params_out: dict[str, Any] | None = None
+        """P/D producer leg: the signed params the engine returned with the final output."""
         self.metrics = metrics
         self.request_id = request_id
         self.prompts = prompts
@@ -117,7 +122,12 @@ class Generation:
             for engine_id, choice in self._choices.items():
                 prompt = self.prompts[choice.index // self.params.n]
                 self.client.add(
-                    engine_id, prompt, self._child_params(choice.index), self._queue, time.monotonic()
+                    engine_id,
+                    prompt,
+                    self._child_params(choice.index),
+                    self._queue,
+                    time.monotonic(),
+                    kv_transfer_params=self.kv_transfer_params,
                 )
             remaining = len(self._choices)
             while remaining:
@@ -157,6 +167,8 @@ class Generation:
         if out.queue_time is not None:
             choice.queue_time = out.queue_time
         choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params_out = out.kv_transfer_params
         delta = choice.detokenizer.add(out.new_token_ids)
         text = delta.text
         # A speculative step may run past a stop string: nothing after it reaches the client.

@@ -46,6 +46,8 @@ class _Common(_Strict):
     user: str | None = None
     timeout: float | None = Field(None, gt=0.0)
     """Baton extension: seconds after which the request is aborted with HTTP 408."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """P/D: ``{"do_remote_decode": true}`` (prefill leg) or a producer's signed params (decode leg)."""
 
 
 class CompletionRequest(_Common):

@@ -1,0 +1,1 @@
+"""Portable (Triton + PyTorch) GPU kernels: paged attention, fused norm, rotary + cache write."""

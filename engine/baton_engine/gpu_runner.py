@@ -1,0 +1,323 @@
+"""The GPU model runner: fused Triton forward, captured decode graphs, sync-free input staging.
+
+* Inputs go host -> pinned staging buffer -> device with non-blocking copies (two staging sets
+  used alternately, each guarded by an event, so a step never overwrites data still in flight).
+* Decode-only steps (one token per row) up to the largest captured batch replay a CUDA/HIP graph
+  captured for the next larger batch size; padding rows have seq_len 0 and slot -1 (no write).
+* Every other step (prefill chunks, mixed batches, speculative rows) runs eagerly with the varlen
+  paged prefill kernel. Nothing reads device memory on the host except the sampler's tokens;
+  `sync_debug=True` runs each device step under ``torch.cuda.set_sync_debug_mode("error")``.
+* Plain greedy steps take the argmax on the device; after a greedy decode step the predicted
+  next step is launched at once (`decode_ahead`), so the device works while the scheduler plans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from baton_engine.attention.triton_attention import PREFILL_BLOCK_M, DecodeWorkspace, decode_num_splits
+from baton_engine.config import EngineConfig
+from baton_engine.decode_ahead import AheadPlan, is_decode_only, match_rows, plan_next_decode
+from baton_engine.fused_decoder import DecodeMeta, FusedDecoder, PrefillMeta
+from baton_engine.loader import LoadedModel
+from baton_engine.model_runner import ModelRunner
+from baton_engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+class _Staging:
+    """Pinned host buffers and their device twins for one step's index arrays."""
+
+    def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, device: torch.device) -> None:
+        max_tiles = max_tokens // PREFILL_BLOCK_M + max_rows
+
+        def pair(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.zeros(shape, dtype=dtype, pin_memory=True), torch.zeros(
+                shape, dtype=dtype, device=device
+            )
+
+        self.input_ids = pair((max_tokens,), torch.int64)
+        self.positions = pair((max_tokens,), torch.int64)
+        self.slots = pair((max_tokens,), torch.int64)
+        self.logits_indices = pair((max_tokens,), torch.int64)
+        self.query_start = pair((max_rows + 1,), torch.int32)
+        self.seq_lens = pair((max_rows,), torch.int32)
+        self.block_tables = pair((max_rows, max_blocks), torch.int32)
+        self.tile_rows = pair((max_tiles,), torch.int32)
+        self.tile_starts = pair((max_tiles,), torch.int32)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+
+def _put(
+    pair: tuple[torch.Tensor, torch.Tensor], values: np.ndarray, count: int | None = None
+) -> torch.Tensor:
+    host, device = pair
+    n = len(values) if count is None else count
+    host.numpy()[: len(values)] = values
+    device[:n].copy_(host[:n], non_blocking=True)
+    return device[:n]
+
+
+def _put_into(host: torch.Tensor, values: np.ndarray, device: torch.Tensor) -> None:
+    n = len(values)
+    host.numpy()[:n] = values
+    device[:n].copy_(host[:n], non_blocking=True)
+
+
+@dataclass
+class _Ahead:
+    plan: AheadPlan
+    tokens_host: torch.Tensor  # pinned int64, filled by the device
+    done: torch.cuda.Event
+
+
+@dataclass
+class _Graph:
+    batch: int
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+
+
+class GpuModelRunner(ModelRunner):
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        graph_batch_sizes: tuple[int, ...] | None = None,
+        sync_debug: bool = False,
+        decode_ahead: bool = True,
+    ) -> None:
+        super().__init__(config, loaded)
+        if self.device.type != "cuda":
+            raise ValueError(f"GpuModelRunner needs a cuda device, got {self.device}")
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB) on %s",
+            self.num_blocks,
+            self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
+            self.device,
+        )
+        self.sync_debug = sync_debug
+        self.decode_ahead = decode_ahead
+        self._max_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self.ahead_hits = 0
+        self.ahead_misses = 0
+        self._ahead: _Ahead | None = None
+        # Two pinned token buffers: the one being read and the one the next ahead step fills.
+        self._ahead_slots = [
+            (torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            for _ in range(2)
+        ]
+        self._ahead_turn = 0
+        self.fused = FusedDecoder(self.model)
+        mc = self.model_config
+        self.max_tokens = max(
+            config.max_num_batched_tokens, config.max_num_seqs * (1 + config.num_speculative_tokens)
+        )
+        self.max_rows = config.max_num_seqs
+        self.max_blocks = -(-config.max_model_len // self.block_size)
+        self._staging = [
+            _Staging(self.max_tokens, self.max_rows, self.max_blocks, self.device) for _ in range(2)
+        ]
+        self._turn = 0
+        sizes = DEFAULT_GRAPH_BATCH_SIZES if graph_batch_sizes is None else graph_batch_sizes
+        self.graph_sizes = sorted(s for s in sizes if s <= self.max_rows)
+        self._graphs: dict[int, _Graph] = {}
+        # Static graph inputs: the largest graph's buffers, sliced for smaller ones.
+        g = self.graph_sizes[-1] if self.graph_sizes else 0
+        dev = self.device
+        self._g_ids = torch.zeros(g, dtype=torch.int64, device=dev)
+        self._g_pos = torch.zeros(g, dtype=torch.int64, device=dev)
+        self._g_slots = torch.full((g,), -1, dtype=torch.int64, device=dev)
+        self._g_seq_lens = torch.zeros(g, dtype=torch.int32, device=dev)
+        self._g_tables = torch.zeros((g, self.max_blocks), dtype=torch.int32, device=dev)
+        self.num_heads = mc.num_heads
+        if self.graph_sizes:
+            self._capture()
+
+    # -- graphs ---------------------------------------------------------------------------
+    def _decode_meta(self, batch: int) -> DecodeMeta:
+        mc = self.model_config
+        splits = decode_num_splits(batch, mc.num_kv_heads, self.config.max_model_len)
+        return DecodeMeta(
+            block_tables=self._g_tables[:batch],
+            seq_lens=self._g_seq_lens[:batch],
+            workspace=DecodeWorkspace(batch, mc.num_heads, mc.head_dim, splits, self.device),
+        )
+
+    def _decode_forward(self, batch: int, meta: DecodeMeta) -> torch.Tensor:
+        hidden = self.fused.forward(
+            self._g_ids[:batch], self._g_pos[:batch], self._g_slots[:batch], self.kv_cache, meta
+        )
+        return self.fused.logits(hidden)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for batch in reversed(self.graph_sizes):
+                meta = self._decode_meta(batch)
+                self._decode_forward(batch, meta)  # compile kernels, warm allocator
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self._decode_forward(batch, meta)
+                self._graphs[batch] = _Graph(batch, graph, logits)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        log.info("captured decode graphs for batch sizes %s", self.graph_sizes)
+
+    def _graph_for(self, rows: int) -> _Graph | None:
+        for size in self.graph_sizes:
+            if size >= rows:
+                return self._graphs[size]
+        return None
+
+    # -- the step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """Greedy steps without drafts or logprobs take the argmax on the device and read only
+        the token ids (the same tokens as the sampler's greedy path); all others go through it.
+        Greedy decode steps also launch the predicted next step (`decode_ahead`)."""
+        ahead, self._ahead = self._ahead, None
+        plain_greedy = (
+            step.num_tokens > 0
+            and len(step.sample_rows) > 0
+            and step.sampling.all_greedy
+            and not np.any(np.asarray(step.num_draft_tokens) > 0)
+            and not np.any(np.asarray(step.sampling.num_logprobs) >= 0)
+        )
+        if not plain_greedy:
+            return super().execute(step)
+        tokens: list[int] | None = None
+        if ahead is not None:
+            index = match_rows(ahead.plan, step, self.block_size)
+            if index is not None:
+                ahead.done.synchronize()  # the sampled tokens of the step run ahead
+                tokens = ahead.tokens_host.numpy()[: ahead.plan.num_rows][index].tolist()
+                self.ahead_hits += 1
+            else:
+                self.ahead_misses += 1
+        if tokens is None:
+            tokens = self.compute_logits(step).argmax(dim=-1).tolist()
+        if self.decode_ahead and is_decode_only(step):
+            self._launch_ahead(step, np.asarray(tokens, dtype=np.int64))
+        return ModelRunnerOutput(step_id=step.step_id, sampled_token_ids=[[int(t)] for t in tokens])
+
+    def _launch_ahead(self, step: SchedulerOutput, sampled: np.ndarray) -> None:
+        graph = self._graph_for(step.num_rows)
+        if graph is None:
+            return
+        plan = plan_next_decode(step, sampled, self.block_size, self._max_len)
+        if plan is None:
+            return
+        staging = self._staging[self._turn]
+        self._turn ^= 1
+        staging.done.synchronize()
+        slot = self._ahead_slots[self._ahead_turn]
+        self._ahead_turn ^= 1
+        with self._sync_guard():
+            self._stage_graph(
+                staging, graph, plan.input_ids, plan.positions, plan.slots, plan.seq_lens, plan.block_tables
+            )
+            graph.graph.replay()
+            tokens_host, done = slot
+            tokens_host[: plan.num_rows].copy_(
+                graph.logits[: plan.num_rows].argmax(dim=-1), non_blocking=True
+            )
+            done.record()
+            staging.done.record()
+        self._ahead = _Ahead(plan, tokens_host, done)
+
+    @contextlib.contextmanager
+    def _sync_guard(self) -> Iterator[None]:
+        if not self.sync_debug:
+            yield
+            return
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def compute_logits(self, step: SchedulerOutput) -> torch.Tensor:
+        staging = self._staging[self._turn]
+        self._turn ^= 1
+        staging.done.synchronize()  # the copies of two steps ago (always finished in practice)
+        with self._sync_guard():
+            logits = self._run(step, staging)
+            staging.done.record()
+        return logits
+
+    def _stage_graph(
+        self,
+        st: _Staging,
+        graph: _Graph,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        seq_lens: np.ndarray,
+        tables: np.ndarray,
+    ) -> None:
+        """Pinned buffers -> the graph's static inputs; padding rows get seq_len 0, slot -1."""
+        rows = len(input_ids)
+        pad = graph.batch - rows
+        zeros = np.zeros(pad, np.int64)
+        _put_into(st.input_ids[0], np.concatenate([np.asarray(input_ids, np.int64), zeros]), self._g_ids)
+        _put_into(st.positions[0], np.concatenate([np.asarray(positions, np.int64), zeros]), self._g_pos)
+        _put_into(st.slots[0], np.concatenate([np.asarray(slots, np.int64), zeros - 1]), self._g_slots)
+        lens = np.concatenate([np.asarray(seq_lens, np.int32), np.zeros(pad, np.int32)])
+        _put_into(st.seq_lens[0], lens, self._g_seq_lens)
+        width = min(tables.shape[1], self.max_blocks)
+        st.block_tables[0].numpy()[:rows, :width] = tables[:, :width]
+        self._g_tables[:rows, :width].copy_(st.block_tables[0][:rows, :width], non_blocking=True)
+
+    def _run(self, step: SchedulerOutput, st: _Staging) -> torch.Tensor:
+        rows = step.num_rows
+        tokens = step.num_tokens
+        query_lens = np.asarray(step.query_lens)
+        decode_only = step.num_decode_rows == rows and tokens == rows
+        graph = self._graph_for(rows) if decode_only else None
+        # The scheduler's table view may be wider than max_model_len needs; the extra columns
+        # are never read (seq_lens bounds every row).
+        tables = np.asarray(step.block_tables, dtype=np.int32)[:, : self.max_blocks]
+        width = tables.shape[1]
+        if graph is not None:
+            self._stage_graph(
+                st, graph, step.input_ids, step.positions, step.slot_mapping, step.seq_lens, tables
+            )
+            graph.graph.replay()
+            return graph.logits[:rows]
+        ids = _put(st.input_ids, np.asarray(step.input_ids, np.int64))
+        pos = _put(st.positions, np.asarray(step.positions, np.int64))
+        slots = _put(st.slots, np.asarray(step.slot_mapping, np.int64))
+        qsl = _put(st.query_start, np.asarray(step.query_start_loc, np.int32))
+        lens = _put(st.seq_lens, np.asarray(step.seq_lens, np.int32))
+        st.block_tables[0].numpy()[:rows, :width] = tables
+        block_tables = st.block_tables[1][:rows, :width]
+        block_tables.copy_(st.block_tables[0][:rows, :width], non_blocking=True)
+        counts = -(-query_lens.astype(np.int64) // PREFILL_BLOCK_M)
+        tile_rows = np.repeat(np.arange(rows, dtype=np.int32), counts)
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        tile_starts = ((np.arange(len(tile_rows)) - first) * PREFILL_BLOCK_M).astype(np.int32)
+        meta = PrefillMeta(
+            block_tables=block_tables,
+            query_start_loc=qsl,
+            seq_lens=lens,
+            tile_rows=_put(st.tile_rows, tile_rows),
+            tile_starts=_put(st.tile_starts, tile_starts),
+        )
+        hidden = self.fused.forward(ids, pos, slots, self.kv_cache, meta)
+        indices = _put(st.logits_indices, np.asarray(step.logits_indices, np.int64))
+        return self.fused.logits(hidden[indices])

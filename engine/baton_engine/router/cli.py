@@ -1,0 +1,248 @@
+"""``baton-router``: the OpenAI-compatible router in front of an engine deployment."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from baton_engine import contract
+from baton_engine.router.block_hashes import PREFIX_HASH_NONE, PREFIX_HASHES
+from baton_engine.router.discovery import (
+    KubernetesDiscovery,
+    default_namespace,
+    selector_string,
+    static_endpoints,
+)
+from baton_engine.router.endpoints import EndpointRegistry
+from baton_engine.router.policy import ROUTINGS
+from baton_engine.router.settings import MODES, RouterSettings
+
+if TYPE_CHECKING:
+    from baton_engine.router.app import DiscoveryTask
+    from baton_engine.router.request_tokens import EngineRequestTokenizer
+
+ENV_API_KEY = "BATON_ROUTER_API_KEY"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="baton-router",
+        description="OpenAI-compatible router: sends each request through a prefill pod and a decode pod "
+        "(disaggregated) or to one pod of an aggregated pool.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=contract.DEFAULT_ROUTER_PORT, help="port to listen on")
+    p.add_argument("--model", default=None, help="served model name (answers /v1/models when no pod does)")
+    p.add_argument("--mode", choices=MODES, default="disaggregated", help="deployment mode")
+    p.add_argument(
+        "--routing",
+        choices=ROUTINGS,
+        default="prefix",
+        help="prefix: longest cached prefix, then load; round-robin: a baseline for comparisons",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="KV block size of the engines, in tokens")
+    p.add_argument(
+        "--prefix-hash",
+        choices=PREFIX_HASHES,
+        default=PREFIX_HASH_NONE,
+        help="the engines' --prefix-hash, to compute their KV-event block keys from prompts; "
+        "none: route by load only (vllm-sha256-cbor also needs the engines' PYTHONHASHSEED)",
+    )
+    p.add_argument(
+        "--kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="subscribe to the prefill pods' KV events for prefix routing (needs --prefix-hash)",
+    )
+    p.add_argument(
+        contract.FLAG_ROUTER_TOKENIZER,
+        default=None,
+        metavar="REF",
+        help="tokenizer for prefix routing of text prompts: a local model directory with tokenizer.json "
+        "(other references are not loadable without torch: text prompts are then routed by load)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer <key>' from clients (default: ${ENV_API_KEY} if set)",
+    )
+
+    static = p.add_argument_group("static discovery")
+    static.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill pods' HTTP URLs")
+    static.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode pods' HTTP URLs")
+    static.add_argument("--engine", nargs="+", default=[], metavar="URL", help="aggregated pods' HTTP URLs")
+    static.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=contract.DEFAULT_KV_EVENTS_PORT,
+        help="static pods' KV-event port",
+    )
+    static.add_argument(
+        "--kv-replay-port",
+        type=int,
+        default=contract.DEFAULT_KV_EVENTS_REPLAY_PORT,
+        help="static pods' replay port",
+    )
+
+    k8s = p.add_argument_group("kubernetes discovery (watches Pods; in-cluster config or KUBECONFIG)")
+    k8s.add_argument(
+        contract.FLAG_ROUTER_DISCOVERY,
+        choices=(contract.DISCOVERY_KUBERNETES, contract.DISCOVERY_STATIC),
+        default=None,
+        help="where pods come from (default: kubernetes when selectors or --k8s-deployment are given)",
+    )
+    k8s.add_argument(
+        "--k8s-deployment",
+        default=None,
+        metavar="NAME",
+        help="InferenceDeployment whose pods to route to (selects pods by the contract's labels)",
+    )
+    k8s.add_argument(
+        "--k8s-namespace",
+        contract.FLAG_ROUTER_NAMESPACE,
+        dest="k8s_namespace",
+        default=None,
+        help="namespace of the pods (default: the router's own)",
+    )
+    k8s.add_argument("--prefill-selector", default=None, help="label selector of prefill pods (overrides)")
+    k8s.add_argument("--decode-selector", default=None, help="label selector of decode pods (overrides)")
+    k8s.add_argument("--engine-selector", default=None, help="label selector of aggregated pods (overrides)")
+
+    tune = p.add_argument_group("tuning")
+    tune.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds for the whole prefill leg")
+    tune.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a pod")
+    tune.add_argument(
+        "--read-timeout", type=float, default=600.0, help="longest silence within an answer, seconds"
+    )
+    tune.add_argument("--max-connections", type=int, default=1024, help="upstream connection pool size")
+    tune.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between /metrics scrapes")
+    tune.add_argument("--scrape-timeout", type=float, default=0.5, help="seconds per /metrics scrape")
+    tune.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def _discovery(
+    args: argparse.Namespace, settings: RouterSettings, registry: EndpointRegistry, p: argparse.ArgumentParser
+) -> list[DiscoveryTask]:
+    by_role = {
+        contract.ROLE_PREFILL: args.prefill,
+        contract.ROLE_DECODE: args.decode,
+        contract.ROLE_AGGREGATED: args.engine,
+    }
+    overrides = {
+        contract.ROLE_PREFILL: args.prefill_selector,
+        contract.ROLE_DECODE: args.decode_selector,
+        contract.ROLE_AGGREGATED: args.engine_selector,
+    }
+    use_static = any(by_role.values())
+    use_k8s = args.k8s_deployment is not None or any(overrides.values())
+    if args.discovery == contract.DISCOVERY_KUBERNETES and not use_k8s:
+        p.error("--discovery kubernetes needs --k8s-deployment or --<role>-selector")
+    if args.discovery == contract.DISCOVERY_STATIC and use_k8s:
+        p.error("--discovery static takes --prefill/--decode/--engine URLs, not selectors")
+    if use_static and use_k8s:
+        p.error(
+            "choose static URLs (--prefill/--decode/--engine) or Kubernetes discovery (--k8s-*), not both"
+        )
+    if not use_static and not use_k8s:
+        p.error("no pods: give --prefill and --decode URLs, --engine URLs, or --k8s-deployment")
+    for role, values in {**(by_role if use_static else {}), **(overrides if use_k8s else {})}.items():
+        if values and role not in settings.roles:
+            p.error(f"--mode {settings.mode} does not use {role} pods (flag for role {role!r} given)")
+    if use_static:
+        for role in settings.roles:
+            if not by_role[role]:
+                flag = "--engine" if role == contract.ROLE_AGGREGATED else f"--{role}"
+                p.error(f"--mode {settings.mode} needs {flag} URLs")
+        try:
+            ports = {
+                contract.PORT_KV_EVENTS: args.kv_events_port,
+                contract.PORT_KV_EVENTS_REPLAY: args.kv_replay_port,
+            }
+            for endpoint in static_endpoints({r: by_role[r] for r in settings.roles}, ports=ports):
+                registry.upsert(endpoint)
+        except ValueError as exc:
+            p.error(str(exc))
+        return []
+    selectors = {}
+    for role in settings.roles:
+        if overrides[role]:
+            selectors[role] = overrides[role]
+        elif args.k8s_deployment:
+            selectors[role] = selector_string(contract.pod_selector(args.k8s_deployment, role))
+        else:
+            p.error(f"no selector for {role} pods: give --k8s-deployment or --{role}-selector")
+    return [KubernetesDiscovery(args.k8s_namespace or default_namespace(), selectors)]
+
+
+def _request_tokenizer(reference: str | None) -> EngineRequestTokenizer | None:
+    """The tokenizer of a local model directory; None (routing text prompts by load) otherwise."""
+    if reference is None:
+        return None
+    from pathlib import Path
+
+    from baton_engine.router.request_tokens import EngineRequestTokenizer
+    from baton_engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained_dir(Path(reference)) if Path(reference).is_dir() else None
+    if tokenizer is None:
+        logging.getLogger(__name__).warning(
+            "tokenizer %r: not a local directory with tokenizer.json; text prompts are routed by load",
+            reference,
+        )
+        return None
+    return EngineRequestTokenizer(tokenizer)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = build_parser()
+    args = p.parse_args(argv)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(ENV_API_KEY) or None
+    try:
+        settings = RouterSettings(
+            mode=args.mode,
+            routing=args.routing,
+            block_size=args.block_size,
+            model=args.model,
+            api_key=api_key,
+            prefill_timeout_s=args.prefill_timeout,
+            connect_timeout_s=args.connect_timeout,
+            read_timeout_s=args.read_timeout,
+            max_connections=args.max_connections,
+            scrape_interval_s=args.scrape_interval,
+            scrape_timeout_s=args.scrape_timeout,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
+    if not 0 < args.port < 65536:
+        p.error(f"--port: {args.port} is not a TCP port")
+    registry = EndpointRegistry()
+    discovery = _discovery(args, settings, registry, p)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    import uvicorn  # imported after the flags are checked: a typo fails fast
+
+    from baton_engine.router.app import create_app
+    from baton_engine.router.block_hashes import block_hasher
+    from baton_engine.router.kv_index import KVEventIndex
+    from baton_engine.router.prefix import PrefixScorer
+
+    hasher = block_hasher(args.prefix_hash, args.block_size)
+    kv_index = KVEventIndex() if hasher is not None and args.kv_events and args.routing == "prefix" else None
+    scorer = PrefixScorer(tokenizer=_request_tokenizer(args.tokenizer), hasher=hasher, index=kv_index)
+    app = create_app(settings, registry, discovery=discovery, scorer=scorer, kv_index=kv_index)
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, timeout_keep_alive=75
+    )
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

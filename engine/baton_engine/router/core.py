@@ -1,0 +1,113 @@
+"""The router's state and choices: endpoints, their load, prefix scores, in-flight counts."""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from baton_engine import contract
+from baton_engine.router import policy
+from baton_engine.router.endpoints import Endpoint, EndpointRegistry
+from baton_engine.router.load import LoadTracker
+from baton_engine.router.metrics import RouterMetrics
+from baton_engine.router.prefix import Api, PrefixScorer
+from baton_engine.router.settings import RouterSettings
+
+
+class NoEndpoint(LookupError):
+    """No pod of a needed role is known."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(f"no {role} pod available")
+        self.role = role
+
+
+class RouterCore:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        registry: EndpointRegistry,
+        loads: LoadTracker,
+        scorer: PrefixScorer,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.loads = loads
+        self.scorer = scorer
+        self.metrics = metrics
+        self.in_flight: Tally[str] = Tally()
+        self._turns: Tally[str] = Tally()
+        registry.subscribe(self._on_endpoint)
+
+    def _on_endpoint(self, kind: str, endpoint: Endpoint) -> None:
+        if kind == "removed":
+            self.in_flight.pop(endpoint.key, None)
+        for role in contract.ENGINE_ROLES:
+            self.metrics.endpoints.labels(role=role).set(len(self.registry.by_role(role)))
+
+    def _candidates(self, endpoints: Sequence[Endpoint], prefix: Mapping[str, int]) -> list[policy.Candidate]:
+        out = []
+        for e in endpoints:
+            load = self.loads.get(e.key)
+            out.append(
+                policy.Candidate(
+                    key=e.key,
+                    prefix_blocks=prefix.get(e.key, 0),
+                    waiting=load.waiting,
+                    running=load.running,
+                    kv_usage=load.kv_usage,
+                    in_flight=self.in_flight[e.key],
+                )
+            )
+        return out
+
+    def _usable(self, role: str) -> list[Endpoint]:
+        """The role's endpoints, less those the last scrape could not connect to (unless that is all)."""
+        endpoints = self.registry.by_role(role)
+        if not endpoints:
+            raise NoEndpoint(role)
+        reachable = [e for e in endpoints if self.loads.get(e.key).reachable]
+        return reachable or endpoints
+
+    def _turn(self, role: str) -> int:
+        turn = self._turns[role]
+        self._turns[role] += 1
+        return turn
+
+    def choose_first_leg(self, api: Api, body: Mapping[str, Any]) -> tuple[Endpoint, int]:
+        """The prefill pod (aggregated: the pod) and its cached prompt tokens for this request."""
+        role = contract.ROLE_AGGREGATED if self.settings.mode == "aggregated" else contract.ROLE_PREFILL
+        endpoints = self._usable(role)
+        prefix = self.scorer.matched_blocks(api, body, endpoints) if self.settings.routing == "prefix" else {}
+        chosen = policy.choose_prefill(
+            self._candidates(endpoints, prefix), self.settings.routing, self._turn(role)
+        )
+        hit_tokens = chosen.prefix_blocks * self.settings.block_size
+        if hit_tokens:
+            self.metrics.prefix_hit_tokens.inc(hit_tokens)
+        endpoint = self.registry.get(chosen.key)
+        assert endpoint is not None
+        return endpoint, hit_tokens
+
+    def decode_order(self) -> list[Endpoint]:
+        """Decode pods to try, best first (at most ``decode_attempts``)."""
+        role = contract.ROLE_DECODE
+        endpoints = self._usable(role)
+        candidates = self._candidates(endpoints, {})
+        turn = self._turn(role)
+        if self.settings.routing == "round-robin":
+            first = policy.choose_decode(candidates, "round-robin", turn)
+            ranked = [first] + [c for c in sorted(candidates, key=lambda c: c.key) if c.key != first.key]
+        else:
+            ranked = policy.rank_decode(candidates, turn)
+        picked = [self.registry.get(c.key) for c in ranked[: self.settings.decode_attempts]]
+        return [e for e in picked if e is not None]
+
+    def ready_roles(self) -> dict[str, int]:
+        """Reachable endpoints per needed role (never-scraped endpoints count as reachable)."""
+        return {
+            role: sum(1 for e in self.registry.by_role(role) if self.loads.get(e.key).reachable)
+            for role in self.settings.roles
+        }

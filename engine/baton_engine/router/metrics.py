@@ -1,0 +1,46 @@
+"""The router's own Prometheus metrics (names from the contract's router section)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from baton_engine import contract
+
+_LEG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+def _base(counter_name: str) -> str:
+    return counter_name.removesuffix("_total")
+
+
+class RouterMetrics:
+    """One set per router app, in its own registry (several apps may live in one test process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            _base(contract.M_ROUTER_REQUESTS), "Client requests by outcome", ["outcome", "mode"], registry=r
+        )
+        self.leg_seconds = Histogram(
+            contract.M_ROUTER_LEG_SECONDS, "Upstream leg duration", ["leg"], buckets=_LEG_BUCKETS, registry=r
+        )
+        self.ttfb_seconds = Histogram(
+            contract.M_ROUTER_TTFB_SECONDS,
+            "Request arrival to first byte sent",
+            buckets=_LEG_BUCKETS,
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            _base(contract.M_ROUTER_FALLBACKS),
+            "Prefill-leg failures sent whole to decode",
+            ["reason"],
+            registry=r,
+        )
+        self.prefix_hit_tokens = Counter(
+            _base(contract.M_ROUTER_PREFIX_HIT_TOKENS), "Cached prompt tokens on the chosen pods", registry=r
+        )
+        self.endpoints = Gauge(contract.M_ROUTER_ENDPOINTS, "Known endpoints", ["role"], registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,206 @@
+"""One engine pool (prefill, decode or the aggregated pool): its Deployment and headless Service."""
+
+from __future__ import annotations
+
+import math
+
+from baton_engine import contract
+from baton_operator.builders.common import (
+    BuildContext,
+    Manifest,
+    child_name,
+    container_security_context,
+    http_probe,
+    labels,
+    metadata,
+    placement,
+    pod_identity_env,
+    pod_security_context,
+    quantity,
+    secret_name,
+)
+from baton_operator.builders.model_volume import model_mount
+from baton_operator.models import EngineSpec, RoleSpec
+
+ENGINE_CONTAINER = "engine"
+CACHE_MOUNT = "/var/cache/baton"
+STARTUP_PERIOD_S = 10
+#: Cache locations moved off the read-only root filesystem onto the `cache` emptyDir.
+CACHE_ENV: tuple[tuple[str, str], ...] = (
+    ("HOME", "/tmp"),
+    ("XDG_CACHE_HOME", CACHE_MOUNT),
+    ("HF_HOME", f"{CACHE_MOUNT}/hf"),
+    ("TRITON_CACHE_DIR", f"{CACHE_MOUNT}/triton"),
+    ("TORCHINDUCTOR_CACHE_DIR", f"{CACHE_MOUNT}/inductor"),
+)
+
+
+def _switch(flag: str, on: bool) -> str:
+    return flag if on else contract.negated(flag)
+
+
+def engine_args(ctx: BuildContext, role: str, engine: EngineSpec, model_ref: str) -> list[str]:
+    """`baton-engine serve` flags of one role: every setting as a flag, nothing in files."""
+    spec = ctx.spec
+    args = [
+        contract.FLAG_MODEL, model_ref,
+        contract.FLAG_SERVED_MODEL_NAME, spec.model.name,
+        # $(VAR) is expanded by the kubelet: each pod binds its own address.
+        contract.FLAG_HOST, f"$({contract.ENV_POD_IP})",
+        contract.FLAG_PORT, str(engine.port),
+        contract.FLAG_DEVICE, engine.device,
+        contract.FLAG_DTYPE, engine.dtype,
+        contract.FLAG_BLOCK_SIZE, str(engine.block_size),
+        contract.FLAG_MAX_NUM_SEQS, str(engine.max_num_seqs),
+        contract.FLAG_MAX_NUM_BATCHED_TOKENS, str(engine.max_num_batched_tokens),
+        contract.FLAG_MAX_MODEL_LEN, str(engine.max_model_len),
+        contract.FLAG_GPU_MEMORY_UTILIZATION, str(engine.gpu_memory_utilization),
+        _switch(contract.FLAG_PREFIX_CACHING, engine.prefix_caching),
+        contract.FLAG_PREFIX_HASH, engine.prefix_hash,
+        _switch(contract.FLAG_CHUNKED_PREFILL, engine.chunked_prefill),
+        contract.FLAG_MAX_QUEUE, str(engine.max_queued_requests),
+        contract.FLAG_KV_ROLE, contract.KV_ROLE_OF[role],
+        contract.FLAG_KV_TRANSFER_PORT, str(spec.kv_transfer.port),
+        contract.FLAG_KV_LEASE_SECONDS, str(spec.kv_transfer.lease_seconds),
+        contract.FLAG_KV_ON_FAILURE, spec.kv_transfer.on_failure,
+        _switch(contract.FLAG_KV_EVENTS, spec.kv_events.enabled),
+    ]  # fmt: skip
+    if engine.num_kv_blocks is not None:
+        args += [contract.FLAG_NUM_KV_BLOCKS, str(engine.num_kv_blocks)]
+    if spec.kv_events.enabled:
+        args += [
+            contract.FLAG_KV_EVENTS_PORT, str(spec.kv_events.port),
+            contract.FLAG_KV_EVENTS_REPLAY_PORT, str(spec.kv_events.replay_port),
+            contract.FLAG_KV_EVENTS_BUFFER_STEPS, str(spec.kv_events.buffer_steps),
+        ]  # fmt: skip
+    return args + list(engine.extra_args)
+
+
+def engine_ports(ctx: BuildContext, role: str, engine: EngineSpec) -> list[tuple[str, int]]:
+    """Named ports one pod of `role` listens on (decode pods serve no pulls)."""
+    ports = [(contract.PORT_HTTP, engine.port)]
+    if contract.KV_ROLE_OF[role] in ("producer", "both"):
+        ports.append((contract.PORT_KV_TRANSFER, ctx.spec.kv_transfer.port))
+    if ctx.spec.kv_events.enabled:
+        ports.append((contract.PORT_KV_EVENTS, ctx.spec.kv_events.port))
+        ports.append((contract.PORT_KV_EVENTS_REPLAY, ctx.spec.kv_events.replay_port))
+    return ports
+
+
+def _resources(role_spec: RoleSpec) -> Manifest:
+    res = role_spec.resources
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if res.cpu is not None:
+        requests["cpu"] = quantity(res.cpu)
+    if res.memory is not None:
+        requests["memory"] = limits["memory"] = quantity(res.memory)
+    if res.gpus > 0:
+        limits[res.gpu_resource] = str(res.gpus)
+    out: Manifest = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _env(ctx: BuildContext, engine: EngineSpec) -> list[Manifest]:
+    env = pod_identity_env()
+    env.append(
+        {
+            "name": contract.ENV_KV_TRANSFER_KEY,
+            "valueFrom": {"secretKeyRef": {"name": secret_name(ctx.owner), "key": contract.SECRET_KEY_FIELD}},
+        }
+    )
+    env += [{"name": name, "value": value} for name, value in CACHE_ENV]
+    env += [{"name": e.name, "value": e.value} for e in engine.env]
+    return env
+
+
+def engine_deployment(ctx: BuildContext, role: str) -> Manifest:
+    role_spec = ctx.spec.roles()[role]
+    engine = ctx.spec.engine.merged(role_spec.engine)
+    model = model_mount(ctx.spec.model, engine.image, engine.image_pull_policy)
+    name = child_name(ctx.owner, role)
+    startup_failures = math.ceil(role_spec.startup_timeout_seconds / STARTUP_PERIOD_S)
+    container: Manifest = {
+        "name": ENGINE_CONTAINER,
+        "image": engine.image,
+        "imagePullPolicy": engine.image_pull_policy,
+        "command": ["baton-engine", "serve"],
+        "args": engine_args(ctx, role, engine, model.reference),
+        "ports": [
+            {"name": port_name, "containerPort": port, "protocol": "TCP"}
+            for port_name, port in engine_ports(ctx, role, engine)
+        ],
+        "env": _env(ctx, engine),
+        "resources": _resources(role_spec),
+        "startupProbe": http_probe(contract.PATH_HEALTH, STARTUP_PERIOD_S, startup_failures),
+        "readinessProbe": http_probe(contract.PATH_READY, 5, 3),
+        "livenessProbe": http_probe(contract.PATH_HEALTH, 10, 6, timeout=5),
+        "securityContext": container_security_context(),
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "cache", "mountPath": CACHE_MOUNT},
+            *model.mounts,
+        ],
+    }
+    pod_spec: Manifest = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security_context(),
+        "terminationGracePeriodSeconds": role_spec.termination_grace_period_seconds,
+        **placement(role_spec),
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}, *model.volumes],
+    }
+    if model.init_containers:
+        pod_spec["initContainers"] = model.init_containers
+    uses_gpus = role_spec.resources.gpus > 0
+    deployment_spec: Manifest = {
+        "selector": {"matchLabels": contract.pod_selector(ctx.owner.name, role)},
+        # With accelerators a rollout must not need a spare one; without, keep serving during it.
+        "strategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}
+            if uses_gpus
+            else {"maxSurge": 1, "maxUnavailable": 0},
+        },
+        "revisionHistoryLimit": 3,
+        "progressDeadlineSeconds": role_spec.startup_timeout_seconds + 300,
+        "template": {
+            "metadata": {
+                "labels": labels(ctx.owner, role),
+                "annotations": {"kubectl.kubernetes.io/default-container": ENGINE_CONTAINER},
+            },
+            "spec": pod_spec,
+        },
+    }
+    if ctx.replicas_owned:
+        deployment_spec = {"replicas": role_spec.replicas, **deployment_spec}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(ctx.owner, name, role),
+        "spec": deployment_spec,
+    }
+
+
+def engine_service(ctx: BuildContext, role: str) -> Manifest:
+    """Headless: peers and the router address pods directly; the name gives DNS per pod."""
+    role_spec = ctx.spec.roles()[role]
+    engine = ctx.spec.engine.merged(role_spec.engine)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(ctx.owner, child_name(ctx.owner, role), role),
+        "spec": {
+            "clusterIP": "None",
+            "selector": contract.pod_selector(ctx.owner.name, role),
+            "ports": [
+                {"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}
+                for port_name, port in engine_ports(ctx, role, engine)
+            ],
+        },
+    }

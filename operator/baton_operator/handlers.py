@@ -1,0 +1,133 @@
+"""Kopf handlers: thin wrappers that call `reconcile` and record metrics and Events.
+
+Handlers are registered into a given registry by `register()` (not at import), so the resync
+interval is a run-time option and tests can build their own operator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from baton_engine import contract
+from baton_operator import metrics, models
+from baton_operator.kube import Kube, KubeError
+from baton_operator.reconcile import InvalidSpec, OperatorConfig, parse_spec, reconcile, refresh_status
+
+RETRY_DELAY_S = 10.0
+
+
+async def _reconcile(trigger: str, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | Any) -> None:
+    kube: Kube = memo["kube"]
+    cfg: OperatorConfig = memo["config"]
+    started = time.perf_counter()
+    result = "ok"
+    try:
+        outcome = await reconcile(kube, body, cfg)
+    except InvalidSpec as exc:
+        result = "invalid"
+        metrics.RECONCILE_ERRORS.labels("InvalidSpec").inc()
+        kopf.warn(body, reason="InvalidSpec", message=str(exc)[:1024])
+        raise kopf.PermanentError(str(exc)) from exc
+    except KubeError as exc:
+        result = "error"
+        metrics.RECONCILE_ERRORS.labels(f"HTTP{exc.status}").inc()
+        kopf.warn(body, reason="ReconcileFailed", message=str(exc)[:1024])
+        raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
+    finally:
+        metrics.RECONCILES.labels(trigger, result).inc()
+        metrics.RECONCILE_SECONDS.labels(trigger).observe(time.perf_counter() - started)
+    metrics.CHILDREN_APPLIED.inc(outcome.applied)
+    for event in outcome.events:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+    if trigger in ("create", "update"):
+        kopf.info(body, reason="Reconciled", message=f"applied {outcome.applied} children ({trigger})")
+    logger.debug("reconciled (%s): %d children applied", trigger, outcome.applied)
+
+
+async def _refresh_from_child(body: Mapping[str, Any], memo: kopf.Memo) -> None:
+    """A child Deployment changed: recompute the owner's status (no applies)."""
+    owners = [o for o in body.get("metadata", {}).get("ownerReferences", []) if o.get("kind") == models.KIND]
+    if not owners:
+        return
+    kube: Kube = memo["kube"]
+    namespace = body["metadata"]["namespace"]
+    owner = await kube.get(models.API_VERSION, models.KIND, namespace, owners[0]["name"])
+    if owner is None or owner["metadata"].get("uid") != owners[0].get("uid"):
+        return  # the owner is gone; garbage collection removes the child
+    try:
+        spec = parse_spec(owner)
+    except InvalidSpec:
+        return
+    await refresh_status(kube, owner, spec)
+
+
+def _without_finalizer(registry: kopf.OperatorRegistry, fn: Any) -> None:
+    # Kopf marks every timer as needing a finalizer (to stop it before deletion). Baton's timer
+    # only re-applies children, which is harmless if it races a deletion, and Baton promises no
+    # finalizers (garbage collection deletes the children), so the flag is cleared.
+    spawning = registry._spawning
+    spawning._handlers = [
+        dataclasses.replace(h, requires_finalizer=False) if h.fn is fn else h for h in spawning._handlers
+    ]
+
+
+def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
+    """Register Baton's handlers into `registry`."""
+    group, version, plural = models.GROUP, models.VERSION, models.PLURAL
+
+    @kopf.on.create(group, version, plural, registry=registry, id="reconcile")
+    async def on_create(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+        await _reconcile("create", body, memo, logger)
+
+    @kopf.on.update(group, version, plural, registry=registry, id="reconcile", field="spec")
+    async def on_update(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+        await _reconcile("update", body, memo, logger)
+
+    @kopf.on.resume(group, version, plural, registry=registry, id="reconcile")
+    async def on_resume(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+        await _reconcile("resume", body, memo, logger)
+
+    @kopf.timer(
+        group,
+        version,
+        plural,
+        registry=registry,
+        id="resync",
+        interval=resync_seconds,
+        initial_delay=resync_seconds,
+    )
+    async def resync(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+        await _reconcile("timer", body, memo, logger)
+
+    _without_finalizer(registry, resync)
+
+    @kopf.on.event(
+        "apps",
+        "v1",
+        "deployments",
+        registry=registry,
+        labels={contract.LABEL_MANAGED_BY: contract.MANAGED_BY},
+    )
+    async def child_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
+        if type is None:  # the initial listing: resume handlers cover it
+            return
+        # Only status changes matter here; the operator's own applies (spec only) are skipped.
+        seen: dict[str, Any] = memo.setdefault("child_status", {})
+        uid = body["metadata"]["uid"]
+        status = dict(body.get("status") or {})
+        if type == "DELETED":
+            seen.pop(uid, None)
+        elif not status or seen.get(uid) == status:
+            return
+        else:
+            seen[uid] = status
+        try:
+            await _refresh_from_child(body, memo)
+        except KubeError as exc:
+            metrics.RECONCILE_ERRORS.labels(f"HTTP{exc.status}").inc()

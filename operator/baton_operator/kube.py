@@ -1,0 +1,195 @@
+"""A thin async Kubernetes client for the operator: server-side apply, create-only, status.
+
+Plain REST over aiohttp (which Kopf already uses) with Kopf's own credential loaders, so the
+operator needs no generated API client: any kind the builders render can be applied by path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import aiohttp
+import kopf
+
+from baton_operator import models
+
+FIELD_MANAGER = "baton-operator"
+#: Optional CRDs (PodMonitor) are looked up at most this often per operator.
+CRD_CACHE_SECONDS = 60.0
+JSON = dict[str, Any]
+
+#: (apiVersion, kind) -> plural of every kind the operator writes or reads.
+PLURALS: dict[tuple[str, str], str] = {
+    ("v1", "Service"): "services",
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("v1", "Secret"): "secrets",
+    ("v1", "Pod"): "pods",
+    ("apps/v1", "Deployment"): "deployments",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
+    (models.API_VERSION, models.KIND): models.PLURAL,
+}
+
+
+def _message(text: str) -> str:
+    try:
+        return str(json.loads(text).get("message", text))
+    except (ValueError, AttributeError):
+        return text
+
+
+class KubeError(Exception):
+    """An API call failed; `status` is the HTTP status (0 when no response came)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+def collection_path(api_version: str, kind: str, namespace: str) -> str:
+    plural = PLURALS[(api_version, kind)]
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    return f"{prefix}/namespaces/{namespace}/{plural}"
+
+
+def object_path(api_version: str, kind: str, namespace: str, name: str) -> str:
+    return f"{collection_path(api_version, kind, namespace)}/{name}"
+
+
+def path_of(manifest: Mapping[str, Any]) -> str:
+    meta = manifest["metadata"]
+    return object_path(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
+
+
+def login() -> kopf.ConnectionInfo:
+    """In-cluster credentials inside a pod, otherwise the kubeconfig ($KUBECONFIG)."""
+    settings = kopf.OperatorSettings()
+    logger = logging.getLogger("baton_operator.kube")
+    info = kopf.login_with_service_account(settings=settings, logger=logger) or kopf.login_with_kubeconfig(
+        settings=settings, logger=logger
+    )
+    if info is None:
+        raise KubeError(0, "no Kubernetes credentials: neither a service account nor a kubeconfig")
+    return info
+
+
+class Kube:
+    """One API server connection. `credentials` is called again after a 401 (rotated tokens)."""
+
+    def __init__(
+        self, credentials: Callable[[], kopf.ConnectionInfo] = login, field_manager: str = FIELD_MANAGER
+    ) -> None:
+        self.credentials = credentials
+        self.field_manager = field_manager
+        self._session: aiohttp.ClientSession | None = None
+        self._info: kopf.ConnectionInfo | None = None
+        self._crds: dict[str, tuple[bool, float]] = {}  # name -> (exists, when checked)
+
+    def _connect(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._info = self.credentials()
+            connector = aiohttp.TCPConnector(ssl=self._info.as_ssl_context(), limit=32)
+            self._session = aiohttp.ClientSession(
+                base_url=self._info.server.rstrip("/") + "/",
+                connector=connector,
+                headers=self._info.as_http_headers(),
+                timeout=aiohttp.ClientTimeout(total=60),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str = "application/json",
+    ) -> JSON:
+        for attempt in (1, 2):
+            session = self._connect()
+            data = json.dumps(body) if body is not None else None
+            headers = {"Content-Type": content_type, "Accept": "application/json"}
+            try:
+                async with session.request(
+                    method, path.lstrip("/"), params=query or [], data=data, headers=headers
+                ) as resp:
+                    text = await resp.text()
+                    if resp.status == 401 and attempt == 1:
+                        await self.close()  # re-read the (possibly rotated) credentials once
+                        continue
+                    if resp.status >= 400:
+                        raise KubeError(resp.status, _message(text))
+                    result = json.loads(text) if text else {}
+                    return result if isinstance(result, dict) else {}
+            except aiohttp.ClientError as exc:
+                raise KubeError(0, f"{method} {path}: {exc}") from exc
+        raise KubeError(401, f"{method} {path}: unauthorized")
+
+    async def apply(self, manifest: Mapping[str, Any], force: bool = True) -> JSON:
+        """Server-side apply under the operator's field manager (fields it owns are forced)."""
+        query = [("fieldManager", self.field_manager), ("force", "true" if force else "false")]
+        return await self._call(
+            "PATCH", path_of(manifest), dict(manifest), query, "application/apply-patch+yaml"
+        )
+
+    async def create_if_absent(self, manifest: Mapping[str, Any]) -> bool:
+        """Create; an existing object is left untouched and never read. True when created."""
+        meta = manifest["metadata"]
+        path = collection_path(manifest["apiVersion"], manifest["kind"], meta["namespace"])
+        try:
+            await self._call("POST", path, dict(manifest), [("fieldManager", self.field_manager)])
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    async def delete_if_present(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        try:
+            await self._call("DELETE", object_path(api_version, kind, namespace, name))
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> JSON | None:
+        try:
+            return await self._call("GET", object_path(api_version, kind, namespace, name))
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def crd_exists(self, name: str) -> bool:
+        """Whether a CRD is installed; answers are cached for CRD_CACHE_SECONDS."""
+        cached = self._crds.get(name)
+        now = time.monotonic()
+        if cached is not None and now - cached[1] < CRD_CACHE_SECONDS:
+            return cached[0]
+        try:
+            await self._call("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+            exists = True
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+            exists = False
+        self._crds[name] = (exists, now)
+        return exists
+
+    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> JSON:
+        """Merge-patch the InferenceDeployment's status subresource (other status keys are kept)."""
+        path = object_path(models.API_VERSION, models.KIND, namespace, name) + "/status"
+        return await self._call("PATCH", path, {"status": dict(status)}, None, "application/merge-patch+json")

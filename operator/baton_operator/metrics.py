@@ -1,0 +1,22 @@
+"""The operator's Prometheus metrics (served on contract.DEFAULT_OPERATOR_METRICS_PORT)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+RECONCILES = Counter(
+    "baton_operator_reconciles",
+    "Reconciles of InferenceDeployments, by trigger and result.",
+    ["trigger", "result"],
+)
+RECONCILE_SECONDS = Histogram(
+    "baton_operator_reconcile_duration_seconds",
+    "Wall time of one reconcile (all child applies and the status patch).",
+    ["trigger"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+RECONCILE_ERRORS = Counter(
+    "baton_operator_reconcile_errors", "Reconciles that failed, by error type.", ["error"]
+)
+CHILDREN_APPLIED = Counter("baton_operator_children_applied", "Child objects server-side applied.")
+ACTIVE = Gauge("baton_operator_active", "1 while this replica is the active peer (processing events).")

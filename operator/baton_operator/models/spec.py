@@ -1,0 +1,268 @@
+"""`InferenceDeployment.spec`: the model, the mode, engine settings, roles, router, KV plumbing."""
+
+from __future__ import annotations
+
+from itertools import combinations
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from baton_engine import contract
+from baton_operator.models.autoscaling import AutoscalingSpec
+from baton_operator.models.base import CrdModel, cel, object_default, validations
+from baton_operator.models.engine import EngineSpec, check_budget
+from baton_operator.models.pods import Quantity, RoleSpec, RouterSpec, _quantity
+from baton_operator.models.source import PARENT_SEGMENT, SOURCE_PATTERN, parse_source
+
+Mode = Literal["disaggregated", "aggregated"]
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"
+SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+
+
+class SecretKeyRef(CrdModel):
+    """A key of a Secret in the resource's namespace."""
+
+    name: str = Field(max_length=253, pattern=SECRET_NAME_PATTERN, description="Secret name.")
+    key: str = Field("token", min_length=1, max_length=253, description="Key inside the Secret.")
+
+
+class ModelSpec(CrdModel):
+    """The model served and where its weights come from."""
+
+    model_config = {
+        "json_schema_extra": validations(
+            cel(
+                f"!self.source.matches('{PARENT_SEGMENT}')",
+                "spec.model.source must not contain '..' path segments",
+                ".source",
+            ),
+            cel(
+                "!has(self.hfTokenSecret) || self.source.startsWith('hf:')",
+                "spec.model.hfTokenSecret is only allowed with an hf: source",
+                ".hfTokenSecret",
+            ),
+            cel(
+                "!has(self.revision) || self.source.startsWith('hf:')",
+                "spec.model.revision is only allowed with an hf: source",
+                ".revision",
+            ),
+        )
+    }
+
+    name: str = Field(
+        min_length=1,
+        max_length=128,
+        pattern=MODEL_NAME_PATTERN,
+        description="Served model name: what clients put in the `model` field.",
+    )
+    source: str = Field(
+        max_length=512,
+        pattern=SOURCE_PATTERN,
+        description="builtin:NAME (inside the engine image), pvc://CLAIM/PATH (mounted read-only) or "
+        "hf:ORG/NAME (downloaded by an init container).",
+    )
+    revision: str | None = Field(
+        None, min_length=1, max_length=128, description="hf: branch, tag or commit to download."
+    )
+    hf_token_secret: SecretKeyRef | None = Field(
+        None, description="hf: Secret holding a Hugging Face token (for gated or private models)."
+    )
+    cache_size: Quantity | None = _quantity(None, "hf: size limit of the download cache volume.")
+
+    @model_validator(mode="after")
+    def _source(self) -> ModelSpec:
+        source = parse_source(self.source)
+        if self.hf_token_secret is not None and source.kind != "hf":
+            raise ValueError("spec.model.hfTokenSecret is only allowed with an hf: source")
+        if self.revision is not None and source.kind != "hf":
+            raise ValueError("spec.model.revision is only allowed with an hf: source")
+        return self
+
+
+class KVTransferSpec(CrdModel):
+    """KV-cache transfer from prefill (producer) to decode (consumer) pods."""
+
+    port: int = Field(
+        contract.DEFAULT_KV_TRANSFER_PORT, ge=1, le=65535, description="Producer pull port ('kv-transfer')."
+    )
+    lease_seconds: int = Field(
+        30, ge=1, le=3600, description="How long a producer holds prefilled blocks for the consumer's pull."
+    )
+    on_failure: Literal["recompute", "fail"] = Field(
+        "recompute", description="When a pull fails: recompute the prefill on the decode pod, or fail."
+    )
+
+
+class KVEventsSpec(CrdModel):
+    """KV-cache events (vLLM wire format) the router indexes for prefix-aware routing."""
+
+    enabled: bool = Field(True, description="Publish KV-cache events from every engine pod.")
+    port: int = Field(
+        contract.DEFAULT_KV_EVENTS_PORT, ge=1, le=65535, description="ZMQ PUB port ('kv-events')."
+    )
+    replay_port: int = Field(
+        contract.DEFAULT_KV_EVENTS_REPLAY_PORT, ge=1, le=65535, description="ZMQ replay port ('kv-replay')."
+    )
+    buffer_steps: int = Field(10000, ge=1, le=1000000, description="Event batches kept for replay.")
+
+
+class NetworkPolicySpec(CrdModel):
+    """NetworkPolicies around the engine pods."""
+
+    enabled: bool = Field(
+        True,
+        description="Engine pods accept traffic only from the router, their own deployment's pods, the "
+        "operator and the monitoring namespace.",
+    )
+
+
+#: (YAML path under spec, CEL expression) of every port one engine pod opens.
+ENGINE_PORTS: tuple[tuple[str, str], ...] = (
+    ("engine.port", "self.engine.port"),
+    ("kvTransfer.port", "self.kvTransfer.port"),
+    ("kvEvents.port", "self.kvEvents.port"),
+    ("kvEvents.replayPort", "self.kvEvents.replayPort"),
+)
+ROLE_FIELDS: dict[str, str] = {"prefill": "prefill", "decode": "decode", "pool": "pool"}
+
+
+def _port_rules() -> list[dict[str, str]]:
+    return [
+        cel(
+            f"{a_expr} != {b_expr}",
+            f"spec.{b} must differ from spec.{a} (one engine pod opens both)",
+            f".{b}",
+            "FieldValueInvalid",
+        )
+        for (a, a_expr), (b, b_expr) in combinations(ENGINE_PORTS, 2)
+    ]
+
+
+def _override_rules(role: str) -> list[dict[str, str]]:
+    over = f"self.{role}.engine"
+    mnbt = f"(has({over}.maxNumBatchedTokens) ? {over}.maxNumBatchedTokens : self.engine.maxNumBatchedTokens)"
+    chunked = f"(has({over}.chunkedPrefill) ? {over}.chunkedPrefill : self.engine.chunkedPrefill)"
+    guard = f"!has(self.{role}) || !has(self.{role}.engine) ||"
+    return [
+        cel(
+            f"{guard} {mnbt} >= self.engine.blockSize",
+            f"spec.{role}.engine.maxNumBatchedTokens must be >= spec.engine.blockSize",
+            f".{role}.engine.maxNumBatchedTokens",
+            "FieldValueInvalid",
+        ),
+        cel(
+            f"{guard} {chunked} || {mnbt} >= self.engine.maxModelLen",
+            f"spec.{role}.engine.maxNumBatchedTokens must be >= spec.engine.maxModelLen when chunkedPrefill "
+            "is false",
+            f".{role}.engine.maxNumBatchedTokens",
+            "FieldValueInvalid",
+        ),
+    ]
+
+
+SPEC_RULES: list[dict[str, str]] = [
+    cel(
+        "self.mode != 'aggregated' || !has(self.prefill)",
+        "spec.prefill must be empty when spec.mode is aggregated (configure spec.pool)",
+        ".prefill",
+        "FieldValueForbidden",
+    ),
+    cel(
+        "self.mode != 'aggregated' || !has(self.decode)",
+        "spec.decode must be empty when spec.mode is aggregated (configure spec.pool)",
+        ".decode",
+        "FieldValueForbidden",
+    ),
+    cel(
+        "self.mode != 'disaggregated' || !has(self.pool)",
+        "spec.pool must be empty when spec.mode is disaggregated (configure spec.prefill and spec.decode)",
+        ".pool",
+        "FieldValueForbidden",
+    ),
+    cel("self.mode == oldSelf.mode", "spec.mode is immutable", ".mode"),
+    *_port_rules(),
+    *(rule for role in ROLE_FIELDS for rule in _override_rules(role)),
+]
+
+
+class InferenceDeploymentSpec(CrdModel):
+    """A served model: prefill and decode pools (or one aggregated pool) behind a router."""
+
+    model_config = {"json_schema_extra": validations(*SPEC_RULES)}
+
+    model: ModelSpec = Field(description="The model served.")
+    mode: Mode = Field(
+        "disaggregated",
+        description="disaggregated: prefill pods, decode pods and a router moving KV between them; "
+        "aggregated: one pool doing both, behind the router. Immutable.",
+    )
+    engine: EngineSpec = Field(
+        default_factory=EngineSpec,
+        description="Engine settings of every engine pod; roles may override some.",
+        json_schema_extra=object_default(EngineSpec),
+    )
+    prefill: RoleSpec | None = Field(None, description="Prefill pool (disaggregated mode).")
+    decode: RoleSpec | None = Field(None, description="Decode pool (disaggregated mode).")
+    pool: RoleSpec | None = Field(None, description="The single engine pool (aggregated mode).")
+    router: RouterSpec = Field(
+        default_factory=RouterSpec, description="The router.", json_schema_extra=object_default(RouterSpec)
+    )
+    kv_transfer: KVTransferSpec = Field(
+        default_factory=KVTransferSpec,
+        alias="kvTransfer",
+        description="KV-cache transfer.",
+        json_schema_extra=object_default(KVTransferSpec),
+    )
+    kv_events: KVEventsSpec = Field(
+        default_factory=KVEventsSpec,
+        alias="kvEvents",
+        description="KV-cache events.",
+        json_schema_extra=object_default(KVEventsSpec),
+    )
+    autoscaling: AutoscalingSpec = Field(
+        default_factory=AutoscalingSpec,
+        description="Replica ownership and the built-in autoscaler's policy.",
+        json_schema_extra=object_default(AutoscalingSpec),
+    )
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec,
+        description="NetworkPolicies around the engine pods.",
+        json_schema_extra=object_default(NetworkPolicySpec),
+    )
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> InferenceDeploymentSpec:
+        if self.mode == "aggregated":
+            for role in ("prefill", "decode"):
+                if getattr(self, role) is not None:
+                    raise ValueError(
+                        f"spec.{role} must be empty when spec.mode is aggregated (configure spec.pool)"
+                    )
+        elif self.pool is not None:
+            raise ValueError(
+                "spec.pool must be empty when spec.mode is disaggregated (configure spec.prefill and "
+                "spec.decode)"
+            )
+        ports = {
+            "engine.port": self.engine.port,
+            "kvTransfer.port": self.kv_transfer.port,
+            "kvEvents.port": self.kv_events.port,
+            "kvEvents.replayPort": self.kv_events.replay_port,
+        }
+        for (a, pa), (b, pb) in combinations(ports.items(), 2):
+            if pa == pb:
+                raise ValueError(f"spec.{b} must differ from spec.{a} (one engine pod opens both)")
+        for role in ROLE_FIELDS:
+            spec: RoleSpec | None = getattr(self, role)
+            if spec is not None and spec.engine is not None:
+                check_budget(self.engine.merged(spec.engine), f"spec.{role}.engine")
+        return self
+
+    def roles(self) -> dict[str, RoleSpec]:
+        """Engine pool name (contract role) -> its settings; absent roles get the defaults."""
+        if self.mode == "aggregated":
+            return {contract.ROLE_AGGREGATED: self.pool or RoleSpec()}
+        return {
+            contract.ROLE_PREFILL: self.prefill or RoleSpec(),
+            contract.ROLE_DECODE: self.decode or RoleSpec(),
+        }

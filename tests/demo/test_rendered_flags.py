@@ -1,0 +1,98 @@
+"""The command lines the operator renders into pods are accepted by the programs that run them:
+`baton-engine serve` (prefill and decode) and `baton-router` — the seam the demo crosses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from baton_engine import contract
+from baton_engine.router.block_hashes import ChainedBlockHasher, block_hasher
+from baton_engine.router.cli import _discovery, _request_tokenizer, build_parser
+from baton_engine.router.discovery import KubernetesDiscovery
+from baton_engine.router.endpoints import EndpointRegistry
+from baton_engine.router.settings import RouterSettings
+from baton_operator import models
+from baton_operator.builders import BuildContext, Owner, desired_children
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def containers(example: str) -> dict[str, dict[str, Any]]:
+    doc = yaml.safe_load((REPO / "examples" / example).read_text())
+    spec = models.InferenceDeploymentSpec.model_validate(doc["spec"])
+    owner = Owner(name=doc["metadata"]["name"], namespace="demo-ns", uid="uid-1")
+    children = desired_children(BuildContext(owner=owner, spec=spec), "k" * 32)
+    return {
+        m["metadata"]["name"]: m["spec"]["template"]["spec"]["containers"][0]
+        for m in children.applied
+        if m["kind"] == "Deployment"
+    }
+
+
+def pod_ip(args: list[str]) -> list[str]:
+    return [a.replace(f"$({contract.ENV_POD_IP})", "127.2.0.9") for a in args]
+
+
+def test_router_accepts_the_rendered_flags() -> None:
+    router = containers("smollm2-pd.yaml")["smollm2-pd-router"]
+    assert router["command"] == ["baton-router"]
+    parser = build_parser()
+    args = parser.parse_args(pod_ip(router["args"]))
+    where = (args.discovery, args.k8s_namespace, args.host, args.port)
+    assert where == ("kubernetes", "demo-ns", "127.2.0.9", 8080)
+    assert (args.prefix_hash, args.block_size, args.kv_events, args.model) == ("fast", 16, True, "smollm2")
+    settings = RouterSettings(mode=args.mode, block_size=args.block_size, model=args.model)
+    [discovery] = _discovery(args, settings, EndpointRegistry(), parser)
+    assert isinstance(discovery, KubernetesDiscovery)
+    assert discovery.namespace == "demo-ns"
+    assert discovery.selectors == {
+        "prefill": "baton.dev/deployment=smollm2-pd,baton.dev/role=prefill",
+        "decode": "baton.dev/deployment=smollm2-pd,baton.dev/role=decode",
+    }
+    # A builtin reference has no tokenizer.json to read without torch: text prompts route by load.
+    assert _request_tokenizer(args.tokenizer) is None
+
+
+def test_router_discovery_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    for argv, message in [
+        (["--discovery", "kubernetes"], "--discovery kubernetes needs --k8s-deployment or --<role>-selector"),
+        (
+            ["--discovery", "static", "--prefill-selector", "a=b", "--decode-selector", "c=d"],
+            "--discovery static takes --prefill/--decode/--engine URLs, not selectors",
+        ),
+    ]:
+        args = parser.parse_args(argv)
+        with pytest.raises(SystemExit):
+            _discovery(args, RouterSettings(), EndpointRegistry(), parser)
+        assert message in capsys.readouterr().err
+
+
+def test_fast_prefix_hash_matches_the_engines() -> None:
+    from baton_engine.kv_events_wire import to_event_hash
+    from baton_engine.prefix_hash import chain_hashes, fast_prefix_hash
+
+    hasher = block_hasher("fast", 4)
+    assert isinstance(hasher, ChainedBlockHasher)
+    tokens = list(range(10, 21))
+    expected = [to_event_hash(h) for h in chain_hashes(fast_prefix_hash, tokens, 4)]
+    assert hasher.block_hashes(tokens) == expected
+    assert len(expected) == 2
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_engine_accepts_the_rendered_flags(role: str) -> None:
+    from baton_engine.cli import build_parser as engine_parser
+    from baton_engine.cli import config_from_args
+
+    engine = containers("smollm2-pd.yaml")[f"smollm2-pd-{role}"]
+    assert engine["command"] == ["baton-engine", "serve"]
+    config = config_from_args(engine_parser().parse_args(["serve", *pod_ip(engine["args"])]))
+    assert (config.host, config.device, config.dtype, config.kv_role) == (
+        "127.2.0.9", "cpu", "float32", "producer" if role == "prefill" else "consumer",
+    )  # fmt: skip
+    assert (config.num_kv_blocks, config.max_model_len, config.prefix_hash) == (512, 2048, "fast")

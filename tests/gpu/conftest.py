@@ -1,0 +1,1 @@
+"""GPU-only tests: run on the device machine, skipped elsewhere."""

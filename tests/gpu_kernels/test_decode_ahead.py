@@ -1,0 +1,78 @@
+"""Decode-ahead prediction and matching (pure numpy; the GPU half is in tests/gpu)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from baton_engine.decode_ahead import match_rows, plan_next_decode
+from baton_engine.scheduler_output import SamplingBatch, SchedulerOutput
+
+BS = 4
+
+
+def _decode_step(
+    seq_ids: list[int], inputs: list[int], seq_lens: list[int], tables: list[list[int]]
+) -> SchedulerOutput:
+    rows = len(seq_ids)
+    lens = np.asarray(seq_lens, dtype=np.int32)
+    table = np.asarray(tables, dtype=np.int32)
+    pos = lens.astype(np.int64) - 1
+    ones = np.ones(rows, dtype=np.int32)
+    return SchedulerOutput(
+        step_id=0,
+        seq_ids=seq_ids,
+        num_decode_rows=rows,
+        query_lens=ones,
+        query_start_loc=np.arange(rows + 1, dtype=np.int32),
+        num_computed_tokens=lens - 1,
+        seq_lens=lens,
+        input_ids=np.asarray(inputs, dtype=np.int64),
+        positions=pos,
+        slot_mapping=table[np.arange(rows), pos // BS].astype(np.int64) * BS + pos % BS,
+        block_tables=table,
+        logits_indices=np.arange(rows, dtype=np.int64),
+        sample_rows=np.arange(rows, dtype=np.int32),
+        num_draft_tokens=np.zeros(rows, dtype=np.int32),
+        sampling=SamplingBatch(
+            temperature=np.zeros(rows, np.float32),
+            top_p=np.ones(rows, np.float32),
+            top_k=np.full(rows, -1, np.int32),
+            seeds=np.full(rows, -1, np.int64),
+            output_positions=np.zeros(rows, np.int32),
+            num_logprobs=np.full(rows, -1, np.int32),
+            all_greedy=True,
+        ),
+    )
+
+
+TABLES = [[7, 2, 0], [3, 9, 5], [4, 0, 0]]
+
+
+def test_prediction_is_the_next_scheduled_step() -> None:
+    step = _decode_step([10, 11, 12], [1, 2, 3], [6, 10, 2], TABLES)
+    plan = plan_next_decode(step, np.array([40, 41, 42]), BS, max_model_len=64)
+    assert plan is not None
+    assert plan.positions.tolist() == [6, 10, 2]
+    assert plan.slots.tolist() == [2 * BS + 2, 5 * BS + 2, 4 * BS + 2]
+    assert plan.seq_lens.tolist() == [7, 11, 3]
+    following = _decode_step([10, 11, 12], [40, 41, 42], [7, 11, 3], TABLES)
+    assert match_rows(plan, following, BS).tolist() == [0, 1, 2]
+    # Row 11 finished and the others were reordered: still the predicted computation.
+    subset = _decode_step([12, 10], [42, 40], [3, 7], [TABLES[2], TABLES[0]])
+    assert match_rows(plan, subset, BS).tolist() == [2, 0]
+
+
+def test_any_difference_rejects_the_prediction() -> None:
+    step = _decode_step([10, 11], [1, 2], [6, 10], TABLES[:2])
+    plan = plan_next_decode(step, np.array([40, 41]), BS, max_model_len=64)
+    assert plan is not None
+    assert match_rows(plan, _decode_step([10, 11], [40, 99], [7, 11], TABLES[:2]), BS) is None
+    assert match_rows(plan, _decode_step([10, 13], [40, 41], [7, 11], TABLES[:2]), BS) is None
+    assert match_rows(plan, _decode_step([10, 11], [40, 41], [7, 11], [[7, 8, 0], TABLES[1]]), BS) is None
+
+
+def test_no_prediction_at_a_block_boundary_or_the_length_limit() -> None:
+    boundary = _decode_step([10, 11], [1, 2], [6, 8], TABLES[:2])  # row 11's next token opens block 2
+    assert plan_next_decode(boundary, np.array([5, 6]), BS, max_model_len=64) is None
+    at_limit = _decode_step([10], [1], [7], TABLES[:1])
+    assert plan_next_decode(at_limit, np.array([5]), BS, max_model_len=7) is None

@@ -1,0 +1,291 @@
+"""P/D at the engine-core level: a producer core and a consumer core (SmolLM2, CPU, float32) pass
+real KV over ZMQ on 127.0.0.1 and must give exactly the greedy tokens of one plain core.
+
+The test drives both legs itself (the router is not involved): it runs the producer leg with
+``{"do_remote_decode": true}``, hands the signed params it returned to the consumer leg, and
+steps both cores. Faults: producer gone between the legs (recompute), consumer never pulls
+(lease expiry frees), client gone during either leg (both sides freed).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from baton_engine import contract
+from baton_engine.config import EngineConfig
+from baton_engine.engine_core import EngineCore
+from baton_engine.engine_factory import build_engine_core
+from baton_engine.kv_transfer.engine_connector import KVTransferConnector
+from baton_engine.sampling_params import SamplingParams
+from tests.kv_transfer.helpers import KEY
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+TEXTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4, 5,",
+    "Explain why the sky is blue in one sentence.",
+    "def fibonacci(n):",
+    "Translate to French: good morning, my friend.",
+    "List three primary colors:",
+    "Once upon a time, in a small village by the mountains, there lived an old clockmaker who",
+    "Q: What is 12 times 12?\nA:",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "A recipe for pancakes needs flour, eggs, milk and",
+    "In physics, energy is",
+    "Hello",
+    "Summarize: Kubernetes is a system for automating deployment, scaling and management of "
+    "containerized applications. It groups containers into logical units.",
+    "The three laws of thermodynamics are",
+    "Name a famous painting by Leonardo da Vinci:",
+]
+SHARED_PREFIX = (
+    "You are a helpful assistant. Answer briefly and precisely, and never make things up. "
+    "The user is a student preparing for an exam in history and geography. "
+)
+PREFIXED = ["Question: who built the pyramids?", "Question: what is the longest river?"]
+
+
+def _free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class Cores:
+    single: EngineCore
+    producer: EngineCore
+    consumer: EngineCore
+    tokenizer: Any
+
+    @property
+    def prod_connector(self) -> KVTransferConnector:
+        assert self.producer.kv_connector is not None
+        return self.producer.kv_connector
+
+    @property
+    def cons_connector(self) -> KVTransferConnector:
+        assert self.consumer.kv_connector is not None
+        return self.consumer.kv_connector
+
+
+@pytest.fixture(scope="module")
+def cores() -> Iterator[Cores]:
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    mp = pytest.MonkeyPatch()
+    mp.setenv(contract.ENV_KV_TRANSFER_KEY, KEY.decode())
+    mp.delenv(contract.ENV_POD_IP, raising=False)
+    common = dict(dtype="float32", num_kv_blocks=160, max_model_len=1024, block_size=BLOCK)
+    single, info = build_engine_core(EngineConfig(**common))
+    producer, _ = build_engine_core(
+        EngineConfig(**common, kv_role="producer", kv_transfer_port=_free_port(), kv_lease_seconds=30)
+    )
+    consumer, _ = build_engine_core(EngineConfig(**common, kv_role="consumer"))
+    try:
+        yield Cores(single, producer, consumer, single.runner.loaded.tokenizer)  # type: ignore[attr-defined]
+    finally:
+        for core in (producer, consumer):
+            assert core.kv_connector is not None
+            core.kv_connector.close()
+        mp.undo()
+        torch.set_num_threads(previous_threads)
+
+
+def _run(
+    core: EngineCore,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams = GREEDY,
+    kv: dict[str, Any] | None = None,
+    timeout: float = 120.0,
+) -> tuple[list[int], dict[str, Any] | None, str | None, int]:
+    """Run one request to its end: (tokens, kv_transfer_params, finish reason, cached tokens)."""
+    core.add_request(request_id, prompt, params, kv_transfer_params=kv)
+    tokens: list[int] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for out in core.step():
+            if out.request_id != request_id:
+                continue
+            tokens.extend(out.new_token_ids)
+            if out.finished:
+                return tokens, out.kv_transfer_params, out.finish_reason, out.num_cached_tokens
+    raise AssertionError(f"request {request_id} did not finish in {timeout} s")
+
+
+def _used(core: EngineCore) -> int:
+    return int(core.scheduler.block_manager.num_used_blocks)
+
+
+def _disaggregated(cores: Cores, name: str, prompt: list[int]) -> tuple[list[int], int]:
+    first, kv, reason, _ = _run(cores.producer, f"{name}-p", prompt, kv={"do_remote_decode": True})
+    assert kv is not None and len(first) == 1 and reason in ("length", "stop")
+    assert kv["first_token"] == first[0] and kv["num_tokens"] == len(prompt)
+    assert kv["block_ids"] == cores.producer.scheduler.held_blocks(kv["transfer_id"])[: len(kv["block_ids"])]
+    tokens, _, _, cached = _run(cores.consumer, f"{name}-d", prompt, kv=kv)
+    return tokens, cached
+
+
+def test_pd_gives_the_single_engine_greedy_tokens(cores: Cores) -> None:
+    prompts = [cores.tokenizer.encode(t) for t in TEXTS]
+    assert len(prompts) >= 16
+    baseline_prod, baseline_cons = _used(cores.producer), _used(cores.consumer)
+    for i, prompt in enumerate(prompts):
+        want, _, _, _ = _run(cores.single, f"s{i}", prompt)
+        got, _ = _disaggregated(cores, f"pd{i}", prompt)
+        assert got == want, f"prompt {i} ({len(prompt)} tokens)"
+    for _ in range(200):  # DONE -> the producer frees on its next step
+        cores.producer.poll_kv_transfer()
+        if cores.producer.scheduler.num_held_transfers == 0:
+            break
+        time.sleep(0.01)
+    assert cores.producer.scheduler.num_held_transfers == 0
+    assert (_used(cores.producer), _used(cores.consumer)) == (baseline_prod, baseline_cons)
+    delta = cores.prod_connector.stats.take()
+    assert delta.failures == {} and delta.bytes_sent > 0
+
+
+def test_consumer_prefix_hit_pulls_only_the_rest(cores: Cores) -> None:
+    stats = cores.cons_connector.stats
+    block_bytes = cores.cons_connector.spec.block_bytes
+    warm = cores.tokenizer.encode(SHARED_PREFIX + "Question: warm the cache.")
+    _run(cores.consumer, "warm", warm)  # the consumer now caches SHARED_PREFIX's full blocks
+    for i, suffix in enumerate(PREFIXED):
+        prompt = cores.tokenizer.encode(SHARED_PREFIX + suffix)
+        want, _, _, _ = _run(cores.single, f"sp{i}", prompt)
+        stats.take()
+        got, cached = _disaggregated(cores, f"pp{i}", prompt)
+        assert got == want
+        assert cached >= 2 * BLOCK  # a real partial pull
+        pulled = stats.take().bytes_received
+        assert pulled == (-(-len(prompt) // BLOCK) - cached // BLOCK) * block_bytes
+
+
+def test_producer_gone_between_the_legs_recomputes(cores: Cores, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = cores.tokenizer.encode("The largest planet in the solar system is")
+    want, _, _, _ = _run(cores.single, "gone-s", prompt)
+    _, kv, _, _ = _run(cores.producer, "gone-p", prompt, kv={"do_remote_decode": True})
+    assert kv is not None
+    dead_port = _free_port()  # nothing listens there: the producer is gone
+    from baton_engine.contract import KVTransferParams
+
+    moved = KVTransferParams.from_dict({**kv, "port": dead_port, "signature": ""}).signed(KEY).to_dict()
+    cores.cons_connector.stats.take()
+    got, _, reason, _ = _run(cores.consumer, "gone-d", prompt, kv=moved)
+    assert got == want and reason in ("length", "stop")
+    assert cores.cons_connector.stats.take().failures == {"producer_unreachable": 1}
+    assert cores.prod_connector.producer is not None
+    assert cores.prod_connector.producer.release(kv["transfer_id"]) is True  # clean up this lease
+    cores.producer.poll_kv_transfer()
+
+
+def test_fail_policy_reports_a_clear_error(cores: Cores) -> None:
+    prompt = cores.tokenizer.encode("Fail policy check")
+    raw = {
+        "engine_id": "nobody",
+        "host": "127.0.0.1",
+        "port": _free_port(),
+        "transfer_id": "x",
+        "block_ids": [0],
+        "num_tokens": len(prompt),
+        "first_token": 1,
+        "block_size": BLOCK,
+        "dtype": "float32",
+    }
+    from baton_engine.contract import sign_dict
+
+    connector = cores.cons_connector
+    connector.recompute_on_failure = False
+    try:
+        baseline = _used(cores.consumer)
+        cores.consumer.add_request("fail-d", prompt, GREEDY, kv_transfer_params=sign_dict(raw, KEY))
+        deadline = time.monotonic() + 30
+        finished = None
+        while finished is None and time.monotonic() < deadline:
+            finished = next((o for o in cores.consumer.step() if o.finished), None)
+        assert finished is not None and finished.finish_reason == "abort"
+        assert finished.finish_message is not None
+        assert finished.finish_message.startswith(
+            "KV transfer from the prefill engine failed: producer_unreachable"
+        )
+        assert _used(cores.consumer) == baseline
+    finally:
+        connector.recompute_on_failure = True
+
+
+def test_unpulled_lease_expires_and_frees(cores: Cores) -> None:
+    baseline = _used(cores.producer)
+    connector = cores.prod_connector
+    connector.lease_seconds = 0.3
+    try:
+        _, kv, _, _ = _run(
+            cores.producer,
+            "expire-p",
+            cores.tokenizer.encode("Nobody pulls this one"),
+            kv={"do_remote_decode": True},
+        )
+    finally:
+        connector.lease_seconds = 30
+    assert kv is not None and cores.producer.scheduler.num_held_transfers == 1
+    assert _used(cores.producer) > baseline
+    connector.stats.take()
+    deadline = time.monotonic() + 10
+    while cores.producer.scheduler.num_held_transfers and time.monotonic() < deadline:
+        cores.producer.poll_kv_transfer()
+        time.sleep(0.01)
+    assert cores.producer.scheduler.num_held_transfers == 0
+    assert _used(cores.producer) == baseline
+    assert connector.stats.take().leases_expired == 1
+
+
+def test_client_gone_during_either_leg_frees_both_sides(cores: Cores) -> None:
+    prompt = cores.tokenizer.encode("A long story about a dragon. " * 20)
+    base_prod, base_cons = _used(cores.producer), _used(cores.consumer)
+    # Producer leg: aborted during its prefill -> no lease, blocks freed.
+    cores.producer.add_request("abort-p", prompt, GREEDY, kv_transfer_params={"do_remote_decode": True})
+    cores.producer.abort_requests(["abort-p"], "client disconnected")
+    outs = cores.producer.step()
+    assert [(o.request_id, o.finish_reason, o.kv_transfer_params) for o in outs] == [
+        ("abort-p", "abort", None)
+    ]
+    assert cores.producer.scheduler.num_held_transfers == 0 and _used(cores.producer) == base_prod
+    # Decode leg: aborted while its pull is queued or running -> the consumer frees its blocks
+    # once the pull thread let go of them, and the producer's lease ends (RELEASE or DONE).
+    _, kv, _, _ = _run(cores.producer, "abort-p2", prompt, kv={"do_remote_decode": True})
+    assert kv is not None
+    cores.consumer.add_request("abort-d", prompt, GREEDY, kv_transfer_params=kv)
+    cores.consumer.step()  # blocks reserved, pull submitted
+    assert cores.cons_connector.busy()
+    cores.consumer.abort_requests(["abort-d"], "client disconnected")
+    finished = None
+    deadline = time.monotonic() + 30
+    while finished is None and time.monotonic() < deadline:
+        finished = next((o for o in cores.consumer.step() if o.request_id == "abort-d" and o.finished), None)
+    assert finished is not None and finished.finish_reason == "abort"
+    assert _used(cores.consumer) == base_cons
+    while cores.producer.scheduler.num_held_transfers and time.monotonic() < deadline:
+        cores.producer.poll_kv_transfer()
+        time.sleep(0.01)
+    assert cores.producer.scheduler.num_held_transfers == 0 and _used(cores.producer) == base_prod
+
+
+def test_bad_params_are_refused_at_add(cores: Cores) -> None:
+    prompt = cores.tokenizer.encode("Refused")
+    with pytest.raises(ValueError, match="kv_transfer_params.do_remote_decode: unknown field"):
+        cores.consumer.add_request("bad1", prompt, GREEDY, kv_transfer_params={"do_remote_decode": False})
+    with pytest.raises(ValueError, match="kv_role is 'consumer', not producer"):
+        cores.consumer.add_request("bad2", prompt, GREEDY, kv_transfer_params={"do_remote_decode": True})
+    with pytest.raises(ValueError, match="does no KV transfer"):
+        cores.single.add_request("bad3", prompt, GREEDY, kv_transfer_params={"do_remote_decode": True})
+    assert cores.consumer.num_requests == 0

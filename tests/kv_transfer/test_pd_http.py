@@ -1,0 +1,189 @@
+"""P/D through two real `baton-engine serve` processes (SmolLM2, CPU, float32) on 127.0.0.1.
+
+The test plays the router: the prefill leg goes to the producer with
+``kv_transfer_params: {do_remote_decode: true}``, the decode leg to the consumer with the signed
+params the producer returned. Greedy text must equal a single engine's for 16 prompts (some of
+which partly hit the consumer's prefix cache). Faults: forged/unsigned params (400, no outbound
+connection), an unpulled lease (freed at expiry), the producer killed between the legs
+(the consumer recomputes).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from baton_engine import contract
+from tests.kv_transfer.helpers import KEY
+from tests.kv_transfer.test_pd_engine_core import PREFIXED, SHARED_PREFIX, TEXTS
+from tests.server.server_process import ServerProcess, free_port, pid_alive, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+MODEL = "builtin:smollm2-135m-instruct"
+NAME = "smollm2"
+ARGS = (
+    "--num-kv-blocks",
+    "160",
+    "--max-model-len",
+    "1024",
+    "--dtype",
+    "float32",
+    "--served-model-name",
+    NAME,
+)
+LEASE_SECONDS = 4
+
+
+class Servers:
+    """A producer and a consumer. The producer also serves as the single-engine reference
+    (requests without kv_transfer_params run there as on any engine)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.producer = ServerProcess(
+            MODEL,
+            *ARGS,
+            "--kv-role", "producer",
+            "--kv-transfer-port", str(free_port()),
+            "--kv-lease-seconds", str(LEASE_SECONDS),
+            log_path=log_dir / "producer.log",
+        )  # fmt: skip
+        self.consumer = ServerProcess(
+            MODEL, *ARGS, "--kv-role", "consumer", log_path=log_dir / "consumer.log"
+        )
+
+    def stop(self) -> None:
+        for server in (self.producer, self.consumer):
+            core_pid = server.core_pid
+            server.stop(signal.SIGKILL, timeout=10)
+            if core_pid is not None and pid_alive(core_pid):
+                wait_for(lambda pid=core_pid: not pid_alive(pid), 10, f"core {core_pid} to exit")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv(contract.ENV_KV_TRANSFER_KEY, KEY.decode())
+    mp.delenv(contract.ENV_POD_IP, raising=False)
+    started = Servers(tmp_path_factory.mktemp("pd-http"))
+    try:
+        yield started
+    finally:
+        started.stop()
+        mp.undo()
+
+
+def _complete(server: ServerProcess, prompt: str, **extra: Any) -> Any:
+    body = {"model": NAME, "prompt": prompt, "temperature": 0, "max_tokens": 10, **extra}
+    return server.http.post("/v1/completions", json=body)
+
+
+def _pd(servers: Servers, prompt: str) -> dict[str, Any]:
+    first = _complete(servers.producer, prompt, kv_transfer_params={"do_remote_decode": True})
+    assert first.status_code == 200, first.text
+    kv = first.json()["kv_transfer_params"]
+    assert first.json()["usage"]["completion_tokens"] == 1
+    assert (kv["host"], kv["block_size"], kv["dtype"], kv["layout"]) == (
+        "127.0.0.1",
+        16,
+        "float32",
+        contract.KV_LAYOUT,
+    )
+    second = _complete(servers.consumer, prompt, kv_transfer_params=kv)
+    assert second.status_code == 200, second.text
+    result: dict[str, Any] = second.json()
+    return result
+
+
+def test_pd_matches_single_engine(servers: Servers) -> None:
+    warm = _complete(servers.consumer, SHARED_PREFIX + "Question: warm the cache.")
+    assert warm.status_code == 200
+    prompts = TEXTS + [SHARED_PREFIX + s for s in PREFIXED]
+    for prompt in prompts:
+        want = _complete(servers.producer, prompt).json()
+        got = _pd(servers, prompt)
+        assert got["choices"][0]["text"] == want["choices"][0]["text"], prompt
+        assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+        if prompt.startswith(SHARED_PREFIX):
+            assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    servers.producer.wait_idle()
+    servers.consumer.wait_idle()
+    received = _metric(servers.consumer, contract.M_KV_TRANSFER_BYTES, direction="received")
+    assert received > 0
+    wait_for(
+        lambda: _metric(servers.producer, contract.M_KV_TRANSFER_BYTES, direction="sent") == received,
+        10,
+        "the producer's sent bytes to match the consumer's received bytes",
+    )
+    assert _metric(servers.consumer, contract.M_KV_TRANSFER_SECONDS + "_count", role="consumer") == len(
+        prompts
+    )
+
+
+def _metric(server: ServerProcess, name: str, **labels: str) -> float:
+    """One sample from the server's /metrics (after its stats caught up with the core)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(server.http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    raise AssertionError(f"{name}{labels} not in {server.url}/metrics")
+
+
+def test_forged_or_unsigned_params_get_400_and_no_connection(servers: Servers) -> None:
+    good = _complete(servers.producer, "Forgery target", kv_transfer_params={"do_remote_decode": True})
+    kv = good.json()["kv_transfer_params"]
+    with socket.create_server(("127.0.0.1", 0)) as trap:
+        trap.setblocking(False)
+        aimed = {**kv, "port": trap.getsockname()[1]}  # signature no longer matches
+        cases = [
+            (aimed, "kv_transfer_params.signature: does not match"),
+            ({**kv, "signature": ""}, "kv_transfer_params.signature: missing"),
+            ({**kv, "block_ids": "zero"}, "kv_transfer_params.block_ids: wrong type str"),
+            ({"do_remote_decode": False}, "kv_transfer_params.do_remote_decode: unknown field"),
+        ]
+        for params, message in cases:
+            response = _complete(servers.consumer, "Forgery target", kv_transfer_params=params)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert message in error["message"] and error["param"] == "kv_transfer_params"
+        with pytest.raises(BlockingIOError):
+            trap.accept()
+    wrong_role = _complete(servers.consumer, "x", kv_transfer_params={"do_remote_decode": True})
+    assert wrong_role.status_code == 400
+    assert "kv_role is 'consumer', not producer" in wrong_role.json()["error"]["message"]
+    servers.producer.wait_idle(timeout=LEASE_SECONDS + 10)  # the unpulled lease expired
+
+
+def test_unpulled_lease_is_freed_at_expiry(servers: Servers) -> None:
+    response = _complete(
+        servers.producer, "Nobody will pull this " * 8, kv_transfer_params={"do_remote_decode": True}
+    )
+    assert response.status_code == 200
+    assert servers.producer.stats()["num_used_kv_blocks"] > 0
+    before = _metric(servers.producer, contract.M_KV_LEASES_EXPIRED)
+    servers.producer.wait_idle(timeout=LEASE_SECONDS + 10)
+    wait_for(
+        lambda: _metric(servers.producer, contract.M_KV_LEASES_EXPIRED) == before + 1, 10, "expiry metric"
+    )
+
+
+def test_producer_killed_between_the_legs_recomputes(servers: Servers) -> None:
+    prompt = "The tallest mountain on Earth is"
+    want = _complete(servers.producer, prompt).json()["choices"][0]["text"]
+    first = _complete(servers.producer, prompt, kv_transfer_params={"do_remote_decode": True})
+    kv = first.json()["kv_transfer_params"]
+    core_pid = servers.producer.core_pid
+    assert core_pid is not None
+    servers.producer.stop(signal.SIGKILL, timeout=10)
+    wait_for(lambda: not pid_alive(core_pid), 10, "the producer's core to exit")
+    second = _complete(servers.consumer, prompt, kv_transfer_params=kv)
+    assert second.status_code == 200
+    assert second.json()["choices"][0]["text"] == want
+    servers.consumer.wait_idle()

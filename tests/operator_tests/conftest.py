@@ -1,0 +1,63 @@
+"""Fixtures of the operator tests: a bare API server (etcd + kube-apiserver) with the CRD."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from baton_operator import crd
+from tests.operator_tests.apiserver import ApiServer, api_server, binary_dir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
+    bin_dir = binary_dir()
+    if bin_dir is None:
+        pytest.skip("etcd/kube-apiserver not built yet (bash devcluster/scripts/build.sh)")
+    with api_server(tmp_path_factory.mktemp("apiserver"), bin_dir) as server:
+        yield server
+
+
+def admin_client(server: ApiServer) -> Any:
+    import kubernetes
+
+    cfg = kubernetes.client.Configuration()
+    cfg.host = server.url
+    cfg.ssl_ca_cert = str(server.ca_file)
+    cfg.api_key = {"authorization": f"Bearer {server.token}"}
+    return kubernetes.client.ApiClient(cfg)
+
+
+def install_crd(client: Any) -> None:
+    """Create the committed CRD and wait until it is Established (condition, with a deadline)."""
+    import kubernetes
+
+    ext = kubernetes.client.ApiextensionsV1Api(client)
+    try:
+        ext.create_custom_resource_definition(yaml.safe_load((REPO / crd.OUTPUT_PATHS[0]).read_text()))
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 409:  # already there, e.g. from a test's `helm install` (same file)
+            raise
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        got = ext.read_custom_resource_definition(crd.crd()["metadata"]["name"])
+        if any(c.type == "Established" and c.status == "True" for c in got.status.conditions or []):
+            return
+        time.sleep(0.1)
+    raise TimeoutError("CRD not Established within 30 s")
+
+
+@pytest.fixture(scope="session")
+def kube(apiserver: ApiServer) -> Iterator[Any]:
+    """An admin client of a server that has the InferenceDeployment CRD."""
+    client = admin_client(apiserver)
+    install_crd(client)
+    yield client
+    client.close()

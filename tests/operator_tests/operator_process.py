@@ -1,0 +1,172 @@
+"""The operator as a real process against a test API server, with the chart's RBAC.
+
+Installs what `helm install` would (the chart's crds/ and rendered templates) through the admin
+REST API, mints a token for the chart's ServiceAccount (TokenRequest) and runs `baton-operator
+run` as that ServiceAccount. Started and stopped by pid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from baton_operator.kube import collection_path
+from tests.operator_tests.apiserver import ApiServer, write_kubeconfig
+from tests.operator_tests.kube_helpers import Rest
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts/baton"
+RELEASE, OPERATOR_NS = "baton", "baton-system"
+CLUSTER_PATHS = {
+    "Namespace": "/api/v1/namespaces",
+    "ClusterRole": "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+    "ClusterRoleBinding": "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+    "CustomResourceDefinition": "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+    "ClusterKopfPeering": "/apis/kopf.dev/v1/clusterkopfpeerings",
+}
+
+
+def helm_template(helm: Path, *sets: str) -> list[dict[str, Any]]:
+    args = [str(helm), "template", RELEASE, str(CHART), "-n", OPERATOR_NS, *(f"--set={s}" for s in sets)]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def create(rest: Rest, manifest: dict[str, Any]) -> None:
+    kind = manifest["kind"]
+    if kind in CLUSTER_PATHS:
+        path = CLUSTER_PATHS[kind]
+    else:
+        path = collection_path(manifest["apiVersion"], manifest["kind"], manifest["metadata"]["namespace"])
+    status, body = rest.call("POST", path, manifest)
+    if status not in (201, 409):
+        raise RuntimeError(f"creating {kind} {manifest['metadata']['name']}: HTTP {status} {body}")
+
+
+def wait_established(rest: Rest, crd_name: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        conds = rest.get(f"{CLUSTER_PATHS['CustomResourceDefinition']}/{crd_name}").get("status", {})
+        if any(c["type"] == "Established" and c["status"] == "True" for c in conds.get("conditions") or []):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"CRD {crd_name} not Established")
+
+
+def install_chart(rest: Rest, helm: Path) -> str:
+    """Apply the chart's CRDs and templates; return the operator ServiceAccount's name."""
+    create(rest, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NS}})
+    for path in sorted((CHART / "crds").glob("*.yaml")):
+        for crd in yaml.safe_load_all(path.read_text()):
+            create(rest, crd)
+            wait_established(rest, crd["metadata"]["name"])
+    docs = helm_template(helm)
+    order = ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"]
+    for kind in order:
+        for doc in docs:
+            if doc["kind"] == kind:
+                create(rest, doc)
+    (sa,) = [d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"]
+    return str(sa)
+
+
+def service_account_token(rest: Rest, namespace: str, name: str) -> str:
+    path = collection_path("v1", "ServiceAccount", namespace) + f"/{name}/token"
+    request = {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "spec": {"expirationSeconds": 3600},
+    }
+    status, body = rest.call("POST", path, request)
+    assert status == 201, body
+    return str(body["status"]["token"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class OperatorProcess:
+    proc: subprocess.Popen[bytes]
+    metrics_url: str
+    health_url: str
+    log: Path
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
+            return str(resp.read().decode())
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextmanager
+def operator_process(
+    kubeconfig: Path,
+    workdir: Path,
+    *extra: str,
+    python: Path | None = None,
+    module: str = "baton_operator.cli",
+    env_extra: dict[str, str] | None = None,
+    namespace: str | None = None,
+) -> Iterator[OperatorProcess]:
+    metrics_port, health_port = free_port(), free_port()
+    log = workdir / f"operator-{metrics_port}.log"
+    env_extra = {"PYTHONPATH": str(REPO), **(env_extra or {})}
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": OPERATOR_NS, **(env_extra or {})}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    args = [
+        str(python or sys.executable), "-m", module, "run",
+        f"--namespace={namespace}" if namespace else "--all-namespaces",
+        "--bind=127.0.0.1", f"--metrics-port={metrics_port}", f"--health-port={health_port}", *extra,
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+    handle = OperatorProcess(
+        proc, f"http://127.0.0.1:{metrics_port}/metrics", f"http://127.0.0.1:{health_port}/healthz", log
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"operator exited with {proc.returncode}:\n{handle.log_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(handle.health_url, timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"operator liveness never answered:\n{handle.log_text()[-4000:]}")
+            time.sleep(0.2)
+        yield handle
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def operator_kubeconfig(server: ApiServer, rest: Rest, sa: str, path: Path) -> tuple[Path, str]:
+    token = service_account_token(rest, OPERATOR_NS, sa)
+    return write_kubeconfig(path, server.url, server.ca_file, token, user=sa), token

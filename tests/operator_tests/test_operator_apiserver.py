@@ -1,0 +1,245 @@
+"""`baton-operator run` as a process, as the chart's ServiceAccount (not admin), on a real API
+server: reconcile on create and update, periodic drift repair, status, Events, metrics,
+liveness, no finalizers, baton.dev bookkeeping, and RBAC that refuses reading Secrets."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from baton_operator.kube import FIELD_MANAGER, collection_path
+from tests.operator_tests.apiserver import ApiServer, api_server, binary_dir
+from tests.operator_tests.cases import VALID_SPEC
+from tests.operator_tests.conftest import admin_client, install_crd
+from tests.operator_tests.kube_helpers import Rest, create_infd, create_namespace, get_infd, wait_for
+from tests.operator_tests.operator_process import (
+    OperatorProcess,
+    install_chart,
+    operator_kubeconfig,
+    operator_process,
+)
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+INFD = "/apis/baton.dev/v1alpha1/namespaces/{ns}/inferencedeployments/{name}"
+
+
+# A control plane of its own: the operator watches every namespace, and metrics counts must
+# not include other modules' resources.
+@pytest.fixture(scope="module")
+def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
+    bin_dir = binary_dir()
+    if bin_dir is None:
+        pytest.skip("etcd/kube-apiserver not built yet (bash devcluster/scripts/build.sh)")
+    with api_server(tmp_path_factory.mktemp("operator-apiserver"), bin_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def kube(apiserver: ApiServer) -> Iterator[Any]:
+    client = admin_client(apiserver)
+    install_crd(client)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def chart_installed(apiserver: ApiServer, kube: Any) -> tuple[Path, str]:
+    helm = binary_dir()
+    assert helm is not None
+    rest = Rest(apiserver)
+    sa = install_chart(rest, helm / "helm")
+    return operator_kubeconfig(apiserver, rest, sa, apiserver.workdir / "operator.kubeconfig")
+
+
+@pytest.fixture(scope="module")
+def operator(apiserver: ApiServer, chart_installed: tuple[Path, str]) -> Iterator[OperatorProcess]:
+    kubeconfig, _ = chart_installed
+    with operator_process(kubeconfig, apiserver.workdir, "--resync-seconds=2") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def reconciled(kube: Any, operator: OperatorProcess, apiserver: ApiServer) -> dict[str, Any]:
+    create_namespace(kube, "op")
+    create_infd(kube, "op", "demo", VALID_SPEC)
+
+    def handled() -> dict[str, Any] | None:
+        body = get_infd(kube, "op", "demo")
+        done = body.get("status", {}).get("observedGeneration") == 1
+        # Kopf records the handled spec after the handler returns, after the status patch.
+        recorded = "baton.dev/last-handled-configuration" in body["metadata"].get("annotations", {})
+        return body if done and recorded else None
+
+    return dict(wait_for(handled, 60, "status.observedGeneration == 1 and Kopf's record"))
+
+
+def test_children_status_and_bookkeeping(reconciled: dict[str, Any], apiserver: ApiServer) -> None:
+    rest = Rest(apiserver)
+    deployments = rest.get(collection_path("apps/v1", "Deployment", "op"))["items"]
+    assert sorted(d["metadata"]["name"] for d in deployments) == [
+        "demo-decode",
+        "demo-prefill",
+        "demo-router",
+    ]
+    for d in deployments:
+        assert {m["manager"] for m in d["metadata"]["managedFields"]} == {FIELD_MANAGER}
+    meta = reconciled["metadata"]
+    assert meta.get("finalizers", []) == []
+    annotations = meta.get("annotations", {})
+    assert "baton.dev/last-handled-configuration" in annotations
+    assert [k for k in annotations if not k.startswith("baton.dev/")] == []  # no kopf.zalando.org/*
+    conditions = {c["type"]: c["reason"] for c in reconciled["status"]["conditions"]}
+    assert conditions == {"Ready": "PodsNotReady", "Progressing": "RollingOut", "Degraded": "AsExpected"}
+
+
+def test_events_are_posted(reconciled: dict[str, Any], apiserver: ApiServer) -> None:
+    rest = Rest(apiserver)
+
+    def reasons() -> set[str] | None:
+        found = {e["reason"] for e in rest.get("/api/v1/namespaces/op/events")["items"]}
+        return found if {"SigningKeyCreated", "Reconciled"} <= found else None
+
+    assert wait_for(reasons, 20, "SigningKeyCreated and Reconciled events")
+
+
+def test_operator_cannot_read_secrets(
+    reconciled: dict[str, Any], apiserver: ApiServer, chart_installed: Any
+) -> None:
+    _, token = chart_installed
+    as_operator = Rest(apiserver, token)
+    secret = collection_path("v1", "Secret", "op") + "/demo-kv-transfer"
+    for path in (secret, collection_path("v1", "Secret", "op"), "/api/v1/secrets"):
+        status, body = as_operator.call("GET", path)
+        assert status == 403, (path, body)
+        assert (
+            'cannot get resource "secrets"' in body["message"]
+            or 'cannot list resource "secrets"' in body["message"]
+        )
+    status, _ = Rest(apiserver).call("GET", secret)  # it exists: the operator created it
+    assert status == 200
+
+
+def test_periodic_reconcile_repairs_a_hand_edit(reconciled: dict[str, Any], apiserver: ApiServer) -> None:
+    rest = Rest(apiserver)
+    path = collection_path("apps/v1", "Deployment", "op") + "/demo-prefill"
+    patch = {"spec": {"template": {"spec": {"terminationGracePeriodSeconds": 7}}}}
+    status, _ = rest.call("PATCH", path + "?fieldManager=kubectl-edit", patch, "application/merge-patch+json")
+    assert status == 200
+
+    def repaired() -> bool:
+        return bool(rest.get(path)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 60)
+
+    wait_for(repaired, 20, "the resync timer to restore terminationGracePeriodSeconds")
+
+
+def test_spec_change_reaches_the_pod_template(
+    reconciled: dict[str, Any], apiserver: ApiServer, kube: Any
+) -> None:
+    rest = Rest(apiserver)
+    status, body = rest.call(
+        "PATCH",
+        INFD.format(ns="op", name="demo"),
+        {"spec": {"engine": {"maxNumSeqs": 17}}},
+        "application/merge-patch+json",
+    )
+    assert status == 200, body
+    path = collection_path("apps/v1", "Deployment", "op") + "/demo-decode"
+
+    def updated() -> bool:
+        args = rest.get(path)["spec"]["template"]["spec"]["containers"][0]["args"]
+        return bool(args[args.index("--max-num-seqs") + 1] == "17")
+
+    wait_for(updated, 30, "--max-num-seqs 17 in the decode pod template")
+    wait_for(
+        lambda: get_infd(kube, "op", "demo")["status"].get("observedGeneration") == 2, 30, "generation 2"
+    )
+
+
+def test_metrics_and_liveness(reconciled: dict[str, Any], operator: OperatorProcess) -> None:
+    text = operator.metrics()
+    created = re.search(r'baton_operator_reconciles_total\{result="ok",trigger="create"\} (\S+)', text)
+    assert created is not None and float(created.group(1)) == 1.0
+    assert "baton_operator_reconcile_duration_seconds_bucket" in text
+    assert "baton_operator_reconcile_errors_total" in text or "baton_operator_reconcile_errors" in text
+
+
+def test_peering_keeps_one_replica_active(
+    reconciled: dict[str, Any],
+    operator: OperatorProcess,
+    apiserver: ApiServer,
+    chart_installed: Any,
+    kube: Any,
+) -> None:
+    kubeconfig, _ = chart_installed
+    rest = Rest(apiserver)
+    with operator_process(kubeconfig, apiserver.workdir, "--resync-seconds=2") as second:
+        peering = "/apis/kopf.dev/v1/clusterkopfpeerings/baton-operator"
+        peers = wait_for(
+            lambda: (s := rest.get(peering).get("status") or {}) and len(s) == 2 and s, 30, "2 peers"
+        )
+        priorities = [p["priority"] for p in peers.values()]
+        assert len(set(priorities)) == 2
+        create_infd(kube, "op", "second", VALID_SPEC)
+        wait_for(
+            lambda: get_infd(kube, "op", "second").get("status", {}).get("observedGeneration") == 1,
+            30,
+            "the active replica to reconcile",
+        )
+        pattern = r'baton_operator_reconciles_total\{result="ok",trigger="create"\} (\S+)'
+
+        def creates(proc: OperatorProcess) -> float:
+            found = re.search(pattern, proc.metrics())
+            return float(found.group(1)) if found else 0.0
+
+        # The counter moves just after the status patch: poll it rather than race it.
+        wait_for(lambda: creates(operator) == 2.0, 10, "the first replica's second create")
+        assert creates(second) == 0.0  # the standby never reconciled
+
+
+def _mark_ready(rest: Rest, namespace: str, name: str) -> None:
+    """Write what the Deployment controller would once every pod is Ready (no controller runs)."""
+    path = collection_path("apps/v1", "Deployment", namespace) + f"/{name}"
+    generation = rest.get(path)["metadata"]["generation"]
+    status = {"observedGeneration": generation, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
+    code, body = rest.call("PATCH", path + "/status", {"status": status}, "application/merge-patch+json")
+    assert code == 200, body
+
+
+def test_child_readiness_reaches_status_and_printer_columns(
+    reconciled: dict[str, Any], apiserver: ApiServer, kube: Any
+) -> None:
+    rest = Rest(apiserver)
+    for name in ("demo-prefill", "demo-decode", "demo-router"):
+        _mark_ready(rest, "op", name)
+
+    def ready() -> bool:
+        conditions = get_infd(kube, "op", "demo")["status"]["conditions"]
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    wait_for(ready, 30, "Ready=True from the child Deployments' status")
+    status = get_infd(kube, "op", "demo")["status"]
+    assert (status["prefill"]["ready"], status["decode"]["ready"], status["router"]["ready"]) == ("1/1",) * 3
+    conditions = {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+    assert conditions["Progressing"] == ("False", "Stable")
+
+    # `kubectl get infd`: the server renders the printer columns as a Table.
+    req = urllib.request.Request(
+        apiserver.url + "/apis/baton.dev/v1alpha1/namespaces/op/inferencedeployments/demo"
+    )
+    req.add_header("Authorization", f"Bearer {apiserver.token}")
+    req.add_header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
+    with urllib.request.urlopen(req, context=rest.ctx) as resp:
+        table = json.loads(resp.read())
+    columns = [c["name"] for c in table["columnDefinitions"]]
+    assert columns == ["Name", "Model", "Mode", "Prefill", "Decode", "Pool", "Ready", "Endpoint", "Age"]
+    cells = dict(zip(columns, table["rows"][0]["cells"], strict=True))
+    assert (cells["Name"], cells["Model"], cells["Mode"]) == ("demo", "smollm2", "disaggregated")
+    assert (cells["Prefill"], cells["Decode"], cells["Ready"]) == ("1/1", "1/1", "True")
+    assert cells["Endpoint"] == "http://demo-router.op.svc:80"

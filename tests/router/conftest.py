@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from baton_engine import contract
+from baton_engine.router.app import create_app
+from baton_engine.router.core import RouterCore
+from baton_engine.router.endpoints import Endpoint, EndpointRegistry, static_endpoint
+from baton_engine.router.kv_index import KVEventIndex
+from baton_engine.router.prefix import PrefixScorer
+from baton_engine.router.settings import RouterSettings
+from tests.router.fake_engine import FakeEngine
+from tests.router.servers import ServerThread, stop_all, wait_for
+
+
+class RunningRouter:
+    def __init__(self, server: ServerThread, app: Any) -> None:
+        self.server = server
+        self.url = server.url
+        self.app = app
+
+    @property
+    def core(self) -> RouterCore:
+        return self.app.state.router_state["core"]
+
+    def wait_scraped(self) -> None:
+        """Until every endpoint has been scraped at least once."""
+        wait_for(
+            lambda: all(self.core.loads.get(e.key).scraped_at > 0 for e in self.core.registry.all()),
+            what="first load scrape of every endpoint",
+        )
+
+
+@pytest.fixture
+def start_engine() -> Iterator[Callable[..., tuple[FakeEngine, str]]]:
+    servers: list[ServerThread] = []
+
+    def start(name: str, **behaviour: Any) -> tuple[FakeEngine, str]:
+        engine = FakeEngine(name, **behaviour)
+        server = ServerThread(engine).start()
+        servers.append(server)
+        return engine, server.url
+
+    yield start
+    stop_all(servers)
+
+
+@pytest.fixture
+def start_router() -> Iterator[Callable[..., RunningRouter]]:
+    servers: list[ServerThread] = []
+
+    def start(
+        *,
+        prefill: list[str] = (),  # type: ignore[assignment]
+        decode: list[str] = (),  # type: ignore[assignment]
+        engine: list[str] = (),  # type: ignore[assignment]
+        endpoints: list[Endpoint] = (),  # type: ignore[assignment]
+        scorer: PrefixScorer | None = None,
+        kv_index: KVEventIndex | None = None,
+        **settings: Any,
+    ) -> RunningRouter:
+        registry = EndpointRegistry()
+        for endpoint in endpoints:
+            registry.upsert(endpoint)
+        for role, urls in (
+            (contract.ROLE_PREFILL, prefill),
+            (contract.ROLE_DECODE, decode),
+            (contract.ROLE_AGGREGATED, engine),
+        ):
+            for url in urls:
+                registry.upsert(static_endpoint(role, url))
+        app = create_app(RouterSettings(**settings), registry, scorer=scorer, kv_index=kv_index)
+        server = ServerThread(app, lifespan="on").start()
+        servers.append(server)
+        return RunningRouter(server, app)
+
+    yield start
+    stop_all(servers)
