@@ -334,3 +334,29 @@ def selector_arg(labels: dict[str, str]) -> str:
 def negated(flag: str) -> str:
     """The off form of a BooleanOptionalAction flag: ``--kv-events`` -> ``--no-kv-events``."""
     return "--no-" + flag.removeprefix("--")
+
+
+# --------------------------------------------------------------------------- speculative decoding
+# Added with issue 10 (n-gram speculative decoding). Flags of the drafter and the acceptance
+# metrics beyond M_SPEC_DRAFT_TOKENS / M_SPEC_ACCEPTED_TOKENS.
+
+FLAG_NGRAM_MIN: Final = "--ngram-min"
+FLAG_NGRAM_MAX: Final = "--ngram-max"
+SPECULATIVE_METHODS: Final = ("none", "ngram")
+
+M_SPEC_NUM_DRAFTS: Final = "baton_spec_decode_num_drafts_total"
+"""Counter: verify rows (decode rows that carried at least one draft)."""
+M_SPEC_ACCEPTED_PER_POSITION: Final = "baton_spec_decode_accepted_tokens_per_pos_total"
+"""Counter with label ``position`` (0-based draft index): verify rows whose draft at that
+position was accepted. Divided by M_SPEC_NUM_DRAFTS: the per-position acceptance."""
+M_SPEC_ACCEPTANCE_RATE: Final = "baton_spec_decode_acceptance_rate"
+"""Gauge: accepted / proposed draft tokens since start (0..1)."""
+M_SPEC_TOKENS_PER_FORWARD: Final = "baton_spec_decode_mean_tokens_per_forward"
+"""Gauge: mean tokens a verify row gained per forward since start (accepted drafts + 1)."""
+
+VLLM_EQUIVALENT.update(
+    {
+        M_SPEC_NUM_DRAFTS: "vllm:spec_decode_num_drafts_total",
+        M_SPEC_ACCEPTED_PER_POSITION: "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+    }
+)

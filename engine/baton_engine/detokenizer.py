@@ -13,7 +13,7 @@ delta says the request must stop.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from baton_engine.tokenizer import Tokenizer
 
@@ -28,6 +28,11 @@ class DetokenizerDelta:
     """New output text, safe to send."""
     stop_string: str | None = None
     """The stop string that matched; the request must be aborted (already truncated)."""
+    num_ids_kept: int = field(default=0, compare=False)
+    """How many of the tokens given to `add` belong to the output: all of them, or with a stop
+    string those up to the one that completed it. A speculative step can deliver tokens past a
+    stop string; one token at a time they would never have been generated, so callers drop them
+    (from token ids, logprobs and usage)."""
 
     @property
     def stopped(self) -> bool:
@@ -67,10 +72,23 @@ class IncrementalDetokenizer:
         """Feed newly sampled tokens; returns what may be streamed now."""
         if self.stopped:
             return DetokenizerDelta("", self._stop_string)
-        for token in token_ids:
-            self._ids.append(int(token))
+        tokens = [int(token) for token in token_ids]
+        if len(tokens) > 1 and self._stops:
+            # Token by token, exactly as they would have arrived without speculation.
+            text = ""
+            for i, token in enumerate(tokens):
+                delta = self._add_tokens([token])
+                text += delta.text
+                if delta.stopped:
+                    return DetokenizerDelta(text, delta.stop_string, i + 1)
+            return DetokenizerDelta(text, None, len(tokens))
+        return self._add_tokens(tokens)
+
+    def _add_tokens(self, tokens: list[int]) -> DetokenizerDelta:
+        self._ids.extend(tokens)
         self._text += self._settled_text()
-        return self._release(final=False)
+        delta = self._release(final=False)
+        return DetokenizerDelta(delta.text, delta.stop_string, len(tokens))
 
     def finish(self) -> DetokenizerDelta:
         """The request ended for another reason (length, EOS): release everything held back."""

@@ -36,6 +36,12 @@ class Runner(Protocol):
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
+class Drafter(Protocol):
+    """Speculative decoding: sets the decoding sequences' drafts before each schedule."""
+
+    def before_schedule(self, scheduler: Scheduler) -> None: ...
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -52,10 +58,12 @@ class EngineCore:
         runner: Runner,
         *,
         kv_event_sink: KVEventSink | None = None,
+        drafter: Drafter | None = None,
         kv_connector: KVTransferConnector | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        self.drafter = drafter
         self.kv_event_sink = kv_event_sink
         self.kv_connector = kv_connector
         self._kv_stats_version = 0
@@ -127,6 +135,8 @@ class EngineCore:
         sched = self.scheduler
         if self.kv_connector is not None:
             self.kv_connector.before_step()
+        if self.drafter is not None:
+            self.drafter.before_schedule(sched)
         out = sched.schedule()
         if self.kv_connector is not None:
             self.kv_connector.after_schedule()
@@ -215,6 +225,8 @@ class EngineCore:
             generation_tokens=self._generation_tokens,
             spec_draft_tokens=spec.num_draft_tokens,
             spec_accepted_tokens=spec.num_accepted_tokens,
+            spec_num_drafts=spec.num_forwards,
+            spec_accepted_per_position=list(spec.accepted_per_position),
             num_steps=self._num_steps,
             kv_transfer=None if self.kv_connector is None else self.kv_connector.stats.totals().to_dict(),
         )

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from baton_engine.config import EngineConfig
-from baton_engine.engine_core import EngineCore, KVEventSink
+from baton_engine.engine_core import Drafter, EngineCore, KVEventSink
 from baton_engine.sampling_params import SamplingParams
 from baton_engine.tokenizer import Tokenizer
 
@@ -68,8 +68,9 @@ def build_engine_core(
     max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
     tokenizer = runner.loaded.tokenizer
     eos_ids = tuple(model_config.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer is not None else ())
+    speculative_k = config.num_speculative_tokens if config.speculative != "none" else 0
     scheduler = Scheduler.from_config(
-        config.model_copy(update={"max_model_len": max_model_len}),
+        config.model_copy(update={"max_model_len": max_model_len, "num_speculative_tokens": speculative_k}),
         num_blocks=runner.num_blocks,
         eos_token_id=eos_ids[0] if eos_ids else None,
         prefix_hasher=_prefix_hasher(config),
@@ -85,7 +86,10 @@ def build_engine_core(
         from baton_engine.kv_transfer.engine_connector import KVTransferConnector
 
         connector = KVTransferConnector(config, runner.kv_cache, scheduler, model_name=info.name)
-    return EngineCore(scheduler, runner, kv_event_sink=kv_event_sink, kv_connector=connector), info
+    core = EngineCore(
+        scheduler, runner, kv_event_sink=kv_event_sink, kv_connector=connector, drafter=_drafter(config)
+    )
+    return core, info
 
 
 def build_model_runner(config: EngineConfig, loaded: LoadedModel | None = None) -> ModelRunner:
@@ -100,6 +104,17 @@ def build_model_runner(config: EngineConfig, loaded: LoadedModel | None = None) 
 
         return GpuModelRunner(config, loaded)
     return ModelRunner(config, loaded)
+
+
+def _drafter(config: EngineConfig) -> Drafter | None:
+    if config.speculative == "none":
+        return None
+    from baton_engine.spec_decode.drafter import NgramDrafter
+    from baton_engine.spec_decode.ngram_proposer import NgramProposer
+    from baton_engine.spec_decode.stats_log import SpecDecodeLogger
+
+    proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
+    return NgramDrafter(proposer, logger=SpecDecodeLogger())
 
 
 def _prefix_hasher(config: EngineConfig):  # type: ignore[no-untyped-def]

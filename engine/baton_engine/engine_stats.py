@@ -5,7 +5,7 @@ Torch-free and plain data, so the core process can send it to the server process
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -31,6 +31,10 @@ class EngineStats:
     """Cumulative generated tokens."""
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_num_drafts: int = 0
+    """Verify rows: decode rows that carried at least one draft (cumulative)."""
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+    """``[j]``: verify rows whose draft ``j`` was accepted (cumulative, length K)."""
     num_steps: int = 0
     kv_transfer: dict[str, Any] | None = None
     """Cumulative KV-transfer totals (`kv_transfer.metrics.TransferTotals`), when P/D is on."""

@@ -93,12 +93,17 @@ class LLM:
                 completion, text, result = entry
                 if completion.finish_reason is not None:
                     continue  # already cut by a stop string; this is the abort's echo
-                completion.token_ids.extend(out.new_token_ids)
-                if completion.logprobs is not None and out.new_logprobs:
-                    completion.logprobs.extend(out.new_logprobs)
+                new_ids, new_logprobs = out.new_token_ids, out.new_logprobs
+                delta = text.add(new_ids) if text is not None else None
+                if delta is not None:
+                    # A speculative step may run past a stop string: keep what precedes it.
+                    new_ids = new_ids[: delta.num_ids_kept]
+                    new_logprobs = new_logprobs[: delta.num_ids_kept] if new_logprobs else new_logprobs
+                completion.token_ids.extend(new_ids)
+                if completion.logprobs is not None and new_logprobs:
+                    completion.logprobs.extend(new_logprobs)
                 result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
-                if text is not None:
-                    delta = text.add(out.new_token_ids)
+                if text is not None and delta is not None:
                     if delta.stopped:
                         completion.finish_reason = "stop"
                         completion.stop_string = delta.stop_string

@@ -51,6 +51,22 @@ class EngineMetrics:
         self.generation_tokens = counter(contract.M_GENERATION_TOKENS, "Generated tokens.")
         self.spec_draft = counter(contract.M_SPEC_DRAFT_TOKENS, "Speculative draft tokens proposed.")
         self.spec_accepted = counter(contract.M_SPEC_ACCEPTED_TOKENS, "Speculative draft tokens accepted.")
+        self.spec_num_drafts = counter(
+            contract.M_SPEC_NUM_DRAFTS, "Speculative verify rows (decode rows that carried drafts)."
+        )
+        self.spec_accepted_per_position = Counter(
+            _counter_name(contract.M_SPEC_ACCEPTED_PER_POSITION),
+            "Verify rows whose draft at `position` (0-based) was accepted.",
+            ["model_name", "position"],
+            registry=r,
+        )
+        self.spec_acceptance_rate = gauge(
+            contract.M_SPEC_ACCEPTANCE_RATE, "Accepted / proposed draft tokens since start (0..1)."
+        )
+        self.spec_tokens_per_forward = gauge(
+            contract.M_SPEC_TOKENS_PER_FORWARD,
+            "Mean tokens a verify row gained per forward since start (accepted drafts + 1).",
+        )
         self.request_success = Counter(
             _counter_name(contract.M_REQUEST_SUCCESS),
             "Finished requests, by finish reason.",
@@ -78,6 +94,7 @@ class EngineMetrics:
             self.waiting, self.running, self.kv_usage, self.kv_blocks, self.prefix_queries,
             self.prefix_hits, self.preemptions, self.prompt_tokens, self.generation_tokens,
             self.spec_draft, self.spec_accepted, self.ttft, self.itl, self.e2e, self.queue_time,
+            self.spec_num_drafts, self.spec_acceptance_rate, self.spec_tokens_per_forward,
         ):  # fmt: skip
             metric.labels(model_name)
 
@@ -98,10 +115,25 @@ class EngineMetrics:
             (self.generation_tokens, stats.generation_tokens, last.generation_tokens),
             (self.spec_draft, stats.spec_draft_tokens, last.spec_draft_tokens),
             (self.spec_accepted, stats.spec_accepted_tokens, last.spec_accepted_tokens),
+            (self.spec_num_drafts, stats.spec_num_drafts, last.spec_num_drafts),
         ):
             if now > before:
                 counter.labels(m).inc(now - before)
+        self._update_spec_decode(stats, last)
         self._last = stats
+
+    def _update_spec_decode(self, stats: EngineStats, last: EngineStats) -> None:
+        if not stats.spec_num_drafts:
+            return
+        m = self.model_name
+        previous = last.spec_accepted_per_position
+        for position, count in enumerate(stats.spec_accepted_per_position):
+            before = previous[position] if position < len(previous) else 0
+            child = self.spec_accepted_per_position.labels(m, str(position))
+            if count > before:
+                child.inc(count - before)
+        self.spec_acceptance_rate.labels(m).set(stats.spec_accepted_tokens / max(stats.spec_draft_tokens, 1))
+        self.spec_tokens_per_forward.labels(m).set(1.0 + stats.spec_accepted_tokens / stats.spec_num_drafts)
 
     def observe_finished(
         self,

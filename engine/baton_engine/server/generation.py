@@ -169,18 +169,18 @@ class Generation:
         choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
         if out.kv_transfer_params is not None:
             self.kv_transfer_params_out = out.kv_transfer_params
-        if out.new_token_ids:
+        delta = choice.detokenizer.add(out.new_token_ids)
+        text = delta.text
+        # A speculative step may run past a stop string: nothing after it reaches the client.
+        new_ids = out.new_token_ids[: delta.num_ids_kept]
+        if new_ids:
             if choice.first_token_at is None:
                 choice.first_token_at = now
             elif choice.last_token_at is not None:
-                choice.gaps.extend(
-                    [(now - choice.last_token_at) / len(out.new_token_ids)] * len(out.new_token_ids)
-                )
+                choice.gaps.extend([(now - choice.last_token_at) / len(new_ids)] * len(new_ids))
             choice.last_token_at = now
-        choice.num_generated += len(out.new_token_ids)
-        self.usage.completion_tokens += len(out.new_token_ids)
-        delta = choice.detokenizer.add(out.new_token_ids)
-        text = delta.text
+        choice.num_generated += len(new_ids)
+        self.usage.completion_tokens += len(new_ids)
         finish: str | None = None
         if delta.stopped:
             finish = "stop"
@@ -193,10 +193,12 @@ class Generation:
             self.usage.cached_tokens += choice.num_cached_tokens
             self._observe(choice, now)
         logprobs = out.new_logprobs if choice.want_logprobs else None
-        if not text and not out.new_token_ids and finish is None:
+        if logprobs:
+            logprobs = logprobs[: len(new_ids)]
+        if not text and not new_ids and finish is None:
             return None
         message = out.finish_message if out.finished else None
-        return ChoiceDelta(choice.index, text, list(out.new_token_ids), logprobs, finish, message)
+        return ChoiceDelta(choice.index, text, list(new_ids), logprobs, finish, message)
 
     def _observe(self, choice: _Choice, now: float) -> None:
         self.metrics.observe_finished(
