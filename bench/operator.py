@@ -1,11 +1,14 @@
-"""Operator benchmark: apply-to-children latency and reconcile throughput on a real API server.
+"""Operator benchmark: apply-to-children latency and reconcile throughput on the local control plane.
 
-The operator runs as a process with the chart's ServiceAccount against etcd + kube-apiserver
-(nothing is scheduled: this measures the control plane's work, not pods). Phase 1 creates 50
-InferenceDeployments one at a time and times each from create to "every child applied"
-(status.observedGeneration == 1, which the operator writes only after its last apply). Phase 2
-creates 200 at once and times until all are reconciled; the operator's peak RSS is read from
-/proc at the end.
+A private cluster of the harness (baton_dev: API server, controller manager, scheduler, kwok GPU
+nodes and one process node) is started; `helm install` of the chart runs the operator as a pod
+on the process node with the chart's ServiceAccount. Engine pods and routers select the kwok
+nodes, so the Deployment/ReplicaSet controllers, the scheduler and kwok work alongside the
+operator (nothing runs in the pods). Phase 1 creates 50 InferenceDeployments one at a time and
+times each from create to "every child applied" (status.observedGeneration == 1, which the
+operator writes only after its last apply). Phase 2 creates 200 at once and times until all are
+reconciled; the operator's peak RSS is read from /proc of its pod process; then how long until
+every pod of phase 2 is scheduled and Running.
 
     python -m bench.operator --json
 """
@@ -21,13 +24,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.operator_tests.apiserver import api_server, binary_dir
-from tests.operator_tests.kube_helpers import Rest
-from tests.operator_tests.operator_process import install_chart, operator_kubeconfig, operator_process
-from tests.operator_tests.scratch_venv import image_venv
+from baton_dev.binaries import find_binaries
+from baton_dev.cluster import leftover_pod_processes, start_cluster, stop_cluster
+from baton_dev.demo_manifests import PROCESS_NODES, chart_values
+from baton_dev.kubeapi import ApiError
+from baton_dev.spec import NODE_TYPE_LABEL, ClusterSpec
+from baton_dev.testing import DevCluster, is_ready, wait_for
 
-SPEC = {"model": {"name": "smollm2", "source": "builtin:smollm2-135m-instruct"}}
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "baton"
+KWOK = {NODE_TYPE_LABEL: "kwok"}
+SPEC = {
+    "model": {"name": "smollm2", "source": "builtin:smollm2-135m-instruct"},
+    **{role: {"nodeSelector": KWOK} for role in ("prefill", "decode", "router")},
+}
 INFDS = "/apis/baton.dev/v1alpha1/namespaces/{ns}/inferencedeployments"
+PODS_PER_RESOURCE = 3  # prefill, decode, router: one each by default
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -36,27 +48,41 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def create(rest: Rest, namespace: str, name: str) -> None:
+def create(cluster: DevCluster, namespace: str, name: str) -> None:
     body = {"apiVersion": "baton.dev/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": name}}
-    status, answer = rest.call("POST", INFDS.format(ns=namespace), {**body, "spec": SPEC})
-    if status != 201:
-        raise RuntimeError(f"create {name}: HTTP {status} {answer}")
+    cluster.admin.post(INFDS.format(ns=namespace), {**body, "spec": SPEC})
 
 
-def reconciled(rest: Rest, namespace: str) -> set[str]:
-    items = rest.get(INFDS.format(ns=namespace))["items"]
-    return {i["metadata"]["name"] for i in items if i.get("status", {}).get("observedGeneration") == 1}
+def reconciled(cluster: DevCluster, namespace: str) -> set[str]:
+    items = cluster.admin.get(INFDS.format(ns=namespace))["items"]
+    return {i["metadata"]["name"] for i in items if (i.get("status") or {}).get("observedGeneration") == 1}
 
 
-def wait_all(rest: Rest, namespace: str, names: set[str], timeout_s: float, poll_s: float = 0.02) -> float:
+def wait_all(cluster: DevCluster, namespace: str, names: set[str], timeout_s: float, poll_s: float) -> float:
     start = time.monotonic()
-    while not names <= reconciled(rest, namespace):
-        if time.monotonic() - start > timeout_s:
-            raise TimeoutError(
-                f"{len(names - reconciled(rest, namespace))} not reconciled after {timeout_s}s"
-            )
-        time.sleep(poll_s)
+    wait_for(
+        f"{len(names)} resources reconciled",
+        lambda: names <= reconciled(cluster, namespace),
+        timeout_s,
+        poll_s,
+    )
     return time.monotonic() - start
+
+
+def running_pods(cluster: DevCluster, namespace: str) -> int:
+    return sum(1 for p in cluster.pods(namespace) if p["status"].get("phase") == "Running" and is_ready(p))
+
+
+def operator_pid(cluster: DevCluster) -> int:
+    """The operator's process: the only pod process of the process node running baton-operator."""
+    for record in leftover_pod_processes(cluster.state):
+        try:
+            cmdline = Path(f"/proc/{record.pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(part.endswith(b"baton-operator") for part in cmdline):
+            return record.pid
+    raise RuntimeError("no baton-operator pod process on the process node")
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -66,44 +92,58 @@ def peak_rss_mb(pid: int) -> float:
     raise RuntimeError("no VmHWM in /proc status")
 
 
-def run(sequential: int, burst: int) -> dict[str, Any]:
-    bin_dir = binary_dir()
-    if bin_dir is None:
-        raise SystemExit("etcd/kube-apiserver not built: bash devcluster/scripts/build.sh")
-    with (
-        tempfile.TemporaryDirectory(prefix="bench-operator-") as tmp,
-        api_server(Path(tmp), bin_dir) as server,
-    ):
-        rest = Rest(server)
-        sa = install_chart(rest, bin_dir / "helm")
-        kubeconfig, _ = operator_kubeconfig(server, rest, sa, Path(tmp) / "operator.kubeconfig")
-        for ns in ("seq", "burst"):
-            rest.call(
-                "POST",
-                "/api/v1/namespaces",
-                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
-            )
-        # The operator runs from a venv holding only what its image installs (baton[operator]).
-        python, done = image_venv(Path(tmp) / "venv", "operator")
-        if done.returncode != 0:
-            raise SystemExit(f"installing baton[operator] failed:\n{done.stdout}{done.stderr}")
-        with operator_process(
-            kubeconfig, Path(tmp), "--resync-seconds=3600", "--no-peering", python=python
-        ) as operator:
+def install_operator(cluster: DevCluster, workdir: Path) -> None:
+    values = {**chart_values(PROCESS_NODES), "resyncSeconds": 3600, "peering": {"enabled": False}}
+    values_file = workdir / "values.json"
+    values_file.write_text(json.dumps(values))
+    cluster.helm(
+        "install", "baton", str(CHART), "-n", "baton-system", "--create-namespace", "-f", str(values_file)
+    )
+    wait_for(
+        "the operator pod Ready", lambda: any(is_ready(p) for p in cluster.pods("baton-system")), 180, 0.5
+    )
+
+
+def create_namespace(cluster: DevCluster, name: str) -> None:
+    try:
+        cluster.admin.post("/api/v1/namespaces", {"metadata": {"name": name}})
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+
+
+def run(sequential: int, burst: int, kwok_nodes: int, kwok_gpus: int) -> dict[str, Any]:
+    spec = ClusterSpec(name="bench-operator", kwok_nodes=kwok_nodes, kwok_gpus=kwok_gpus, process_nodes=1)
+    with tempfile.TemporaryDirectory(prefix="bench-operator-") as tmp:
+        state = start_cluster(spec, find_binaries(), directory=Path(tmp) / "cluster", timeout_s=180.0)
+        cluster = DevCluster.attach(state)
+        try:
+            install_operator(cluster, Path(tmp))
+            for ns in ("seq", "burst"):
+                create_namespace(cluster, ns)
+            pid = operator_pid(cluster)
             latencies = []
             for i in range(sequential):
                 name = f"seq-{i}"
                 start = time.monotonic()
-                create(rest, "seq", name)
-                wait_all(rest, "seq", {name}, 60)
+                create(cluster, "seq", name)
+                wait_all(cluster, "seq", {name}, 60, 0.02)
                 latencies.append(time.monotonic() - start)
             names = {f"burst-{i}" for i in range(burst)}
             start = time.monotonic()
             for name in sorted(names):
-                create(rest, "burst", name)
-            wait_all(rest, "burst", names, 600, poll_s=0.2)
+                create(cluster, "burst", name)
+            wait_all(cluster, "burst", names, 600, 0.2)
             burst_s = time.monotonic() - start
-            rss = peak_rss_mb(operator.proc.pid)
+            rss = peak_rss_mb(pid)
+            pods = burst * PODS_PER_RESOURCE
+            wait_for(
+                f"{pods} pods Running and Ready", lambda: running_pods(cluster, "burst") >= pods, 600, 1.0
+            )
+            pods_s = time.monotonic() - start
+        finally:
+            cluster.close()
+            stop_cluster(state)
     return {
         "resources_sequential": sequential,
         "apply_to_children_p50_s": round(statistics.median(latencies), 4),
@@ -113,6 +153,8 @@ def run(sequential: int, burst: int) -> dict[str, Any]:
         f"reconcile_{burst}_s": round(burst_s, 2),
         "operator_rss_mb": round(rss, 1),
         "children_per_resource": 14,
+        "kwok_nodes": kwok_nodes,
+        f"burst_pods_running_{pods}_s": round(pods_s, 1),
     }
 
 
@@ -123,8 +165,11 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--sequential", type=int, default=50)
     parser.add_argument("--burst", type=int, default=200)
+    # 110 pods per kwok node: 8 nodes hold the 750 pods of 250 resources, 64 GPUs each their 500.
+    parser.add_argument("--kwok-nodes", type=int, default=8)
+    parser.add_argument("--kwok-gpus", type=int, default=64)
     args = parser.parse_args()
-    result = run(args.sequential, args.burst)
+    result = run(args.sequential, args.burst, args.kwok_nodes, args.kwok_gpus)
     if args.json:
         print(json.dumps(result))
     else:

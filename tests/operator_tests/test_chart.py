@@ -97,12 +97,15 @@ def test_operator_deployment(helm: Path) -> None:
     assert container["args"] == [
         "--namespace=llm",
         "--namespace=batch",
+        "--bind=$(POD_IP)",
         "--metrics-port=8090",
         "--health-port=8081",
         "--resync-seconds=60",
         "--peering=baton-operator",
         "--monitoring-namespace=monitoring",
     ]
+    pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert pod_ip in container["env"]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     # The engines' NetworkPolicy admits operator pods by these two labels.
