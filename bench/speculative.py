@@ -27,7 +27,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -375,6 +375,15 @@ def main() -> None:
     )
     parser.add_argument("--gpu-context", type=int, default=512, help="context tokens per row")
     parser.add_argument("--gpu-repeats", type=int, default=10)
+    parser.add_argument(
+        "--save-trace", default="", help="write the CPU part's results and acceptance trace to this JSON file"
+    )
+    parser.add_argument(
+        "--trace-from",
+        default="",
+        help="skip the CPU part and project from a trace saved by --save-trace (for a GPU machine that "
+        "lacks the SmolLM2 package)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -389,7 +398,15 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "load_average_1m": [round(os.getloadavg()[0], 2)],
     }
-    cpu, trace = cpu_part(args)
+    if args.trace_from:
+        saved = json.loads(Path(args.trace_from).read_text())
+        cpu, trace = saved["cpu"], Trace(**saved["trace"])
+        args.k = saved["k"]
+        cpu["cpu_part_from"] = args.trace_from
+    else:
+        cpu, trace = cpu_part(args)
+    if args.save_trace:
+        Path(args.save_trace).write_text(json.dumps({"k": args.k, "cpu": cpu, "trace": asdict(trace)}))
     result.update(cpu)
     result["acceptance_trace"] = {
         "verify_rows": len(trace.accepted),
