@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from baton_dev.testing import wait_for
 from baton_operator.kube import FIELD_MANAGER, Kube, collection_path
 from baton_operator.reconcile import OperatorConfig, reconcile
 from tests.operator_tests.apiserver import ApiServer
@@ -296,6 +297,14 @@ async def test_pod_monitor_is_applied_once_its_crd_exists(
         assert managers(monitor) == {(FIELD_MANAGER, "Apply")}
     finally:
         rest.call("DELETE", f"{crds}/podmonitors.monitoring.coreos.com")
+        # Deletion is asynchronous: a terminating CRD still "exists" and refuses creates, which
+        # would break the next test's reconcile. Wait until it is gone.
+        wait_for(
+            "the PodMonitor CRD to be deleted",
+            lambda: rest.call("GET", f"{crds}/podmonitors.monitoring.coreos.com")[0] == 404,
+            30,
+            0.1,
+        )
 
 
 async def test_rotated_credentials_are_reloaded_after_a_401(
