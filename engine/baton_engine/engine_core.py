@@ -59,6 +59,7 @@ class EngineCore:
         self.kv_event_sink = kv_event_sink
         self.kv_connector = kv_connector
         self._kv_stats_version = 0
+        self._kv_leases_reported = 0
         self._requests: dict[int, _Request] = {}
         self._ids: dict[str, int] = {}
         self._next_seq_id = 0
@@ -113,9 +114,13 @@ class EngineCore:
             return False
         self.kv_connector.before_step()
         version = self.kv_connector.stats.version
-        changed = version != self._kv_stats_version
+        changed = version != self._kv_stats_version or self._leases_held() != self._kv_leases_reported
         self._kv_stats_version = version
         return changed
+
+    def _leases_held(self) -> int:
+        producer = None if self.kv_connector is None else self.kv_connector.producer
+        return 0 if producer is None else len(producer.leases)
 
     @property
     def num_requests(self) -> int:
@@ -202,6 +207,7 @@ class EngineCore:
         bm = sched.block_manager
         prefix = sched.prefix_cache_stats
         spec = sched.spec_stats
+        leases_held = self._kv_leases_reported = self._leases_held()
         return EngineStats(
             num_waiting=sched.num_waiting,
             num_running=sched.num_running,
@@ -217,6 +223,7 @@ class EngineCore:
             spec_accepted_tokens=spec.num_accepted_tokens,
             num_steps=self._num_steps,
             kv_transfer=None if self.kv_connector is None else self.kv_connector.stats.totals().to_dict(),
+            kv_leases_held=leases_held,
         )
 
 
