@@ -107,11 +107,22 @@ def build_registry(options: RunOptions) -> kopf.OperatorRegistry:
     return registry
 
 
+class _QuietTicks(logging.Filter):
+    """Drops Kopf's "Timer 'autoscaler' succeeded." line: the timer fires 4 times a second per
+    resource to honour each one's own interval; its real decisions are logged by the handler."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno <= logging.INFO and record.getMessage() == "Timer 'autoscaler' succeeded.")
+
+
 def run(options: RunOptions) -> int:
     logging.basicConfig(
         level=logging.DEBUG if options.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_QuietTicks())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per engine scrape otherwise
     if options.metrics_port:
         start_http_server(options.metrics_port, addr=options.bind)
     liveness = f"http://{options.bind}:{options.health_port}/healthz" if options.health_port else None
