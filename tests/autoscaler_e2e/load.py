@@ -38,6 +38,10 @@ class LoadGenerator:
     def set_concurrency(self, concurrency: int) -> None:
         self._target = concurrency
 
+    def set_body(self, body: dict[str, Any]) -> None:
+        """Requests sent from now on carry `body` (those in flight keep theirs)."""
+        self.body = body
+
     def snapshot(self) -> tuple[int, list[str]]:
         with self._lock:
             return self.stats.ok, list(self.stats.failures)

@@ -1,12 +1,13 @@
 """The built-in autoscaler end to end on the local control plane: real engines (SmolLM2 on CPU)
 on a process node behind the router, the operator as a process, a load generator.
 
-1. Load raises the prefill queue: the first decision that saw it above the target raises prefill
-   from 1 to 2 (from the recorded decisions: status history and the status snapshots), and the
-   new prefill pod serves traffic.
-2. The same load keeps decode's small KV cache (spec.decode.engine.numKvBlocks) full: decode grows.
+1. Long prompts, 4 tokens each: the prefill queue grows. The first decision that saw it above
+   the target raises prefill from 1 to 2 (from the recorded decisions: status history and the
+   status snapshots), and the new prefill pod serves traffic.
+2. Short prompts, 160 tokens each: decode's small KV cache (spec.decode.engine.numKvBlocks)
+   stays full, decode grows.
 3. Heavy load stops (a light load keeps running): both pools return to 1 after the window, the
-   removed pods drain.
+   removed pods drain the requests they still run.
 Every client request during all of this succeeds.
 """
 
@@ -38,7 +39,16 @@ TARGET_QUEUE = 1
 TARGET_KV = 0.5
 WINDOW_S = 10
 INTERVAL_S = 2
-PROMPT = "Here is a list of facts about the planets of the solar system, one per line. " * 12
+PROMPT = "Here is a list of facts about the planets of the solar system, one per line. " * 24
+PREFILL_HEAVY = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+DECODE_HEAVY = {
+    "model": "smollm2",
+    "prompt": "Count from one to one hundred:",
+    "max_tokens": 160,
+    "temperature": 0,
+    "ignore_eos": True,
+}
+LIGHT = {"model": "smollm2", "prompt": "Say hello.", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 SPEC: dict[str, Any] = {
     "model": {"name": "smollm2", "source": "builtin:smollm2-135m-instruct"},
@@ -52,7 +62,7 @@ SPEC: dict[str, Any] = {
         "numKvBlocks": 256,
     },
     "prefill": {
-        "engine": {"maxNumSeqs": 2},
+        "engine": {"maxNumSeqs": 2, "maxNumBatchedTokens": 128},
         "resources": {"gpus": 0, "cpu": "1", "memory": "2Gi"},
         "startupTimeoutSeconds": 300,
         "terminationGracePeriodSeconds": 30,
@@ -160,9 +170,8 @@ def test_prefill_and_decode_scale_with_load_and_back(
     wait_for("one Ready prefill, decode and router pod", all_ready, timeout_s=600, interval_s=1)
     (router,) = _pods(dev_cluster, ns, contract.ROLE_ROUTER)
     (first_prefill,) = _pods(dev_cluster, ns, contract.ROLE_PREFILL)
-    body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
     recorder = Recorder(KubeApi(ApiAccess.from_kubeconfig(dev_cluster.state.admin_kubeconfig)), ns)
-    load = LoadGenerator(_url(router, "/v1/completions"), body).start(concurrency=12)
+    load = LoadGenerator(_url(router, "/v1/completions"), PREFILL_HEAVY).start(concurrency=8)
     try:
         # 1. Prefill grows, and the new pod serves.
         wait_for("prefill scaled to 2", lambda: _replicas(dev_cluster, ns, "prefill") >= 2, 240, 0.5)
@@ -179,9 +188,11 @@ def test_prefill_and_decode_scale_with_load_and_back(
         wait_for("the new prefill pod to serve requests", lambda: _served(added) > 0, 120, 1)
 
         # 2. Decode grows on KV pressure.
+        load.set_body(DECODE_HEAVY)
         wait_for("decode scaled to 2", lambda: _replicas(dev_cluster, ns, "decode") >= 2, 240, 0.5)
 
         # 3. Heavy load stops; a light load keeps requests in flight while pods are removed.
+        load.set_body(LIGHT)
         load.set_concurrency(1)
         for role in ("prefill", "decode"):
             wait_for(f"{role} back to 1", lambda r=role: _replicas(dev_cluster, ns, r) == 1, 240, 0.5)
