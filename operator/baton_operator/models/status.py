@@ -48,14 +48,14 @@ class AutoscalingStatus(CrdModel):
     current_replicas: dict[str, int] = Field(
         default_factory=dict, description="Role -> replicas when the decision was made."
     )
-    action: str = Field("", max_length=16, description="up, down or hold (the decision as a whole).")
+    action: str | None = Field(None, max_length=16, description="up, down or hold (the decision as a whole).")
     scraped_at: str | None = Field(
         None,
         description="When the newest engine /metrics answer the decision used came.",
         json_schema_extra={"format": "date-time"},
     )
-    history: str = Field(
-        "",
+    history: str | None = Field(
+        None,
         max_length=262144,
         description="Recent recommendations and scale actions (JSON), so a restarted operator keeps "
         "its stabilization windows.",
