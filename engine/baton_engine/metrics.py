@@ -61,11 +61,25 @@ class EngineMetrics:
         self.itl = histogram(contract.M_ITL, "Time between consecutive output tokens of a request.")
         self.e2e = histogram(contract.M_E2E, "Time from arrival to the last output token.")
         self.queue_time = histogram(contract.M_QUEUE_TIME, "Time a request waited before its first step.")
-        self.model_name = model_name
         self._last = EngineStats()
         from baton_engine.kv_transfer.metrics import KVTransferCollector
 
         self.kv_transfer = KVTransferCollector(model_name, r)
+        self.model_name = model_name
+        if model_name:
+            self.set_model_name(model_name)
+
+    def set_model_name(self, model_name: str) -> None:
+        """Label every series with the served model name, and create them at 0 so that a
+        counter that never moved (e.g. no prefix hit yet) is still exposed."""
+        self.model_name = model_name
+        self.kv_transfer.model_name = model_name
+        for metric in (
+            self.waiting, self.running, self.kv_usage, self.kv_blocks, self.prefix_queries,
+            self.prefix_hits, self.preemptions, self.prompt_tokens, self.generation_tokens,
+            self.spec_draft, self.spec_accepted, self.ttft, self.itl, self.e2e, self.queue_time,
+        ):  # fmt: skip
+            metric.labels(model_name)
 
     def update(self, stats: EngineStats) -> None:
         m = self.model_name

@@ -47,7 +47,7 @@ async def _load(state: ServerState, server: _Server) -> None:
         await client.start()
         info = client.info
         state.model_name = config.served_model_name or str(info["model_name"])
-        state.metrics.model_name = state.model_name
+        state.metrics.set_model_name(state.model_name)
         state.max_model_len = int(info["max_model_len"])
         state.vocab_size = int(info["vocab_size"])
         state.eos_token_ids = tuple(info["eos_token_ids"])
@@ -85,7 +85,7 @@ async def _drain(state: ServerState, server: _Server, grace_seconds: float) -> N
 
 
 async def _serve(config: EngineConfig, grace_seconds: float, log_level: str) -> int:
-    state = ServerState(config=config, metrics=EngineMetrics(config.served_model_name or config.model))
+    state = ServerState(config=config, metrics=EngineMetrics(""))  # labelled once the model is known
     app = build_app(state)
     uv_config = uvicorn.Config(
         app,
