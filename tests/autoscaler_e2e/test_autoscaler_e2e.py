@@ -4,7 +4,7 @@ on a process node behind the router, the operator as a process, a load generator
 1. Long prompts, 4 tokens each: the prefill queue grows. The first decision that saw it above
    the target raises prefill from 1 to 2 (from the recorded decisions: status history and the
    status snapshots), and the new prefill pod serves traffic.
-2. Short prompts, 160 tokens each: decode's small KV cache (spec.decode.engine.numKvBlocks)
+2. The same prompts, 160 tokens each: decode's small KV cache (spec.decode.engine.numKvBlocks)
    stays full, decode grows.
 3. Heavy load stops (a light load keeps running): both pools return to 1 after the window, the
    removed pods drain the requests they still run.
@@ -42,9 +42,9 @@ INTERVAL_S = 2
 # ~110 tokens (7 KV blocks): decode holds several at once, so prefill stays the bottleneck.
 PROMPT = "Here is a list of facts about the planets of the solar system, one per line. " * 7
 PREFILL_HEAVY = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-DECODE_HEAVY = {
+DECODE_HEAVY = {  # ~7 blocks of prompt growing to ~17: three such requests fill decode's 40 blocks
     "model": "smollm2",
-    "prompt": "Count from one to one hundred:",
+    "prompt": PROMPT,
     "max_tokens": 160,
     "temperature": 0,
     "ignore_eos": True,
