@@ -4,7 +4,7 @@ on a process node behind the router, the operator as a process, a load generator
 1. Long prompts, 4 tokens each: the prefill queue grows. The first decision that saw it above
    the target raises prefill from 1 to 2 (from the recorded decisions: status history and the
    status snapshots), and the new prefill pod serves traffic.
-2. The same prompts, 160 tokens each: decode's small KV cache (spec.decode.engine.numKvBlocks)
+2. The same prompts, 96 tokens each: decode's small KV cache (spec.decode.engine.numKvBlocks)
    stays full, decode grows.
 3. Heavy load stops (a light load keeps running): both pools return to 1 after the window, the
    removed pods drain the requests they still run.
@@ -45,7 +45,7 @@ PREFILL_HEAVY = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 4, "tempera
 DECODE_HEAVY = {  # ~7 blocks of prompt growing to ~17: three such requests fill decode's 40 blocks
     "model": "smollm2",
     "prompt": PROMPT,
-    "max_tokens": 160,
+    "max_tokens": 96,
     "temperature": 0,
     "ignore_eos": True,
 }
@@ -172,7 +172,7 @@ def test_prefill_and_decode_scale_with_load_and_back(
     (router,) = _pods(dev_cluster, ns, contract.ROLE_ROUTER)
     (first_prefill,) = _pods(dev_cluster, ns, contract.ROLE_PREFILL)
     recorder = Recorder(KubeApi(ApiAccess.from_kubeconfig(dev_cluster.state.admin_kubeconfig)), ns)
-    load = LoadGenerator(_url(router, "/v1/completions"), PREFILL_HEAVY).start(concurrency=10)
+    load = LoadGenerator(_url(router, "/v1/completions"), PREFILL_HEAVY, timeout_s=300).start(concurrency=10)
     try:
         # 1. Prefill grows, and the new pod serves.
         wait_for("prefill scaled to 2", lambda: _replicas(dev_cluster, ns, "prefill") >= 2, 240, 0.5)
@@ -190,6 +190,7 @@ def test_prefill_and_decode_scale_with_load_and_back(
 
         # 2. Decode grows on KV pressure.
         load.set_body(DECODE_HEAVY)
+        load.set_concurrency(6)
         wait_for("decode scaled to 2", lambda: _replicas(dev_cluster, ns, "decode") >= 2, 240, 0.5)
 
         # 3. Heavy load stops; a light load keeps requests in flight while pods are removed.
