@@ -67,6 +67,7 @@ class EngineCore:
         self.kv_event_sink = kv_event_sink
         self.kv_connector = kv_connector
         self._kv_stats_version = 0
+        self._kv_leases_reported = 0
         self._requests: dict[int, _Request] = {}
         self._ids: dict[str, int] = {}
         self._next_seq_id = 0
@@ -121,9 +122,13 @@ class EngineCore:
             return False
         self.kv_connector.before_step()
         version = self.kv_connector.stats.version
-        changed = version != self._kv_stats_version
+        changed = version != self._kv_stats_version or self._leases_held() != self._kv_leases_reported
         self._kv_stats_version = version
         return changed
+
+    def _leases_held(self) -> int:
+        producer = None if self.kv_connector is None else self.kv_connector.producer
+        return 0 if producer is None else len(producer.leases)
 
     @property
     def num_requests(self) -> int:
@@ -212,6 +217,7 @@ class EngineCore:
         bm = sched.block_manager
         prefix = sched.prefix_cache_stats
         spec = sched.spec_stats
+        leases_held = self._kv_leases_reported = self._leases_held()
         return EngineStats(
             num_waiting=sched.num_waiting,
             num_running=sched.num_running,
@@ -229,6 +235,7 @@ class EngineCore:
             spec_accepted_per_position=list(spec.accepted_per_position),
             num_steps=self._num_steps,
             kv_transfer=None if self.kv_connector is None else self.kv_connector.stats.totals().to_dict(),
+            kv_leases_held=leases_held,
         )
 
 

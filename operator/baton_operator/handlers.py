@@ -15,7 +15,7 @@ from typing import Any
 import kopf
 
 from baton_engine import contract
-from baton_operator import metrics, models
+from baton_operator import autoscale_handler, metrics, models
 from baton_operator.kube import Kube, KubeError
 from baton_operator.reconcile import InvalidSpec, OperatorConfig, parse_spec, reconcile, refresh_status
 
@@ -106,6 +106,7 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
         await _reconcile("timer", body, memo, logger)
 
     _without_finalizer(registry, resync)
+    _without_finalizer(registry, autoscale_handler.register(registry))
 
     @kopf.on.event(
         "apps",

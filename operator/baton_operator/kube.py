@@ -137,9 +137,13 @@ class Kube:
                 raise KubeError(0, f"{method} {path}: {exc}") from exc
         raise KubeError(401, f"{method} {path}: unauthorized")
 
-    async def apply(self, manifest: Mapping[str, Any], force: bool = True) -> JSON:
-        """Server-side apply under the operator's field manager (fields it owns are forced)."""
-        query = [("fieldManager", self.field_manager), ("force", "true" if force else "false")]
+    async def apply(
+        self, manifest: Mapping[str, Any], force: bool = True, field_manager: str | None = None
+    ) -> JSON:
+        """Server-side apply under the operator's field manager (or `field_manager`); fields it
+        owns are forced."""
+        manager = field_manager or self.field_manager
+        query = [("fieldManager", manager), ("force", "true" if force else "false")]
         return await self._call(
             "PATCH", path_of(manifest), dict(manifest), query, "application/apply-patch+yaml"
         )
@@ -172,6 +176,16 @@ class Kube:
             if exc.status == 404:
                 return None
             raise
+
+    async def list(
+        self, api_version: str, kind: str, namespace: str, labels: Mapping[str, str]
+    ) -> list[JSON]:
+        """The objects of a kind in a namespace matching every label in `labels`."""
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        query = [("labelSelector", selector)] if selector else []
+        result = await self._call("GET", collection_path(api_version, kind, namespace), None, query)
+        items = result.get("items") or []
+        return [i for i in items if isinstance(i, dict)]
 
     async def crd_exists(self, name: str) -> bool:
         """Whether a CRD is installed; answers are cached for CRD_CACHE_SECONDS."""

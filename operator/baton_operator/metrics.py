@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+from baton_operator.autoscaler.telemetry import AutoscalerMetrics
 
 RECONCILES = Counter(
     "baton_operator_reconciles",
@@ -20,3 +22,7 @@ RECONCILE_ERRORS = Counter(
 )
 CHILDREN_APPLIED = Counter("baton_operator_children_applied", "Child objects server-side applied.")
 ACTIVE = Gauge("baton_operator_active", "1 while this replica is the active peer (processing events).")
+AUTOSCALER = AutoscalerMetrics(REGISTRY)
+AUTOSCALER_TICKS = Counter(
+    "baton_autoscaler_ticks", "Built-in autoscaler ticks, by result (ok, skipped, error).", ["result"]
+)

@@ -43,6 +43,7 @@ class FakeEngine:
     stream_forever: bool = False
     stream_break_after: int | None = None  # abort the connection after this many chunks
     metrics_text: str = ""
+    draining: bool = False  # answer every POST as an engine told to stop does (503 "draining")
     requests: list[Recorded] = field(default_factory=list)
     disconnects: list[str] = field(default_factory=list)  # request ids whose client went away
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -104,6 +105,9 @@ class FakeEngine:
             )
         elif scope["method"] != "POST":
             await _whole(send, 404, "application/json", b'{"error":{"message":"not found"}}')
+        elif self.draining:
+            error = {"error": {"message": "shutting down", "type": "service_unavailable", "code": "draining"}}
+            await _whole(send, 503, "application/json", json.dumps(error).encode())
         elif (parsed.get("kv_transfer_params") or {}).get("do_remote_decode"):
             await self._prefill(rid, receive, send)
         elif parsed.get("stream"):

@@ -325,6 +325,38 @@ def test_refused_decode_pod_is_skipped_for_the_next(start_engine, start_router) 
     assert len(decode.posts()) == 1
 
 
+def test_draining_decode_pod_is_skipped_for_the_next(start_engine, start_router) -> None:
+    # A pod told to stop refuses new requests (503 "draining") before the router's watch shows
+    # its deletion: the request goes to the next decode pod, and the client never sees the 503.
+    _, prefill_url = start_engine("p0")
+    # The draining pod looks idler, so it is tried first.
+    draining, draining_url = start_engine(
+        "d0", draining=True, metrics_text="baton_kv_cache_usage_ratio 0.1\n"
+    )
+    decode, decode_url = start_engine("d1", metrics_text="baton_kv_cache_usage_ratio 0.9\n")
+    router = start_router(prefill=[prefill_url], decode=[draining_url, decode_url])
+    router.wait_scraped()
+
+    response = httpx.post(router.url + "/v1/completions", json=BODY)
+
+    assert response.status_code == 200, response.text
+    assert response.json()["served_by"] == "d1"
+    assert (len(draining.posts()), len(decode.posts())) == (1, 1)
+
+
+def test_only_draining_decode_pods_is_503(start_engine, start_router) -> None:
+    _, prefill_url = start_engine("p0")
+    _, draining_url = start_engine("d0", draining=True)
+    router = start_router(prefill=[prefill_url], decode=[draining_url])
+
+    response = httpx.post(router.url + "/v1/completions", json=BODY)
+
+    assert response.status_code == 503
+    assert response.json()["error"]["message"] == (
+        f"decode leg: no pod accepted the connection ({draining_url}: draining)"
+    )
+
+
 def test_pods_that_refuse_scrapes_get_no_requests(start_engine, start_router) -> None:
     prefill, prefill_url = start_engine("p0")
     decode, decode_url = start_engine("d0")

@@ -95,6 +95,14 @@ class ServerProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def core_pid(self) -> int | None:
+        """The engine core child's pid while the server runs (None once it exited)."""
+        if self.proc.poll() is not None:
+            return None
+        children = child_pids(self.proc.pid)
+        return children[0] if children else None
+
     def _ready(self) -> bool:
         if self.proc.poll() is not None:
             raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")

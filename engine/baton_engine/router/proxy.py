@@ -198,6 +198,15 @@ class ProxyResponse(Response):
                     message = f"{leg} leg to {endpoint.url} failed: {exc!r}"
                     await self._fail(send, 502, message, errors.UPSTREAM, "upstream_error")
                     return
+                if response.status == 503:
+                    content_503 = await _read_and_release(response)
+                    if content_503 is not None and _is_draining(content_503):
+                        # Told to stop before the router saw its pod go: it took nothing; next pod.
+                        refused.append(f"{endpoint.url}: draining")
+                        continue
+                    self._outcome = "upstream_error"
+                    await self._send_whole(send, 503, response.headers, content_503 or b"")
+                    return
                 try:
                     await self._stream_back(response, send, endpoint)
                 finally:
@@ -263,3 +272,22 @@ async def _wait_for_disconnect(receive: Receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def _read_and_release(response: aiohttp.ClientResponse) -> bytes | None:
+    try:
+        return await response.read()
+    except aiohttp.ClientError:
+        return None
+    finally:
+        response.release()
+
+
+def _is_draining(content: bytes) -> bool:
+    """Whether a 503 body is an engine's refusal while it drains (nothing of the request ran)."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return False
+    error = body.get("error") if isinstance(body, dict) else None
+    return isinstance(error, dict) and error.get("code") == "draining"

@@ -63,12 +63,22 @@ async def _load(state: ServerState, server: _Server) -> None:
         server.should_exit = True
 
 
+def _leases_held(state: ServerState) -> int:
+    return 0 if state.client is None else state.client.stats.kv_leases_held
+
+
 async def _drain(state: ServerState, server: _Server, grace_seconds: float) -> None:
+    """Wait for in-flight requests, then for producer leases (a decode pod may still pull the
+    KV of a request this prefill pod already answered), within the grace period."""
     deadline = time.monotonic() + grace_seconds
-    while state.in_flight > 0 and time.monotonic() < deadline:
+    while (state.in_flight > 0 or _leases_held(state) > 0) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    if state.in_flight:
-        log.warning("grace period over with %d requests in flight; stopping anyway", state.in_flight)
+    if state.in_flight or _leases_held(state):
+        log.warning(
+            "grace period over with %d requests in flight and %d KV leases held; stopping anyway",
+            state.in_flight,
+            _leases_held(state),
+        )
     else:
         log.info("drained; stopping")
     server.should_exit = True

@@ -45,6 +45,21 @@ class AutoscalingStatus(CrdModel):
     time: str | None = Field(
         None, description="When the decision was made.", json_schema_extra={"format": "date-time"}
     )
+    current_replicas: dict[str, int] = Field(
+        default_factory=dict, description="Role -> replicas when the decision was made."
+    )
+    action: str | None = Field(None, max_length=16, description="up, down or hold (the decision as a whole).")
+    scraped_at: str | None = Field(
+        None,
+        description="When the newest engine /metrics answer the decision used came.",
+        json_schema_extra={"format": "date-time"},
+    )
+    history: str | None = Field(
+        None,
+        max_length=262144,
+        description="Recent recommendations and scale actions (JSON), so a restarted operator keeps "
+        "its stabilization windows.",
+    )
 
 
 class InferenceDeploymentStatus(CrdModel):

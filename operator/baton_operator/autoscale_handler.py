@@ -1,0 +1,93 @@
+"""The built-in autoscaler's Kopf timer: a fast tick gated by `spec.autoscaling.intervalSeconds`.
+
+Kopf fixes a timer's interval at registration, but the interval is per resource and may change,
+so the timer fires every TICK_SECONDS and runs a decision once the resource's interval has passed
+since the previous one (a decision is late by at most TICK_SECONDS).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import kopf
+
+from baton_operator import metrics, models
+from baton_operator.autoscaler.policy_types import History
+from baton_operator.autoscaler.tick import autoscale_once, stored_history
+from baton_operator.kube import Kube, KubeError
+
+TICK_SECONDS = 0.25
+SCRAPE_TIMEOUT_S = 2.0
+
+
+@dataclass
+class AutoscalerState:
+    """Per resource, in its Kopf memo."""
+
+    next_at: float = 0.0  # monotonic time of the next decision
+    history: History | None = None  # None: read from status on the first decision
+    ticks: int = field(default=0)
+
+
+def _interval(spec: Any) -> float:
+    value = (spec.get("autoscaling") or {}).get("intervalSeconds", 15)
+    return float(value) if isinstance(value, int | float) and value > 0 else 15.0
+
+
+async def autoscaler_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | Any) -> None:
+    mode = (body.get("spec", {}).get("autoscaling") or {}).get("mode")
+    state: AutoscalerState = memo.setdefault("autoscaler", AutoscalerState())
+    if mode != "builtin":
+        state.history = None  # a later switch to builtin starts from what status holds
+        return
+    now = time.monotonic()
+    if now < state.next_at:
+        return
+    state.next_at = now + _interval(body.get("spec", {}))
+    if state.history is None:
+        state.history = stored_history(body)
+    kube: Kube = memo["kube"]
+    client: httpx.AsyncClient = memo["scrape_client"]
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    try:
+        result = await autoscale_once(
+            kube, body, state.history, client=client, scrape_timeout_s=SCRAPE_TIMEOUT_S
+        )
+    except (KubeError, ValueError) as exc:
+        metrics.AUTOSCALER_TICKS.labels("error").inc()
+        logger.warning("autoscaler tick failed: %s", exc)
+        kopf.warn(body, reason="AutoscalerFailed", message=str(exc)[:1024])
+        return
+    if result is None:
+        metrics.AUTOSCALER_TICKS.labels("skipped").inc()
+        return
+    state.history = result.history
+    state.ticks += 1
+    metrics.AUTOSCALER_TICKS.labels("ok").inc()
+    metrics.AUTOSCALER.record(namespace, name, result.decision, result.samples)
+    for reason, message in result.events:
+        kopf.event(body, type="Normal", reason=reason, message=message[:1024])
+    if result.patched:
+        logger.info("autoscaler: %s", result.decision.reason)
+
+
+def register(registry: kopf.OperatorRegistry) -> Any:
+    """Register the timer; returns its function (the caller clears its finalizer flag)."""
+
+    @kopf.timer(
+        models.GROUP,
+        models.VERSION,
+        models.PLURAL,
+        registry=registry,
+        id="autoscaler",
+        interval=TICK_SECONDS,
+        sharp=True,
+    )
+    async def autoscaler(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+        await autoscaler_tick(body, memo, logger)
+
+    return autoscaler

@@ -1,0 +1,132 @@
+"""One built-in autoscaler tick for one InferenceDeployment: pods -> scrape -> decide -> patch.
+
+Kopf-free (the handler, the tests and the benchmark call it). Replicas are written by
+server-side apply of ``spec.replicas`` alone under :data:`FIELD_MANAGER`, so the operator (which
+omits replicas unless autoscaling is off) and the autoscaler never fight over the field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from baton_engine import contract
+from baton_operator.kube import Kube
+
+from .collect import collect
+from .policy import decide
+from .policy_types import Decision, History, PodSample
+from .spec_adapter import policy_from_spec
+from .status import history_from_dict, history_to_dict, rfc3339, status_summary
+from .telemetry import scale_events
+
+FIELD_MANAGER = "baton-autoscaler"
+#: History older than the longest window plus this margin is dropped before it is stored.
+HISTORY_MARGIN_S = 60.0
+
+
+@dataclass
+class TickResult:
+    decision: Decision
+    history: History
+    samples: tuple[PodSample, ...]
+    patched: dict[str, int] = field(default_factory=dict)  # role -> replicas written
+    events: list[tuple[str, str]] = field(default_factory=list)  # (reason, message)
+    status: dict[str, Any] = field(default_factory=dict)
+
+
+def stored_history(body: Mapping[str, Any]) -> History:
+    """The history a previous operator left in ``status.autoscaling.history`` (empty if none or
+    unreadable: a corrupt record must not stop autoscaling, it only restarts the windows)."""
+    raw = ((body.get("status") or {}).get("autoscaling") or {}).get("history")
+    if not raw:
+        return History()
+    try:
+        return history_from_dict(json.loads(raw))
+    except ValueError:
+        return History()
+
+
+def _trim(history: History, keep_s: float, now: float) -> History:
+    cutoff = now - keep_s
+    return History(
+        tuple(r for r in history.recommendations if r.at >= cutoff),
+        tuple(a for a in history.actions if a.at >= cutoff),
+    )
+
+
+def _replicas(deployment: Mapping[str, Any] | None) -> int:
+    if deployment is None:
+        return 0
+    value = (deployment.get("spec") or {}).get("replicas")
+    return int(value) if isinstance(value, int) else 1  # the API's default
+
+
+async def autoscale_once(
+    kube: Kube,
+    body: Mapping[str, Any],
+    history: History,
+    *,
+    client: httpx.AsyncClient | None = None,
+    scrape_timeout_s: float = 2.0,
+    clock: Callable[[], float] = time.time,
+) -> TickResult | None:
+    """Decide and apply once. None when the deployment is not in builtin mode or a role
+    Deployment does not exist yet (the reconcile creates it)."""
+    spec = body.get("spec") or {}
+    autoscaling = spec.get("autoscaling") or {}
+    if autoscaling.get("mode") != "builtin":
+        return None
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    mode = spec.get("mode", "disaggregated")
+    policy = policy_from_spec(autoscaling, mode=mode)
+    roles = [pool.role for pool in policy.pools]
+
+    deployments = {
+        role: await kube.get("apps/v1", "Deployment", namespace, f"{name}-{role}") for role in roles
+    }
+    if any(d is None for d in deployments.values()):
+        return None
+    replicas = {role: _replicas(d) for role, d in deployments.items()}
+    pods = await kube.list("v1", "Pod", namespace, {contract.LABEL_DEPLOYMENT: name})
+    observations = await collect(pods, replicas, client=client, timeout_s=scrape_timeout_s, clock=clock)
+    now = clock()
+    decision, new_history = decide(policy, observations, history, now)
+
+    result = TickResult(decision, new_history, observations.samples)
+    for r in decision.roles:
+        if r.desired != r.current:
+            manifest = {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {"name": f"{name}-{r.role}", "namespace": namespace},
+                "spec": {"replicas": r.desired},
+            }
+            await kube.apply(manifest, field_manager=FIELD_MANAGER)
+            result.patched[r.role] = r.desired
+    result.events = scale_events(decision)
+
+    longest = max(
+        max(p.scale_up.stabilization_window_s, p.scale_down.stabilization_window_s) for p in policy.pools
+    )
+    result.history = _trim(new_history, longest + HISTORY_MARGIN_S, now)
+    scraped = [s.scraped_at for s in observations.samples if s.load is not None]
+    result.status = {
+        **status_summary(decision),
+        "currentReplicas": {r.role: r.current for r in decision.roles},
+        "action": decision.action,
+        "scrapedAt": rfc3339(max(scraped)) if scraped else None,
+        "history": json.dumps(history_to_dict(result.history), separators=(",", ":")),
+    }
+    # A merge patch merges maps: metrics no longer reported are nulled, not left stale.
+    previous = ((body.get("status") or {}).get("autoscaling") or {}).get("metrics") or {}
+    metrics_patch: dict[str, Any] = {key: None for key in previous}
+    metrics_patch.update(result.status["metrics"])
+    await kube.patch_status(namespace, name, {"autoscaling": {**result.status, "metrics": metrics_patch}})
+    return result

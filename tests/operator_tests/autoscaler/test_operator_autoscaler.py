@@ -1,0 +1,253 @@
+"""The built-in autoscaler inside `baton-operator run` (the chart's ServiceAccount) on a real API
+server. Engine pods are Pod objects whose status the test writes (no kubelet here) pointing at
+real HTTP servers that answer /metrics with the load the test sets.
+
+Covers: scale-up under baton-autoscaler's field manager, the operator's own reconciles not
+reverting it, status.autoscaling, ScaledUp/ScaledDown Events, the scale-action metric, scale-down
+one step per stabilization window, and `external` mode never writing replicas."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from baton_engine import contract
+from baton_operator.autoscaler.tick import FIELD_MANAGER as AUTOSCALER_MANAGER
+from baton_operator.kube import FIELD_MANAGER, collection_path
+from tests.operator_tests.apiserver import ApiServer, api_server, binary_dir
+from tests.operator_tests.autoscaler.metrics_servers import MetricsServer, answer
+from tests.operator_tests.conftest import admin_client, install_crd
+from tests.operator_tests.kube_helpers import Rest, create_infd, create_namespace, get_infd, wait_for
+from tests.operator_tests.operator_process import (
+    OperatorProcess,
+    install_chart,
+    operator_kubeconfig,
+    operator_process,
+)
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+NS = "autoscale"
+WINDOW_S = 3
+SPEC: dict[str, Any] = {
+    "model": {"name": "smollm2", "source": "builtin:smollm2-135m-instruct"},
+    "autoscaling": {
+        "mode": "builtin",
+        "intervalSeconds": 1,
+        "prefill": {"minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 2},
+        "decode": {"minReplicas": 1, "maxReplicas": 2, "targetKVUsage": 0.5},
+        "scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 2},
+        "scaleDown": {"stabilizationWindowSeconds": WINDOW_S, "maxStep": 1},
+    },
+}
+
+
+class Load:
+    """One engine's /metrics, settable by the test."""
+
+    def __init__(self) -> None:
+        self.waiting, self.kv = 0, 0.1
+        self.server = MetricsServer(self._answer)
+
+    def _answer(self, server: MetricsServer, handler: Any) -> None:
+        text = (
+            f'{contract.M_REQUESTS_WAITING}{{model_name="smollm2"}} {self.waiting}\n'
+            f'{contract.M_REQUESTS_RUNNING}{{model_name="smollm2"}} 0\n'
+            f'{contract.M_KV_USAGE}{{model_name="smollm2"}} {self.kv}\n'
+        )
+        answer(200, text)(server, handler)
+
+    @property
+    def port(self) -> int:
+        return int(self.server.httpd.server_address[1])
+
+
+@pytest.fixture(scope="module")
+def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
+    bin_dir = binary_dir()
+    if bin_dir is None:
+        pytest.skip("etcd/kube-apiserver not built yet (bash devcluster/scripts/build.sh)")
+    with api_server(tmp_path_factory.mktemp("autoscaler-apiserver"), bin_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def operator(apiserver: ApiServer) -> Iterator[OperatorProcess]:
+    client = admin_client(apiserver)
+    install_crd(client)
+    helm = binary_dir()
+    assert helm is not None
+    rest = Rest(apiserver)
+    sa = install_chart(rest, helm / "helm")
+    kubeconfig, _ = operator_kubeconfig(apiserver, rest, sa, apiserver.workdir / "operator.kubeconfig")
+    create_namespace(client, NS)
+    with operator_process(kubeconfig, apiserver.workdir, "--resync-seconds=1") as proc:
+        yield proc
+    client.close()
+
+
+@pytest.fixture
+def loads() -> Iterator[dict[str, Load]]:
+    made = {"prefill": Load(), "decode": Load()}
+    yield made
+    for load in made.values():
+        load.server.stop()
+
+
+def deployment_path(name: str) -> str:
+    return collection_path("apps/v1", "Deployment", NS) + f"/{name}"
+
+
+def add_ready_pod(rest: Rest, deployment: str, role: str, port: int) -> None:
+    """A Running, Ready engine pod as a kubelet would report it, serving /metrics on `port`."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{deployment}-{role}-0",
+            "labels": contract.pod_selector(deployment, role),
+        },
+        "spec": {
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": "baton",
+                    "ports": [{"name": contract.PORT_HTTP, "containerPort": port}],
+                }
+            ]
+        },
+    }
+    status, body = rest.call("POST", collection_path("v1", "Pod", NS), pod)
+    assert status == 201, body
+    ready = {
+        "status": {
+            "phase": "Running",
+            "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True"}, {"type": "PodScheduled", "status": "True"}],
+        }
+    }
+    path = collection_path("v1", "Pod", NS) + f"/{pod['metadata']['name']}/status"
+    status, body = rest.call("PATCH", path, ready, "application/merge-patch+json")
+    assert status == 200, body
+
+
+def replicas(rest: Rest, name: str) -> int:
+    return int(rest.get(deployment_path(name))["spec"]["replicas"])
+
+
+def counter(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_builtin_scales_up_then_down_one_step_per_window(
+    apiserver: ApiServer, operator: OperatorProcess, loads: dict[str, Load]
+) -> None:
+    rest = Rest(apiserver)
+    kube = admin_client(apiserver)
+    create_infd(kube, NS, "grow", SPEC)
+    wait_for(lambda: rest.call("GET", deployment_path("grow-decode"))[0] == 200, 30, "the role Deployments")
+    for role, load in loads.items():
+        add_ready_pod(rest, "grow", role, load.port)
+
+    # Idle: the autoscaler decides "hold" and says so in status.
+    def held() -> dict[str, Any] | None:
+        auto = get_infd(kube, NS, "grow").get("status", {}).get("autoscaling") or {}
+        return auto if auto.get("action") == "hold" and auto.get("scrapedAt") else None
+
+    status = wait_for(held, 30, "a first 'hold' decision in status.autoscaling")
+    assert status["lastDecision"] == {"prefill": 1, "decode": 1}
+    assert status["currentReplicas"] == {"prefill": 1, "decode": 1}
+
+    loads["prefill"].waiting = 6  # 6 waiting / target 2 -> 3 prefill pods
+    wait_for(lambda: replicas(rest, "grow-prefill") == 3, 30, "prefill scaled to 3")
+    deployment = rest.get(deployment_path("grow-prefill"))
+    owners = {
+        m["manager"]: json.dumps(m.get("fieldsV1", {})) for m in deployment["metadata"]["managedFields"]
+    }
+    assert '"f:replicas"' in owners[AUTOSCALER_MANAGER]
+    assert '"f:replicas"' not in owners[FIELD_MANAGER]
+    auto = get_infd(kube, NS, "grow")["status"]["autoscaling"]
+    assert auto["lastDecision"]["prefill"] == 3
+    assert auto["metrics"]["prefill.waitingRequests"] == 6.0
+    assert "scale up 1 -> 3" in auto["reason"]
+
+    # The operator's own reconciles (every second) leave the autoscaler's replicas alone.
+    pattern = r'baton_operator_reconciles_total\{result="ok",trigger="timer"\} (\S+)'
+
+    def timer_reconciles() -> float:
+        found = re.search(pattern, operator.metrics())
+        return float(found.group(1)) if found else 0.0
+
+    start = timer_reconciles()
+    wait_for(lambda: timer_reconciles() >= start + 3, 30, "three more timer reconciles")
+    assert replicas(rest, "grow-prefill") == 3
+
+    # Load stops: one step down per window, to the minimum.
+    loads["prefill"].waiting = 0
+    wait_for(lambda: replicas(rest, "grow-prefill") == 1, 60, "prefill back to 1")
+    assert replicas(rest, "grow-decode") == 1
+
+    events = rest.get(f"/api/v1/namespaces/{NS}/events")["items"]
+    scaled = sorted(
+        (
+            e
+            for e in events
+            if e["involvedObject"]["name"] == "grow" and e["reason"] in ("ScaledUp", "ScaledDown")
+        ),
+        key=lambda e: e["metadata"]["creationTimestamp"] + e["metadata"]["name"],
+    )
+    steps = [re.search(r"prefill: scale (up|down) (\d+) -> (\d+)", e["message"]) for e in scaled]
+    assert [(m.group(1), m.group(2), m.group(3)) for m in steps if m] == [
+        ("up", "1", "3"),
+        ("down", "3", "2"),
+        ("down", "2", "1"),
+    ]
+    # At most one scale-down per window: the status history keeps the last one's time.
+    auto = get_infd(kube, NS, "grow")["status"]["autoscaling"]
+    last_down = [a for a in json.loads(auto["history"])["actions"] if a[1] == "prefill"]
+    assert [a[2:] for a in last_down][-1:] == [[2, 1]]
+    text = operator.metrics()
+    up = counter(
+        text, "baton_autoscaler_scale_actions_total", deployment="grow", role="prefill", direction="up"
+    )
+    down = counter(
+        text, "baton_autoscaler_scale_actions_total", deployment="grow", role="prefill", direction="down"
+    )
+    assert (up, down) == (1.0, 2.0)
+    kube.close()
+
+
+def test_external_mode_never_writes_replicas(apiserver: ApiServer, operator: OperatorProcess) -> None:
+    rest = Rest(apiserver)
+    kube = admin_client(apiserver)
+    spec = {**SPEC, "autoscaling": {**SPEC["autoscaling"], "mode": "external"}}
+    create_infd(kube, NS, "ext", spec)
+    wait_for(lambda: rest.call("GET", deployment_path("ext-prefill"))[0] == 200, 30, "the role Deployments")
+    patch = {"spec": {"replicas": 4}}
+    status, body = rest.call(
+        "PATCH", deployment_path("ext-prefill") + "?fieldManager=hpa", patch, "application/merge-patch+json"
+    )
+    assert status == 200, body
+
+    pattern = r'baton_operator_reconciles_total\{result="ok",trigger="timer"\} (\S+)'
+
+    def timer_reconciles() -> float:
+        found = re.search(pattern, operator.metrics())
+        return float(found.group(1)) if found else 0.0
+
+    # Every resource is resynced each second; wait for several periods of both resources.
+    start = timer_reconciles()
+    wait_for(lambda: timer_reconciles() >= start + 8, 40, "eight more timer reconciles")
+    assert replicas(rest, "ext-prefill") == 4
+    managers = {m["manager"] for m in rest.get(deployment_path("ext-prefill"))["metadata"]["managedFields"]}
+    assert AUTOSCALER_MANAGER not in managers
+    assert "autoscaling" not in (get_infd(kube, NS, "ext").get("status") or {})
+    kube.close()
