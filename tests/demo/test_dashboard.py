@@ -25,8 +25,8 @@ NAME = "smollm2"
 ENGINE_ARGS = ("--num-kv-blocks", "128", "--max-model-len", "512", "--dtype", "float32")
 ENGINE_ARGS += ("--served-model-name", NAME)
 BATON_ROUTER = str(Path(sys.executable).with_name("baton-router"))
-# Series of the operator's built-in autoscaler: no operator process exports them yet (the
-# autoscaler is not wired into the operator's runtime), so they are checked against its registry.
+# Series of the operator's built-in autoscaler: exported by the operator process (not started
+# here), so they are checked against the autoscaler's own registry.
 AUTOSCALER_PREFIX = "baton_autoscaler_"
 
 
