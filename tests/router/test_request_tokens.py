@@ -45,10 +45,17 @@ class WordTokenizer:
         ("completions", {"prompt": [7, 8, 9]}, [7, 8, 9]),
         ("completions", {"prompt": [[5, 6], [7]]}, [5, 6]),
         ("chat", {"messages": [{"role": "user", "content": "hello"}]}, [4, 2, 5]),
+        # the engine's server renders with the generation prompt whatever the request says
         (
             "chat",
             {"messages": [{"role": "user", "content": "sunny"}], "add_generation_prompt": False},
-            [4, 6],
+            [4, 6, 5],
+        ),
+        # text parts are joined, as the engine's server joins them
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]},
+            [4, 2, 5],
         ),
     ],
 )
@@ -59,8 +66,9 @@ def test_prompt_token_ids(api: str, body: dict[str, Any], ids: list[int]) -> Non
 @pytest.mark.parametrize(
     ("api", "body", "message"),
     [
-        ("chat", {"messages": "hi"}, "messages: must be a list"),
-        ("chat", {"messages": [], "chat_template_kwargs": [1]}, "chat_template_kwargs: must be an object"),
+        ("chat", {"messages": "hi"}, "messages: must be a non-empty list"),
+        ("chat", {"messages": []}, "messages: must be a non-empty list"),
+        ("chat", {"messages": ["hi"]}, r"messages\[0\]: must be an object"),
         ("completions", {"prompt": 5}, "prompt: must be a string"),
         ("completions", {}, "prompt: must be a string"),
     ],
