@@ -74,7 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     static = p.add_argument_group("static discovery")
-    static.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill pods' HTTP URLs")
+    static.add_argument(
+        "--prefill",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="prefill pods' HTTP URLs (a fragment #kv-events=PORT,kv-replay=PORT sets one pod's ports)",
+    )
     static.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode pods' HTTP URLs")
     static.add_argument("--engine", nargs="+", default=[], metavar="URL", help="aggregated pods' HTTP URLs")
     static.add_argument(
