@@ -29,8 +29,9 @@ KEY = "router-e2e-deployment-key"
 ENGINE_ARGS = ("--dtype", "float32", "--served-model-name", NAME, "--block-size", str(BLOCK_SIZE))
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    """The sum of `name`'s samples (matching `labels`) on `url`/metrics."""
+def metric(url: str, name: str, *, absent: float | None = None, **labels: str) -> float:
+    """The sum of `name`'s samples (matching `labels`) on `url`/metrics; `absent` if there are none
+    (a labelled counter has no sample before its first increment), else an AssertionError."""
     text = httpx.get(f"{url}{contract.PATH_METRICS}", timeout=10.0).text
     found = [
         sample.value
@@ -39,6 +40,8 @@ def metric(url: str, name: str, **labels: str) -> float:
         if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
     ]
     if not found:
+        if absent is not None:
+            return absent
         raise AssertionError(f"{name}{labels} not in {url}/metrics")
     return float(sum(found))
 
@@ -146,3 +149,8 @@ def complete(url: str, prompt: str | list[int], max_tokens: int = 8, **extra: An
     assert response.status_code == 200, response.text
     result: dict[str, Any] = response.json()
     return result
+
+
+def counter(url: str, name: str, **labels: str) -> float:
+    """A counter's value: 0 until its first increment creates the sample."""
+    return metric(url, name, absent=0.0, **labels)

@@ -38,6 +38,7 @@ from tests.router_e2e.processes import (
     RouterProcess,
     chat,
     complete,
+    counter,
     kv_event_ports,
     metric,
     port_of,
@@ -173,7 +174,7 @@ def test_pd_through_router_matches_one_engine(deployment: Deployment) -> None:
     router = deployment.router("parity")
     try:
         _text(router.url, SHARED_PREFIX + "Question: warm the consumer's cache.")
-        consumer_hits = metric(deployment.consumer.url, contract.M_PREFIX_HITS)
+        consumer_hits = counter(deployment.consumer.url, contract.M_PREFIX_HITS)
         got = [_text(router.url, p) for p in prompts] + [_chat_text(router.url, c) for c in CHATS]
         assert got == expected
         # the two prefixed prompts reuse the consumer's cached blocks of SHARED_PREFIX
@@ -186,14 +187,14 @@ def test_pd_through_router_matches_one_engine(deployment: Deployment) -> None:
         assert min(shared_blocks) >= 2
         wait_for(
             lambda: (
-                metric(deployment.consumer.url, contract.M_PREFIX_HITS) - consumer_hits
+                counter(deployment.consumer.url, contract.M_PREFIX_HITS) - consumer_hits
                 >= sum(shared_blocks) * BLOCK_SIZE
             ),
             10,
             "the consumer's prefix hits on the shared prefix",
         )
-        assert metric(router.url, contract.M_ROUTER_FALLBACKS) == 0.0
-        assert metric(router.url, contract.M_ROUTER_REQUESTS) == 17.0
+        assert counter(router.url, contract.M_ROUTER_FALLBACKS) == 0.0
+        assert counter(router.url, contract.M_ROUTER_REQUESTS) == 17.0
     finally:
         router.stop()
     deployment.wait_all_idle()
@@ -294,8 +295,8 @@ def _workload(tok: Tokenizer, seed: int) -> tuple[list[str], int]:
 
 def _hit_tokens_of_run(deployment: Deployment, routing: str, seed: int) -> tuple[float, int]:
     prompts, ideal = _workload(deployment.tokenizer, seed)
-    before = sum(metric(p.url, contract.M_PREFIX_HITS) for p in deployment.producers)
-    done_before = sum(metric(p.url, contract.M_REQUEST_SUCCESS) for p in deployment.producers)
+    before = sum(counter(p.url, contract.M_PREFIX_HITS) for p in deployment.producers)
+    done_before = sum(counter(p.url, contract.M_REQUEST_SUCCESS) for p in deployment.producers)
     router = deployment.router(routing, "--routing", routing)
     try:
         for prompt in prompts:
@@ -304,13 +305,13 @@ def _hit_tokens_of_run(deployment: Deployment, routing: str, seed: int) -> tuple
         router.stop()
     wait_for(
         lambda: (
-            sum(metric(p.url, contract.M_REQUEST_SUCCESS) for p in deployment.producers)
+            sum(counter(p.url, contract.M_REQUEST_SUCCESS) for p in deployment.producers)
             == done_before + len(prompts)
         ),
         20,
         "the producers' metrics to count every request",
     )
-    return sum(metric(p.url, contract.M_PREFIX_HITS) for p in deployment.producers) - before, ideal
+    return sum(counter(p.url, contract.M_PREFIX_HITS) for p in deployment.producers) - before, ideal
 
 
 def test_prefix_routing_under_cache_pressure(deployment: Deployment) -> None:
@@ -331,7 +332,7 @@ def test_prefix_routing_under_cache_pressure(deployment: Deployment) -> None:
 def test_producer_killed_between_the_legs_completes(deployment: Deployment) -> None:
     prompt = "The longest river in Africa is"
     expected = _text(deployment.consumer.url, prompt)  # the consumer alone: a plain engine
-    failures = metric(deployment.consumer.url, contract.M_KV_TRANSFER_FAILURES)
+    failures = counter(deployment.consumer.url, contract.M_KV_TRANSFER_FAILURES)
     killed: list[int] = []
 
     def kill_producers(body: bytes) -> None:
@@ -348,7 +349,7 @@ def test_producer_killed_between_the_legs_completes(deployment: Deployment) -> N
         assert _text(router.url, prompt) == expected
         assert len(killed) == 2 and not any(pid_alive(pid) for pid in killed)
         wait_for(
-            lambda: metric(deployment.consumer.url, contract.M_KV_TRANSFER_FAILURES) == failures + 1,
+            lambda: counter(deployment.consumer.url, contract.M_KV_TRANSFER_FAILURES) == failures + 1,
             10,
             "the consumer to count the failed pull",
         )
