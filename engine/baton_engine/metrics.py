@@ -66,6 +66,15 @@ class EngineMetrics:
         from baton_engine.kv_transfer.metrics import KVTransferCollector
 
         self.kv_transfer = KVTransferCollector(model_name, r)
+        # Samples from the start: an idle engine's load must read 0, not absent (the router ranks
+        # a pod whose load it cannot read after every pod whose load it can).
+        for idle in (self.waiting, self.running, self.kv_usage):
+            idle.labels(model_name).set(0)
+        for total in (
+            self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens,
+            self.generation_tokens, self.spec_draft, self.spec_accepted,
+        ):  # fmt: skip
+            total.labels(model_name)
 
     def update(self, stats: EngineStats) -> None:
         m = self.model_name
