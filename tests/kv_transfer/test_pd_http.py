@@ -23,7 +23,8 @@ from tests.kv_transfer.helpers import KEY
 from tests.kv_transfer.test_pd_engine_core import PREFIXED, SHARED_PREFIX, TEXTS
 from tests.server.server_process import ServerProcess, free_port, pid_alive, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.model]
+# Two model loads and ~60 requests: minutes on a loaded 2-core machine.
+pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(1800)]
 
 MODEL = "builtin:smollm2-135m-instruct"
 NAME = "smollm2"
@@ -45,22 +46,26 @@ class Servers:
     (requests without kv_transfer_params run there as on any engine)."""
 
     def __init__(self, log_dir: Path) -> None:
-        self.producer = ServerProcess(
-            MODEL,
-            *ARGS,
+        self.started: list[ServerProcess] = []
+        self.core_pids: dict[int, int] = {}
+        self.producer = self._start(
+            log_dir / "producer.log",
             "--kv-role", "producer",
             "--kv-transfer-port", str(free_port()),
             "--kv-lease-seconds", str(LEASE_SECONDS),
-            log_path=log_dir / "producer.log",
         )  # fmt: skip
-        self.consumer = ServerProcess(
-            MODEL, *ARGS, "--kv-role", "consumer", log_path=log_dir / "consumer.log"
-        )
+        self.consumer = self._start(log_dir / "consumer.log", "--kv-role", "consumer")
+
+    def _start(self, log: Path, *args: str) -> ServerProcess:
+        server = ServerProcess(MODEL, *ARGS, *args, log_path=log)
+        self.started.append(server)
+        self.core_pids[server.pid] = int(server.stats()["core_pid"])
+        return server
 
     def stop(self) -> None:
-        for server in (self.producer, self.consumer):
-            core_pid = server.core_pid
+        for server in self.started:
             server.stop(signal.SIGKILL, timeout=10)
+            core_pid = self.core_pids.get(server.pid)
             if core_pid is not None and pid_alive(core_pid):
                 wait_for(lambda pid=core_pid: not pid_alive(pid), 10, f"core {core_pid} to exit")
 
@@ -179,8 +184,7 @@ def test_producer_killed_between_the_legs_recomputes(servers: Servers) -> None:
     want = _complete(servers.producer, prompt).json()["choices"][0]["text"]
     first = _complete(servers.producer, prompt, kv_transfer_params={"do_remote_decode": True})
     kv = first.json()["kv_transfer_params"]
-    core_pid = servers.producer.core_pid
-    assert core_pid is not None
+    core_pid = servers.core_pids[servers.producer.pid]
     servers.producer.stop(signal.SIGKILL, timeout=10)
     wait_for(lambda: not pid_alive(core_pid), 10, "the producer's core to exit")
     second = _complete(servers.consumer, prompt, kv_transfer_params=kv)
