@@ -205,12 +205,13 @@ def test_pd_through_router_matches_one_engine(deployment: Deployment) -> None:
 # --------------------------------------------------------------------------- client disconnect
 
 
-def _send_raw(url: str, path: str, body: dict[str, Any]) -> socket.socket:
+def _send_raw(url: str, path: str, body: dict[str, Any], request_id: str) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     raw = json.dumps(body).encode()
     sock = socket.create_connection((host, int(port)), timeout=60)
     sock.sendall(
         f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"X-Request-Id: {request_id}\r\n"
         f"Content-Length: {len(raw)}\r\n\r\n".encode()
         + raw
     )
@@ -240,7 +241,7 @@ def test_client_disconnect_mid_leg_frees_both_sides(deployment: Deployment, leg:
                 "ignore_eos": True,
                 "stream": True,
             }
-            sock = _send_raw(router.url, "/v1/completions", body)
+            sock = _send_raw(router.url, "/v1/completions", body, f"disconnect-decode-{os.getpid()}")
             received = b""
             while b"data: {" not in received:  # the consumer is streaming the decode leg
                 chunk = sock.recv(65536)
@@ -332,8 +333,14 @@ def test_prefix_routing_under_cache_pressure(deployment: Deployment) -> None:
 
 
 def test_producer_killed_between_the_legs_completes(deployment: Deployment) -> None:
-    prompt = "The longest river in Africa is"
-    expected = _text(deployment.consumer.url, prompt)  # the consumer alone: a plain engine
+    # several full blocks the consumer has never seen, so it must pull them from the producer
+    prompt = (
+        "A geography quiz for travellers crossing the Sahara by train, bus and camel, with three "
+        "questions on rivers, deserts and mountains of the African continent. First question: "
+        "the longest river in Africa is"
+    )
+    assert len(deployment.tokenizer.encode(prompt)) >= 3 * BLOCK_SIZE
+    expected = _text(deployment.producers[0].url, prompt)  # no kv_transfer_params: one engine
     failures = counter(deployment.consumer.url, contract.M_KV_TRANSFER_FAILURES)
     killed: list[int] = []
 
