@@ -229,10 +229,17 @@ def test_client_disconnect_mid_leg_frees_both_sides(deployment: Deployment, leg:
         if leg == "prefill":
             # a long prompt: the prefill leg runs for a while on the producer
             prompt = " ".join(f"item{i} costs {i * 7 % 13} coins;" for i in range(100))
-            sock = _send_raw(
-                router.url, "/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": 4}
+            request_id = f"disconnect-prefill-{os.getpid()}"
+            body = {"model": NAME, "prompt": prompt, "max_tokens": 4}
+            sock = _send_raw(router.url, "/v1/completions", body, request_id)
+            # The core is busy for the whole prefill step (stats calls wait for it), so the sign
+            # that the leg runs is the producer's server logging the request on arrival.
+            arrived = f"request {request_id}: completion"
+            wait_for(
+                lambda: any(arrived in p.log_text() for p in deployment.producers),
+                60,
+                "the prefill leg to reach a producer",
             )
-            wait_for(lambda: any(_running(p) for p in deployment.producers), 60, "the prefill leg to run")
         else:
             body = {
                 "model": NAME,
@@ -339,7 +346,7 @@ def test_producer_killed_between_the_legs_completes(deployment: Deployment) -> N
         "questions on rivers, deserts and mountains of the African continent. First question: "
         "the longest river in Africa is"
     )
-    assert len(deployment.tokenizer.encode(prompt)) >= 3 * BLOCK_SIZE
+    assert len(deployment.tokenizer.encode(prompt)) >= 2 * BLOCK_SIZE
     expected = _text(deployment.producers[0].url, prompt)  # no kv_transfer_params: one engine
     failures = counter(deployment.consumer.url, contract.M_KV_TRANSFER_FAILURES)
     killed: list[int] = []
