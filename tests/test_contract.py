@@ -75,11 +75,18 @@ def test_topic_and_selector() -> None:
 
 
 def _torch_free_modules() -> list[str]:
-    """Every module of the operator and the router, plus the contract (found, not listed)."""
+    """Every module of the operator and the router (found, not listed), plus the contract and the
+    tokenizer loading the router shares with the engine."""
     import importlib
     import pkgutil
 
-    names = ["baton_engine.contract"]
+    names = [
+        "baton_engine.contract",
+        "baton_engine.loader",
+        "baton_engine.loader.tokenizer_loading",
+        "baton_engine.prefix_hash",
+        "baton_engine.prefix_hash_vllm",
+    ]
     for package in ("baton_operator", "baton_engine.router"):
         try:
             pkg = importlib.import_module(package)

@@ -303,6 +303,8 @@ M_ROUTER_FALLBACKS: Final = "baton_router_fallbacks_total"
 M_ROUTER_PREFIX_HIT_TOKENS: Final = "baton_router_prefix_hit_tokens_total"
 #: Endpoints currently known by role (label "role").
 M_ROUTER_ENDPOINTS: Final = "baton_router_endpoints"
+#: Per pod (label "pod"): the next KV-event batch the router expects; every earlier one is applied.
+M_ROUTER_KV_EVENTS_NEXT_SEQ: Final = "baton_router_kv_events_next_sequence"
 
 
 # =========================================================================== router CLI

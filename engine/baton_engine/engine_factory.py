@@ -13,32 +13,13 @@ from typing import TYPE_CHECKING
 
 from baton_engine.config import EngineConfig
 from baton_engine.engine_core import Drafter, EngineCore, KVEventSink
+from baton_engine.loader.tokenizer_loading import NoTokenizerError as NoTokenizerError  # re-exported
+from baton_engine.loader.tokenizer_loading import load_tokenizer as load_tokenizer  # re-exported
 from baton_engine.sampling_params import SamplingParams
-from baton_engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from baton_engine.loader import LoadedModel
     from baton_engine.model_runner import ModelRunner
-
-
-class NoTokenizerError(ValueError):
-    """The model reference has no tokenizer files."""
-
-
-def load_tokenizer(reference: str) -> Tokenizer:
-    """The tokenizer (and chat template) of a model reference, without reading any weights."""
-    from baton_engine.loader import resolve_model
-
-    resolved = resolve_model(reference)
-    if resolved.format == "gguf":
-        from baton_engine.loader.gguf_loader import open_gguf
-        from baton_engine.loader.gguf_tokenizer import tokenizer_from_gguf
-
-        return tokenizer_from_gguf(open_gguf(resolved.path))
-    tokenizer = Tokenizer.from_pretrained_dir(resolved.path)
-    if tokenizer is None:
-        raise NoTokenizerError(f"model {reference!r} has no tokenizer.json in {resolved.path}")
-    return tokenizer
 
 
 @dataclass
@@ -122,6 +103,6 @@ def _prefix_hasher(config: EngineConfig):  # type: ignore[no-untyped-def]
 
     if config.prefix_hash == "fast":
         return fast_prefix_hash
-    from baton_engine import vllm_prefix_hash  # type: ignore[attr-defined]
+    from baton_engine.prefix_hash_vllm import VllmSha256CborHasher
 
-    return vllm_prefix_hash.vllm_sha256_cbor_hash
+    return VllmSha256CborHasher.from_environment()

@@ -87,6 +87,15 @@ def test_cli_serves_requests_with_the_api_key_from_the_environment(router_proces
         (["--engine", "a:1", "--k8s-deployment", "d"], "choose static URLs"),
         (["--prefill", "a:1", "a:1", "--decode", "b:1"], "prefill endpoints: http://a:1 given twice"),
         (["--prefill", "a:1", "--decode", "b:1", "--block-size", "0"], "block_size: must be positive"),
+        (
+            ["--mode", "aggregated", "--engine", "a:1", "--tokenizer", "/nonexistent/model"],
+            "--tokenizer /nonexistent/model: model '/nonexistent/model' not found",
+        ),
+        (
+            ["--mode", "aggregated", "--engine", "a:1", "--tokenizer", "builtin:nope"],
+            "--tokenizer builtin:nope: unknown builtin model 'nope'",
+        ),
+        (["--prefill", "a:1#kv-events=x", "--decode", "b:1"], "port 'kv-events=x' is not NAME=PORT"),
     ],
 )
 def test_cli_rejects_bad_flags(argv: list[str], message: str) -> None:

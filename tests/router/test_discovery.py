@@ -162,6 +162,16 @@ def test_static_endpoints() -> None:
         ("prefill", "http://127.0.0.2:8001", "http://127.0.0.2:8001"),
         ("decode", "http://h:9", "http://h:9"),
     ]
+    one_host = static_endpoints(
+        {"prefill": ["127.0.0.1:8001#kv-events=5601,kv-replay=5602", "127.0.0.1:8002"]},
+        ports={"kv-events": 5557, "kv-replay": 5558},
+    )
+    assert [(e.url, e.port("kv-events"), e.port("kv-replay")) for e in one_host] == [
+        ("http://127.0.0.1:8001", 5601, 5602),
+        ("http://127.0.0.1:8002", 5557, 5558),
+    ]
+    with pytest.raises(ValueError, match="endpoint http://h:1: port 'kv-events=x' is not NAME=PORT"):
+        static_endpoints({"prefill": ["h:1#kv-events=x"]})
     with pytest.raises(ValueError, match="prefill endpoints: http://127.0.0.1:8001 given twice"):
         static_endpoints({"prefill": ["127.0.0.1:8001", "http://127.0.0.1:8001"]})
     with pytest.raises(ValueError, match="endpoint url: 'ftp://x' is not an http"):

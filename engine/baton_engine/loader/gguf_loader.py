@@ -6,13 +6,13 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from baton_engine.loader.gguf_file import open_gguf as open_gguf  # re-exported
 from baton_engine.model.config import ModelConfig, ModelFamily, UnsupportedArchitectureError
 
 GGUF_ARCHITECTURES: dict[str, ModelFamily] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -36,12 +36,6 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-
-
-def open_gguf(path: Path) -> Any:
-    import gguf
-
-    return gguf.GGUFReader(str(path))
 
 
 def metadata(reader: Any) -> dict[str, Any]:

@@ -221,9 +221,23 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
+        if kv_index is not None:
+            _export_kv_event_progress(kv_index, metrics)
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.state.metrics = metrics
     app.state.registry = registry
     app.state.router_state = state
     return app
+
+
+def _export_kv_event_progress(kv_index: KVEventIndex, metrics: RouterMetrics) -> None:
+    gauge = metrics.kv_events_next_seq
+    gauge.clear()
+    for pod in kv_index.subscriber.pods():
+        try:
+            next_seq = kv_index.subscriber.stats(pod).next_seq
+        except KeyError:  # the pod went between the two calls
+            continue
+        if next_seq is not None:
+            gauge.labels(pod=str(pod)).set(next_seq)

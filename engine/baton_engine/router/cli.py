@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         contract.FLAG_ROUTER_TOKENIZER,
         default=None,
         metavar="REF",
-        help="tokenizer for prefix routing of text prompts: a local model directory with tokenizer.json "
-        "(other references are not loadable without torch: text prompts are then routed by load)",
+        help="the engines' model reference (builtin:NAME, hf:org/name from the local cache, a model "
+        "directory or a .gguf file), to tokenize text prompts and chat messages exactly as the engines "
+        "do for prefix routing (without it only token-id prompts are prefix-routed)",
     )
     p.add_argument(
         "--api-key",
@@ -73,7 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     static = p.add_argument_group("static discovery")
-    static.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill pods' HTTP URLs")
+    static.add_argument(
+        "--prefill",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="prefill pods' HTTP URLs (a fragment #kv-events=PORT,kv-replay=PORT sets one pod's ports)",
+    )
     static.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode pods' HTTP URLs")
     static.add_argument("--engine", nargs="+", default=[], metavar="URL", help="aggregated pods' HTTP URLs")
     static.add_argument(
@@ -180,23 +187,17 @@ def _discovery(
     return [KubernetesDiscovery(args.k8s_namespace or default_namespace(), selectors)]
 
 
-def _request_tokenizer(reference: str | None) -> EngineRequestTokenizer | None:
-    """The tokenizer of a local model directory; None (routing text prompts by load) otherwise."""
+def _request_tokenizer(reference: str | None, p: argparse.ArgumentParser) -> EngineRequestTokenizer | None:
+    """The engines' tokenizer and chat template (torch-free); None routes text prompts by load."""
     if reference is None:
         return None
-    from pathlib import Path
-
+    from baton_engine.loader.tokenizer_loading import load_tokenizer
     from baton_engine.router.request_tokens import EngineRequestTokenizer
-    from baton_engine.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_pretrained_dir(Path(reference)) if Path(reference).is_dir() else None
-    if tokenizer is None:
-        logging.getLogger(__name__).warning(
-            "tokenizer %r: not a local directory with tokenizer.json; text prompts are routed by load",
-            reference,
-        )
-        return None
-    return EngineRequestTokenizer(tokenizer)
+    try:
+        return EngineRequestTokenizer(load_tokenizer(reference))
+    except ValueError as exc:  # ModelNotFoundError, NoTokenizerError, unsupported GGUF tokenizer
+        p.error(f"{contract.FLAG_ROUTER_TOKENIZER} {reference}: {exc}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -223,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error(f"--port: {args.port} is not a TCP port")
     registry = EndpointRegistry()
     discovery = _discovery(args, settings, registry, p)
+    request_tokenizer = _request_tokenizer(args.tokenizer, p)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -236,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     hasher = block_hasher(args.prefix_hash, args.block_size)
     kv_index = KVEventIndex() if hasher is not None and args.kv_events and args.routing == "prefix" else None
-    scorer = PrefixScorer(tokenizer=_request_tokenizer(args.tokenizer), hasher=hasher, index=kv_index)
+    scorer = PrefixScorer(tokenizer=request_tokenizer, hasher=hasher, index=kv_index)
     app = create_app(settings, registry, discovery=discovery, scorer=scorer, kv_index=kv_index)
     uvicorn.run(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, timeout_keep_alive=75

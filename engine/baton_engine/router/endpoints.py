@@ -71,11 +71,20 @@ class Endpoint:
 
 
 def static_endpoint(role: str, url: str, ports: Mapping[str, int] | None = None) -> Endpoint:
-    """An endpoint from a command-line URL; a bare host:port gets http://."""
-    url = url.strip().rstrip("/")
+    """An endpoint from a command-line URL; a bare host:port gets http://. A fragment of named
+    ports (``http://h:8000#kv-events=5601,kv-replay=5602``) overrides ``ports`` for this pod, for
+    several pods on one host."""
+    url, _, fragment = url.strip().partition("#")
+    url = url.rstrip("/")
     if "://" not in url:
         url = "http://" + url
-    return Endpoint(role=role, url=url, ports=dict(ports or {}))
+    own = dict(ports or {})
+    for item in filter(None, fragment.split(",")):
+        name, _, number = item.partition("=")
+        if not number.isdigit() or not 0 < int(number) < 65536:
+            raise ValueError(f"endpoint {url}: port {item!r} is not NAME=PORT with a TCP port")
+        own[name.strip()] = int(number)
+    return Endpoint(role=role, url=url, ports=own)
 
 
 Listener = Callable[[EventKind, Endpoint], None]

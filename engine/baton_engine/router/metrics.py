@@ -41,6 +41,12 @@ class RouterMetrics:
             _base(contract.M_ROUTER_PREFIX_HIT_TOKENS), "Cached prompt tokens on the chosen pods", registry=r
         )
         self.endpoints = Gauge(contract.M_ROUTER_ENDPOINTS, "Known endpoints", ["role"], registry=r)
+        self.kv_events_next_seq = Gauge(
+            contract.M_ROUTER_KV_EVENTS_NEXT_SEQ,
+            "Sequence number of the next KV-event batch expected from each pod (all before it applied)",
+            ["pod"],
+            registry=r,
+        )
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
