@@ -24,6 +24,7 @@ class LoadGenerator:
 
     def __init__(self, url: str, body: dict[str, Any], timeout_s: float = 120.0) -> None:
         self.url, self.body, self.timeout_s = url, body, timeout_s
+        self._sent = 0
         self.stats = LoadStats()
         self._lock = threading.Lock()
         self._target = 0
@@ -57,8 +58,15 @@ class LoadGenerator:
             if index >= self._target:
                 await asyncio.sleep(0.05)
                 continue
+            # Each request opens with its own tag, as different users' prompts do: identical
+            # prompts would all be routed to the pod that already caches them (prefix routing),
+            # so a newly added prefill pod would never be chosen.
+            with self._lock:
+                self._sent += 1
+                tag = f"[request {self._sent}] "
+            body = {**self.body, "prompt": tag + self.body["prompt"]}
             try:
-                response = await client.post(self.url, json=self.body)
+                response = await client.post(self.url, json=body)
                 status, text = response.status_code, response.text
                 ok = status == 200 and bool(response.json()["choices"][0]["text"])
             except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
