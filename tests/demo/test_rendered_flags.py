@@ -53,8 +53,11 @@ def test_router_accepts_the_rendered_flags() -> None:
         "prefill": "baton.dev/deployment=smollm2-pd,baton.dev/role=prefill",
         "decode": "baton.dev/deployment=smollm2-pd,baton.dev/role=decode",
     }
-    # A builtin reference has no tokenizer.json to read without torch: text prompts route by load.
-    assert _request_tokenizer(args.tokenizer) is None
+    # The builtin reference's GGUF tokenizer loads without torch: text prompts route by prefix.
+    tokenizer = _request_tokenizer(args.tokenizer, parser)
+    assert tokenizer is not None
+    ids = tokenizer.prompt_token_ids("completions", {"prompt": "Hello"})
+    assert ids == tokenizer.tokenizer.encode("Hello")
 
 
 def test_router_discovery_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:
