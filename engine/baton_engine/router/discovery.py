@@ -150,7 +150,8 @@ class KubernetesDiscovery:
         if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
             config.load_incluster_config()  # type: ignore[no-untyped-call]
         else:
-            await config.load_kube_config()
+            # kubernetes_asyncio reads $KUBECONFIG once, at import: pass it as it is now.
+            await config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
         async with client.ApiClient() as api:
             core = client.CoreV1Api(api)
             await asyncio.gather(*(self._watch_role(core, registry, r, s) for r, s in self.selectors.items()))
