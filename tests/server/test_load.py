@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Callable
 
 import httpx
@@ -87,12 +88,16 @@ def test_disconnected_streams_free_their_blocks(tiny_server: ServerProcess) -> N
 
 def test_disconnected_non_streaming_request_is_aborted(tiny_server: ServerProcess) -> None:
     before = tiny_server.stats()["generation_tokens"]
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            f"{tiny_server.url}/v1/completions",
-            json={"model": MODEL, "prompt": "hi", "max_tokens": 250, "ignore_eos": True},
-            timeout=1.0,
-        )
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 250, "ignore_eos": True}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    # Disconnect once generation has started (a condition, not a timer: on an idle machine the
+    # tiny model can finish 250 tokens within any fixed client timeout).
+    with socket.create_connection(("127.0.0.1", tiny_server.port)) as conn:
+        conn.sendall(head + body)
+        wait_for(lambda: tiny_server.stats()["generation_tokens"] > before, 30, "generation to start", 0.002)
     stats = tiny_server.wait_idle(timeout=30)
     assert stats["generation_tokens"] - before < 250  # aborted before it could finish
 
