@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.shapes import LLAMA_32_1B
+
 MODEL = "builtin:smollm2-135m-instruct"
 
 PARAGRAPHS = [
@@ -57,28 +59,7 @@ INSTRUCTIONS = [
     "Summarize the following text, reusing its own sentences:\n\n{text}",
 ]
 
-LLAMA_32_1B_SHAPE: dict[str, Any] = dict(
-    family="llama",
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_layers=16,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=64,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    max_position_embeddings=131072,
-    tie_word_embeddings=True,
-    rope_scaling={
-        "rope_type": "llama3",
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    name="llama-3.2-1b-shape",
-)
+LLAMA_32_1B_SHAPE: dict[str, Any] = asdict(LLAMA_32_1B)
 TINY_SHAPE: dict[str, Any] = dict(
     family="llama",
     vocab_size=512,
