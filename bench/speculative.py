@@ -11,10 +11,12 @@ trace (accepted drafts per verify row) that the GPU projection uses.
 
 GPU part (``--device cuda``): verify-step cost on the Llama-3.2-1B shape with random bfloat16
 weights — one engine step of B decode rows carrying K drafts each, K = 0..8, through the engine's
-own runner — and ``speedup_gpu_projected`` = max over K of tokens_per_row_step(K) x t(0) / t(K),
-where tokens_per_row_step(K) comes from the CPU trace (each verify row keeps min(accepted, K)
-drafts + 1; rows without a draft gain 1). Random weights would accept nothing, hence the CPU
-trace: the figure is a projection and labelled as such. On CPU the GPU fields are null.
+own runner (the GPU runner replays captured graphs for plain decode steps and, padded to the next
+captured query length, for verify steps) — and ``speedup_gpu_projected`` = max over K of
+tokens_per_row_step(K) x t(0) / t(K), where tokens_per_row_step(K) comes from the CPU trace
+(each verify row keeps min(accepted, K) drafts + 1; rows without a draft gain 1). Random
+weights would accept nothing, hence the CPU trace: the figure is a projection and labelled as
+such. On CPU the GPU fields are null.
 
 ``python -m bench.speculative --json`` prints one JSON object as the last line.
 """
@@ -268,8 +270,12 @@ def verify_step_costs(
     ks: list[int],
     repeats: int,
     dtype_name: str,
+    info: dict[str, Any] | None = None,
 ) -> dict[int, float]:
-    """Median milliseconds of one engine step with `batch_size` decode rows carrying K drafts."""
+    """Median milliseconds of one engine step with `batch_size` decode rows carrying K drafts.
+
+    `info`, when given, receives which runner ran the steps and, for the GPU runner, how many
+    verify steps replayed a captured graph and for which query lengths graphs exist."""
     from baton_engine.sampling_params import SamplingParams
     from baton_engine.scheduler import Scheduler
     from baton_engine.sequence import Sequence
@@ -311,6 +317,11 @@ def verify_step_costs(
                 samples.append((time.perf_counter() - started) * 1e3)
             scheduler.postprocess(out, result)
         costs[k] = statistics.median(samples)
+    if info is not None:
+        info["runner"] = type(runner).__name__
+        if hasattr(runner, "verify_graph_steps"):
+            info["verify_graph_steps"] = runner.verify_graph_steps
+            info["verify_graph_query_lens"] = list(runner.verify_query_lens)
     return costs
 
 
@@ -404,6 +415,7 @@ def main() -> None:
     if args.device != "cpu":
         shape = LLAMA_32_1B_SHAPE if args.gpu_shape == "llama-3.2-1b" else TINY_SHAPE
         batch = args.gpu_batch_size or args.num_prompts
+        runner_info: dict[str, Any] = {}
         costs = verify_step_costs(
             shape,
             args.device,
@@ -412,12 +424,14 @@ def main() -> None:
             ks=list(range(0, 9)),
             repeats=args.gpu_repeats,
             dtype_name="bfloat16" if args.device.startswith("cuda") else "float32",
+            info=runner_info,
         )
         gpu.update(project(trace, costs, args.k))
         gpu["gpu_device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
         gpu["gpu_shape"] = shape["name"]
         gpu["gpu_batch_size"] = batch
         gpu["gpu_context"] = args.gpu_context
+        gpu["gpu_runner"] = runner_info
     result.update(gpu)
     result["load_average_1m"].append(round(os.getloadavg()[0], 2))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

@@ -19,6 +19,7 @@ from baton_engine.attention.triton_attention import (
     paged_prefill_attention,
 )
 from baton_engine.attention.triton_fused import fused_add_rms_norm, rms_norm, rotary_cache_write, silu_and_mul
+from baton_engine.attention.triton_multi_query import paged_multi_query_attention
 from baton_engine.model.llama import CausalLM
 
 
@@ -28,6 +29,17 @@ class DecodeMeta:
 
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32
+    workspace: DecodeWorkspace
+
+
+@dataclass
+class VerifyMeta:
+    """A fixed number of query tokens per row (speculative verify; graph-capturable)."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_lens: torch.Tensor  # [B] int32, real tokens of each row (<= query_len)
+    query_len: int  # token slots per row: the step's tokens are [B * query_len]
     workspace: DecodeWorkspace
 
 
@@ -96,7 +108,7 @@ class FusedDecoder:
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: DecodeMeta | PrefillMeta,
+        meta: DecodeMeta | VerifyMeta | PrefillMeta,
     ) -> torch.Tensor:
         """Final-norm hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
         tokens = input_ids.shape[0]
@@ -123,6 +135,17 @@ class FusedDecoder:
             if isinstance(meta, DecodeMeta):
                 attn = paged_decode_attention(
                     q, layer_cache, meta.block_tables, meta.seq_lens, self.scale, meta.workspace
+                )
+            elif isinstance(meta, VerifyMeta):
+                attn = paged_multi_query_attention(
+                    q,
+                    layer_cache,
+                    meta.block_tables,
+                    meta.seq_lens,
+                    meta.query_lens,
+                    meta.query_len,
+                    self.scale,
+                    meta.workspace,
                 )
             else:
                 attn = paged_prefill_attention(

@@ -4,7 +4,11 @@
   used alternately, each guarded by an event, so a step never overwrites data still in flight).
 * Decode-only steps (one token per row) up to the largest captured batch replay a CUDA/HIP graph
   captured for the next larger batch size; padding rows have seq_len 0 and slot -1 (no write).
-* Every other step (prefill chunks, mixed batches, speculative rows) runs eagerly with the varlen
+* Speculative verify steps (decode rows only, some carrying drafts) replay a graph captured for
+  a fixed query length Q per row (`verify_batch`): rows are padded to Q tokens and the batch to
+  the next captured size, attention is the multi-query decode kernel; the step's logits are
+  gathered back in packed order, so sampling and acceptance see what the eager path would give.
+* Every other step (prefill chunks, mixed batches) runs eagerly with the varlen
   paged prefill kernel. Nothing reads device memory on the host except the sampler's tokens;
   `sync_debug=True` runs each device step under ``torch.cuda.set_sync_debug_mode("error")``.
 * Plain greedy steps take the argmax on the device; after a greedy decode step the predicted
@@ -22,12 +26,20 @@ import numpy as np
 import torch
 
 from baton_engine.attention.triton_attention import PREFILL_BLOCK_M, DecodeWorkspace, decode_num_splits
+from baton_engine.attention.triton_multi_query import multi_query_workspace
 from baton_engine.config import EngineConfig
 from baton_engine.decode_ahead import AheadPlan, is_decode_only, match_rows, plan_next_decode
-from baton_engine.fused_decoder import DecodeMeta, FusedDecoder, PrefillMeta
+from baton_engine.fused_decoder import DecodeMeta, FusedDecoder, PrefillMeta, VerifyMeta
 from baton_engine.loader import LoadedModel
 from baton_engine.model_runner import ModelRunner
 from baton_engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from baton_engine.verify_batch import (
+    VerifyInputs,
+    is_verify_step,
+    plan_verify,
+    smallest_fit,
+    verify_query_lens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +63,7 @@ class _Staging:
         self.logits_indices = pair((max_tokens,), torch.int64)
         self.query_start = pair((max_rows + 1,), torch.int32)
         self.seq_lens = pair((max_rows,), torch.int32)
+        self.query_lens = pair((max_rows,), torch.int32)
         self.block_tables = pair((max_rows, max_blocks), torch.int32)
         self.tile_rows = pair((max_tiles,), torch.int32)
         self.tile_starts = pair((max_tiles,), torch.int32)
@@ -96,6 +109,7 @@ class GpuModelRunner(ModelRunner):
         graph_batch_sizes: tuple[int, ...] | None = None,
         sync_debug: bool = False,
         decode_ahead: bool = True,
+        verify_graphs: bool = True,
     ) -> None:
         super().__init__(config, loaded)
         if self.device.type != "cuda":
@@ -142,6 +156,18 @@ class GpuModelRunner(ModelRunner):
         self._g_seq_lens = torch.zeros(g, dtype=torch.int32, device=dev)
         self._g_tables = torch.zeros((g, self.max_blocks), dtype=torch.int32, device=dev)
         self.num_heads = mc.num_heads
+        # Verify graphs: one per (query length Q, batch size); static inputs sized for the largest.
+        k = config.num_speculative_tokens if config.speculative != "none" else 0
+        self.verify_query_lens = verify_query_lens(k) if verify_graphs and self.graph_sizes else ()
+        self._verify_graphs: dict[tuple[int, int], _Graph] = {}
+        self.verify_graph_steps = 0
+        vq = self.verify_query_lens[-1] if self.verify_query_lens else 0
+        self._v_ids = torch.zeros(g * vq, dtype=torch.int64, device=dev)
+        self._v_pos = torch.zeros(g * vq, dtype=torch.int64, device=dev)
+        self._v_slots = torch.full((g * vq,), -1, dtype=torch.int64, device=dev)
+        self._v_seq_lens = torch.zeros(g if vq else 0, dtype=torch.int32, device=dev)
+        self._v_query_lens = torch.zeros(g if vq else 0, dtype=torch.int32, device=dev)
+        self._v_tables = torch.zeros((g if vq else 0, self.max_blocks), dtype=torch.int32, device=dev)
         if self.graph_sizes:
             self._capture()
 
@@ -161,6 +187,24 @@ class GpuModelRunner(ModelRunner):
         )
         return self.fused.logits(hidden)
 
+    def _verify_meta(self, batch: int, query_len: int) -> VerifyMeta:
+        mc = self.model_config
+        # The split count of a plain decode step of `batch` rows: each program's tile holds all
+        # query_len tokens of its row, so the programs per split are the same.
+        splits = decode_num_splits(batch, mc.num_kv_heads, self.config.max_model_len)
+        return VerifyMeta(
+            block_tables=self._v_tables[:batch],
+            seq_lens=self._v_seq_lens[:batch],
+            query_lens=self._v_query_lens[:batch],
+            query_len=query_len,
+            workspace=multi_query_workspace(batch, query_len, mc.num_heads, mc.head_dim, splits, self.device),
+        )
+
+    def _verify_forward(self, batch: int, query_len: int, meta: VerifyMeta) -> torch.Tensor:
+        n = batch * query_len
+        hidden = self.fused.forward(self._v_ids[:n], self._v_pos[:n], self._v_slots[:n], self.kv_cache, meta)
+        return self.fused.logits(hidden)
+
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -174,9 +218,19 @@ class GpuModelRunner(ModelRunner):
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     logits = self._decode_forward(batch, meta)
                 self._graphs[batch] = _Graph(batch, graph, logits)
+            for query_len in reversed(self.verify_query_lens):
+                for batch in reversed(self.graph_sizes):
+                    vmeta = self._verify_meta(batch, query_len)
+                    self._verify_forward(batch, query_len, vmeta)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        logits = self._verify_forward(batch, query_len, vmeta)
+                    self._verify_graphs[(query_len, batch)] = _Graph(batch, graph, logits)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         log.info("captured decode graphs for batch sizes %s", self.graph_sizes)
+        if self.verify_query_lens:
+            log.info("captured verify graphs for query lengths %s", self.verify_query_lens)
 
     def _graph_for(self, rows: int) -> _Graph | None:
         for size in self.graph_sizes:
@@ -191,15 +245,19 @@ class GpuModelRunner(ModelRunner):
         the token ids (the same tokens as the sampler's greedy path); all others go through it.
         Greedy decode steps also launch the predicted next step (`decode_ahead`)."""
         ahead, self._ahead = self._ahead, None
-        plain_greedy = (
+        greedy = (
             step.num_tokens > 0
             and len(step.sample_rows) > 0
             and step.sampling.all_greedy
-            and not np.any(np.asarray(step.num_draft_tokens) > 0)
             and not np.any(np.asarray(step.sampling.num_logprobs) >= 0)
         )
-        if not plain_greedy:
+        if not greedy:
             return super().execute(step)
+        if np.any(np.asarray(step.num_draft_tokens) > 0):
+            # Greedy verify: argmax on the device (the sampler's greedy tokens), acceptance on the host.
+            verified = self.compute_logits(step).argmax(dim=-1).tolist()
+            _, spans = self._expand_sampling(step)
+            return self._accept(step, spans, verified, None)
         tokens: list[int] | None = None
         if ahead is not None:
             index = match_rows(ahead.plan, step, self.block_size)
@@ -283,7 +341,38 @@ class GpuModelRunner(ModelRunner):
         st.block_tables[0].numpy()[:rows, :width] = tables[:, :width]
         self._g_tables[:rows, :width].copy_(st.block_tables[0][:rows, :width], non_blocking=True)
 
+    def _verify_graph_for(self, step: SchedulerOutput) -> tuple[int, int] | None:
+        """(query length, batch) of the verify graph that holds `step`, if any."""
+        if not self.verify_query_lens or not is_verify_step(step):
+            return None
+        query_len = smallest_fit(self.verify_query_lens, int(np.max(step.query_lens)))
+        batch = smallest_fit(self.graph_sizes, step.num_rows)
+        if query_len is None or batch is None:
+            return None
+        return query_len, batch
+
+    def _stage_verify(self, st: _Staging, inputs: VerifyInputs) -> torch.Tensor:
+        """Pinned buffers -> the verify graphs' static inputs; returns the device logits index."""
+        _put_into(st.input_ids[0], inputs.input_ids, self._v_ids)
+        _put_into(st.positions[0], inputs.positions, self._v_pos)
+        _put_into(st.slots[0], inputs.slots, self._v_slots)
+        _put_into(st.seq_lens[0], inputs.seq_lens, self._v_seq_lens)
+        _put_into(st.query_lens[0], inputs.query_lens, self._v_query_lens)
+        rows, width = inputs.block_tables.shape
+        st.block_tables[0].numpy()[:rows, :width] = inputs.block_tables
+        self._v_tables[:rows, :width].copy_(st.block_tables[0][:rows, :width], non_blocking=True)
+        return _put(st.logits_indices, inputs.logits_index)
+
     def _run(self, step: SchedulerOutput, st: _Staging) -> torch.Tensor:
+        verify = self._verify_graph_for(step)
+        if verify is not None:
+            query_len, batch = verify
+            inputs = plan_verify(step, query_len, batch, self.max_blocks)
+            index = self._stage_verify(st, inputs)
+            graph = self._verify_graphs[verify]
+            graph.graph.replay()
+            self.verify_graph_steps += 1
+            return graph.logits[index]
         rows = step.num_rows
         tokens = step.num_tokens
         query_lens = np.asarray(step.query_lens)

@@ -16,6 +16,7 @@ from baton_engine.llm import LLM
 from baton_engine.model_runner import ModelRunner
 from baton_engine.sampling_params import SamplingParams
 from tests.model.tiny_models import VOCAB, make_tiny_model
+from tests.spec_decode.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -90,3 +91,40 @@ def test_decode_ahead_matches_reference_runner(tmp_path: Path, monkeypatch: pyte
     assert hits_batch > 0
     assert _generate(fast_llm, prompts[2:3], params[2:3]) == single_ref
     assert runner.ahead_hits - hits_batch >= 30  # batch 1, 40 tokens: all but boundary steps
+
+
+def test_speculative_verify_graphs_match_reference_runner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Verify steps replay the captured fixed-query-length graphs; greedy and seeded outputs with
+    speculation on equal the reference runner's with it off."""
+    # A 16-token vocabulary: random weights then decode in loops that n-gram drafts hit.
+    make_tiny_llama(tmp_path / "llama", vocab_size=16)
+    gen = np.random.default_rng(13)
+    prompts = [gen.integers(0, 16, size=n).tolist() for n in (5, 17, 9, 26)] + [[3, 4, 5] * 6]
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True)
+    params = [greedy] * 4 + [seeded]
+    reference = _generate(_llm(tmp_path / "llama", False, monkeypatch), prompts, params)
+    monkeypatch.setenv("BATON_GPU_FAST_PATH", "1")
+    spec = LLM(
+        str(tmp_path / "llama"),
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=8,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        block_size=16,
+        num_kv_blocks=64,
+        speculative="ngram",
+        num_speculative_tokens=4,
+        ngram_min=1,
+        ngram_max=3,
+    )
+    runner = spec.core.runner
+    assert isinstance(runner, GpuModelRunner)
+    assert runner.verify_query_lens == (2, 3, 5)
+    runner.sync_debug = True
+    assert _generate(spec, prompts, params) == reference
+    assert runner.verify_graph_steps > 0
+    assert spec.core.stats().spec_accepted_tokens > 0
