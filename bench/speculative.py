@@ -322,6 +322,9 @@ def verify_step_costs(
         if hasattr(runner, "verify_graph_steps"):
             info["verify_graph_steps"] = runner.verify_graph_steps
             info["verify_graph_query_lens"] = list(runner.verify_query_lens)
+            info["graph_batch_sizes"] = list(runner.graph_sizes)
+            info["graph_capture_seconds"] = round(runner.capture_seconds, 2)
+            info["graph_capture_mib"] = round(runner.capture_bytes / 2**20, 1)
     return costs
 
 

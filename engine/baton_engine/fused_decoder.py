@@ -165,5 +165,8 @@ class FusedDecoder:
         assert mlp_out is not None
         return fused_add_rms_norm(mlp_out, residual, self.final_norm, self.eps)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_weight)
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, vocab]; into `out` (contiguous [T, vocab]) when given, so graphs can share it."""
+        if out is None:
+            return F.linear(hidden, self.lm_weight)
+        return torch.mm(hidden, self.lm_weight.t(), out=out)

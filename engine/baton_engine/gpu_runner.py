@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -168,6 +169,11 @@ class GpuModelRunner(ModelRunner):
         self._v_seq_lens = torch.zeros(g if vq else 0, dtype=torch.int32, device=dev)
         self._v_query_lens = torch.zeros(g if vq else 0, dtype=torch.int32, device=dev)
         self._v_tables = torch.zeros((g if vq else 0, self.max_blocks), dtype=torch.int32, device=dev)
+        # One logits buffer for all verify graphs (a step reads it before the next replays):
+        # per-graph outputs would cost sum(batch sizes) x sum(query lengths) x vocab.
+        self._v_logits = torch.empty((g * vq, self.fused.lm_weight.shape[0]), dtype=self.dtype, device=dev)
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0  # device memory the captured graphs reserved
         if self.graph_sizes:
             self._capture()
 
@@ -203,10 +209,12 @@ class GpuModelRunner(ModelRunner):
     def _verify_forward(self, batch: int, query_len: int, meta: VerifyMeta) -> torch.Tensor:
         n = batch * query_len
         hidden = self.fused.forward(self._v_ids[:n], self._v_pos[:n], self._v_slots[:n], self.kv_cache, meta)
-        return self.fused.logits(hidden)
+        return self.fused.logits(hidden, out=self._v_logits[:n])
 
     @torch.inference_mode()
     def _capture(self) -> None:
+        started = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -228,9 +236,15 @@ class GpuModelRunner(ModelRunner):
                     self._verify_graphs[(query_len, batch)] = _Graph(batch, graph, logits)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        log.info("captured decode graphs for batch sizes %s", self.graph_sizes)
-        if self.verify_query_lens:
-            log.info("captured verify graphs for query lengths %s", self.verify_query_lens)
+        self.capture_seconds = time.perf_counter() - started
+        self.capture_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        log.info(
+            "captured graphs in %.1f s (%.0f MiB): decode for batch sizes %s, verify for query lengths %s",
+            self.capture_seconds,
+            self.capture_bytes / 2**20,
+            self.graph_sizes,
+            self.verify_query_lens,
+        )
 
     def _graph_for(self, rows: int) -> _Graph | None:
         for size in self.graph_sizes:

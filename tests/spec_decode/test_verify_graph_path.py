@@ -62,7 +62,9 @@ class VerifyPathRunner(ModelRunner):
             self.kv_cache,
             meta,
         )
-        return self.fused.logits(hidden)[torch.from_numpy(inputs.logits_index)]
+        logits = torch.empty((len(hidden), self.model_config.vocab_size), dtype=hidden.dtype)
+        self.fused.logits(hidden, out=logits)  # the runner's shared logits buffer
+        return logits[torch.from_numpy(inputs.logits_index)]
 
 
 def prompts() -> list[list[int]]:
