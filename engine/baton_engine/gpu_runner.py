@@ -214,6 +214,10 @@ class GpuModelRunner(ModelRunner):
     @torch.inference_mode()
     def _capture(self) -> None:
         started = time.perf_counter()
+        # Graph capture empties the allocator's cache first; so does this, so the difference
+        # below is what the graphs (pools and workspaces) hold, not cache released meanwhile.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
