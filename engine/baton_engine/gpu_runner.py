@@ -100,6 +100,9 @@ class _Graph:
     batch: int
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor
+    meta: DecodeMeta | VerifyMeta
+    """Held for the graph's lifetime: its split-K workspace was allocated outside the capture,
+    and the graph writes to it on every replay (freed, it would be reused or unmapped)."""
 
 
 class GpuModelRunner(ModelRunner):
@@ -229,7 +232,7 @@ class GpuModelRunner(ModelRunner):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     logits = self._decode_forward(batch, meta)
-                self._graphs[batch] = _Graph(batch, graph, logits)
+                self._graphs[batch] = _Graph(batch, graph, logits, meta)
             for query_len in reversed(self.verify_query_lens):
                 for batch in reversed(self.graph_sizes):
                     vmeta = self._verify_meta(batch, query_len)
@@ -237,7 +240,7 @@ class GpuModelRunner(ModelRunner):
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
                         logits = self._verify_forward(batch, query_len, vmeta)
-                    self._verify_graphs[(query_len, batch)] = _Graph(batch, graph, logits)
+                    self._verify_graphs[(query_len, batch)] = _Graph(batch, graph, logits, vmeta)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - started
