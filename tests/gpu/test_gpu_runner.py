@@ -5,7 +5,6 @@ Runs only where CUDA (or ROCm) torch sees a device; CI has none, the device mach
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import numpy as np
@@ -126,12 +125,6 @@ def test_speculative_verify_graphs_match_reference_runner(
     assert isinstance(runner, GpuModelRunner)
     assert runner.verify_query_lens == (2, 3, 5)
     runner.sync_debug = True
-    # Graphs must write only memory they own: claim every block the allocator has free (where a
-    # graph's freed workspace would sit) with NaN sentinels, and check them afterwards.
-    gc.collect()
-    torch.cuda.empty_cache()
-    sentinels = [torch.full((1024,), float("nan"), device="cuda") for _ in range(4096)]
     assert _generate(spec, prompts, params) == reference
-    assert bool(torch.cat(sentinels).isnan().all())
     assert runner.verify_graph_steps > 0
     assert spec.core.stats().spec_accepted_tokens > 0
