@@ -14,8 +14,9 @@ import kopf
 from prometheus_client import start_http_server
 
 from baton_operator import handlers, metrics
+from baton_operator.coalesce import Coalescer
 from baton_operator.kube import Kube
-from baton_operator.reconcile import OperatorConfig
+from baton_operator.reconcile import Caches, OperatorConfig
 
 #: Kopf's bookkeeping annotations (progress, last-handled configuration) live under this prefix.
 ANNOTATION_PREFIX = "baton.dev"
@@ -86,7 +87,9 @@ def build_registry(options: RunOptions) -> kopf.OperatorRegistry:
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         configure(settings, options)
-        memo["kube"] = Kube()
+        memo["kube"] = kube = Kube()
+        memo["caches"] = caches = Caches()
+        memo["refresher"] = handlers.status_refresher(kube, caches)
         # One client for every engine scrape (creating one costs ~0.1 s); pods are plain HTTP.
         memo["scrape_client"] = httpx.AsyncClient(trust_env=False)
         memo["config"] = OperatorConfig(
@@ -96,6 +99,9 @@ def build_registry(options: RunOptions) -> kopf.OperatorRegistry:
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        refresher: Coalescer | None = memo.get("refresher")
+        if refresher is not None:
+            await refresher.close()
         kube: Kube | None = memo.get("kube")
         if kube is not None:
             await kube.close()
