@@ -24,6 +24,8 @@ RETRY_DELAY_S = 10.0
 #: A child's status changes arrive in bursts (pods scheduled, started, Ready, for three
 #: Deployments): the owner's status is recomputed once per burst, this long after its start.
 REFRESH_DELAY_S = 0.5
+#: Handler ids of the two watch-event handlers (their per-event success lines are not logged).
+OWNER_EVENTS_ID, CHILD_EVENTS_ID = "owner-events", "child-events"
 
 
 def status_refresher(kube: Kube, caches: Caches, delay_s: float = REFRESH_DELAY_S) -> Coalescer:
@@ -118,7 +120,7 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
     _without_finalizer(registry, resync)
     _without_finalizer(registry, autoscale_handler.register(registry))
 
-    @kopf.on.event(group, version, plural, registry=registry)
+    @kopf.on.event(group, version, plural, registry=registry, id=OWNER_EVENTS_ID)
     async def owner_seen(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
         # Every version of every InferenceDeployment, our own status patches included, so that
         # a status refresh reads its spec and stored status from memory.
@@ -135,6 +137,7 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
         "deployments",
         registry=registry,
         labels={contract.LABEL_MANAGED_BY: contract.MANAGED_BY},
+        id=CHILD_EVENTS_ID,
     )
     async def child_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
         caches: Caches = memo["caches"]

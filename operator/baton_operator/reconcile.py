@@ -75,6 +75,10 @@ async def _no_hook(index: int, manifest: Mapping[str, Any]) -> None:
 
 #: Child writes of one reconcile in flight at once (the API server is shared by every reconcile).
 MAX_PARALLEL_WRITES = 4
+#: Kinds written only after every other child: a RoleBinding is refused (404, by the RBAC
+#: escalation check) until its Role exists; a Deployment's pods need the ServiceAccount and the
+#: signing-key Secret.
+DEPENDENT_KINDS = frozenset({"RoleBinding", "Deployment"})
 
 
 @dataclass
@@ -133,16 +137,16 @@ async def reconcile(
 ) -> Outcome:
     """Bring the children to the spec, then report status. Raises on API errors (status first).
 
-    Independent children go first, in parallel (identities, RBAC, Services, policies, the
-    signing key), then the workloads that reference them."""
+    Independent children go first, several at once (the signing key, the ServiceAccount, the
+    Role, Services, policies), then those that need them (DEPENDENT_KINDS)."""
     caches = caches if caches is not None else Caches()
     caches.owners.observe(body)
     owner = owner_of(body)
     generation = int(body["metadata"].get("generation", 0))
     ctx = BuildContext(owner, parse_spec(body), cfg.operator_namespace, cfg.monitoring_namespace)
     children = desired_children(ctx, new_signing_key())
-    supporting = [m for m in children.applied if m["kind"] != "Deployment"]
-    workloads = [m for m in children.applied if m["kind"] == "Deployment"]
+    dependent = [m for m in children.applied if m["kind"] in DEPENDENT_KINDS]
+    independent = [m for m in children.applied if m["kind"] not in DEPENDENT_KINDS]
     outcome = Outcome()
 
     async def create_once(manifest: Mapping[str, Any]) -> None:
@@ -161,10 +165,11 @@ async def reconcile(
         return await (create_once(manifest) if id(manifest) in created_once else apply(manifest))
 
     try:
-        first = [*children.created_once, *supporting]
+        first = [*children.created_once, *independent]
         await write_in_order(first, write, before_write, 0)
-        for result in await write_in_order(workloads, apply, before_write, len(first)):
-            caches.deployments.observe(result)
+        for result in await write_in_order(dependent, apply, before_write, len(first)):
+            if result.get("kind") == "Deployment":
+                caches.deployments.observe(result)
         for crd_name, manifest in children.optional:
             if await kube.crd_exists(crd_name):
                 await kube.apply(manifest)

@@ -113,12 +113,23 @@ def build_registry(options: RunOptions) -> kopf.OperatorRegistry:
     return registry
 
 
-class _QuietTicks(logging.Filter):
-    """Drops Kopf's "Timer 'autoscaler' succeeded." line: the timer fires 4 times a second per
-    resource to honour each one's own interval; its real decisions are logged by the handler."""
+class _QuietSuccesses(logging.Filter):
+    """Drops Kopf's success line of handlers that run many times a second: the autoscaler timer
+    (4 times a second per resource, to honour each one's own interval; its real decisions are
+    logged by the handler) and the watch-event handlers (every version of every owner and child
+    Deployment)."""
+
+    QUIET = frozenset(
+        f"{kind} '{name}' succeeded."
+        for kind, name in (
+            ("Timer", "autoscaler"),
+            ("Handler", handlers.OWNER_EVENTS_ID),
+            ("Handler", handlers.CHILD_EVENTS_ID),
+        )
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno <= logging.INFO and record.getMessage() == "Timer 'autoscaler' succeeded.")
+        return not (record.levelno <= logging.INFO and record.getMessage() in self.QUIET)
 
 
 def run(options: RunOptions) -> int:
@@ -127,7 +138,7 @@ def run(options: RunOptions) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     for handler in logging.getLogger().handlers:
-        handler.addFilter(_QuietTicks())
+        handler.addFilter(_QuietSuccesses())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per engine scrape otherwise
     if options.metrics_port:
         start_http_server(options.metrics_port, addr=options.bind)
