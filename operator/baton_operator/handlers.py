@@ -80,9 +80,10 @@ def owner_key(child: Mapping[str, Any]) -> tuple[str, str] | None:
 
 
 def _without_finalizer(registry: kopf.OperatorRegistry, fn: Any) -> None:
-    # Kopf marks every timer as needing a finalizer (to stop it before deletion). Baton's timer
-    # only re-applies children, which is harmless if it races a deletion, and Baton promises no
-    # finalizers (garbage collection deletes the children), so the flag is cleared.
+    # Kopf marks every timer and daemon as needing a finalizer (to stop it before deletion).
+    # Baton's only re-apply children or patch replicas, which is harmless if it races a
+    # deletion, and Baton promises no finalizers (garbage collection deletes the children), so
+    # the flag is cleared.
     spawning = registry._spawning
     spawning._handlers = [
         dataclasses.replace(h, requires_finalizer=False) if h.fn is fn else h for h in spawning._handlers

@@ -114,18 +114,12 @@ def build_registry(options: RunOptions) -> kopf.OperatorRegistry:
 
 
 class _QuietSuccesses(logging.Filter):
-    """Drops Kopf's success line of handlers that run many times a second: the autoscaler timer
-    (4 times a second per resource, to honour each one's own interval; its real decisions are
-    logged by the handler) and the watch-event handlers (every version of every owner and child
-    Deployment)."""
+    """Drops Kopf's success line of the watch-event handlers: they run for every version of every
+    owner and child Deployment, and have nothing to report."""
 
     QUIET = frozenset(
-        f"{kind} '{name}' succeeded."
-        for kind, name in (
-            ("Timer", "autoscaler"),
-            ("Handler", handlers.OWNER_EVENTS_ID),
-            ("Handler", handlers.CHILD_EVENTS_ID),
-        )
+        f"Handler '{handler_id}' succeeded."
+        for handler_id in (handlers.OWNER_EVENTS_ID, handlers.CHILD_EVENTS_ID)
     )
 
     def filter(self, record: logging.LogRecord) -> bool:
