@@ -66,7 +66,8 @@ async def _reconcile(trigger: str, body: kopf.Body, memo: kopf.Memo, logger: log
     for event in outcome.events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
     if trigger in ("create", "update"):
-        kopf.info(body, reason="Reconciled", message=f"applied {outcome.applied} children ({trigger})")
+        message = f"applied {outcome.applied} children ({trigger})"
+        kopf.event(body, type="Normal", reason="Reconciled", message=message)
     logger.debug("reconciled (%s): %d children applied", trigger, outcome.applied)
 
 

@@ -60,7 +60,10 @@ def configure(settings: kopf.OperatorSettings, options: RunOptions) -> None:
     settings.persistence.finalizer = (
         f"{ANNOTATION_PREFIX}/kopf-finalizer"  # never added: no deletion handlers
     )
-    settings.posting.level = logging.INFO
+    # Kubernetes Events: Baton's own (kopf.event) and Kopf's warnings and errors. Kopf's INFO
+    # lines ("Handler 'reconcile' succeeded.", "Creation is processed") would add two Event
+    # writes per reconcile that say nothing the `Reconciled` Event does not.
+    settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     if options.peering:
