@@ -177,10 +177,16 @@ def _mark_ready(rest: Rest, namespace: str, name: str) -> None:
     assert code == 200, body
 
 
+def sample(text: str, series: str) -> float:
+    found = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_child_readiness_reaches_status_and_printer_columns(
-    reconciled: dict[str, Any], own_apiserver: ApiServer, own_kube: Any
+    reconciled: dict[str, Any], own_apiserver: ApiServer, own_kube: Any, operator: OperatorProcess
 ) -> None:
     rest = Rest(own_apiserver)
+    refreshes = sample(operator.metrics(), "baton_operator_status_refreshes_total")
     for name in ("demo-prefill", "demo-decode", "demo-router"):
         _mark_ready(rest, "op", name)
 
@@ -189,6 +195,15 @@ def test_child_readiness_reaches_status_and_printer_columns(
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
     wait_for(ready, 30, "Ready=True from the child Deployments' status")
+    # The child events also ran a status refresh (the 2 s resync may have written Ready first).
+    wait_for(
+        lambda: sample(operator.metrics(), "baton_operator_status_refreshes_total") > refreshes,
+        10,
+        "a status refresh after the child Deployments' status changes",
+    )
+    # The operator's status patches never start a reconcile: the only update is the spec change.
+    updates = 'baton_operator_reconciles_total{result="ok",trigger="update"}'
+    assert sample(operator.metrics(), updates) == 1.0
     status = get_infd(own_kube, "op", "demo")["status"]
     assert (status["prefill"]["ready"], status["decode"]["ready"], status["router"]["ready"]) == ("1/1",) * 3
     conditions = {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
