@@ -2,21 +2,30 @@
 
 The operator sees every child Deployment and every InferenceDeployment through Kopf's watches,
 and every object it writes in the write's answer. Both feed one cache per kind, which keeps only
-the fields the status computation reads and never lets an older copy replace a newer one.
+the fields a status refresh reads (whole objects of hundreds of resources would cost the
+operator tens of MB) and never lets an older copy replace a newer one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 Key = tuple[str, str]  # (namespace, name)
+View = Callable[[Mapping[str, Any]], dict[str, Any]]
 
-#: The fields of a Deployment that `status.compute_status` reads.
-DEPLOYMENT_FIELDS = ("spec.replicas", "status")
-#: The fields of an InferenceDeployment a status refresh reads (spec: roles and endpoint).
-OWNER_FIELDS = ("spec", "status")
-_META_FIELDS = ("name", "namespace", "uid", "generation", "resourceVersion", "ownerReferences")
+#: What a status refresh reads of an InferenceDeployment's spec: enough for `parse_spec` to
+#: give the roles and the router endpoint (every other spec field has a default).
+OWNER_SPEC_FIELDS = ("spec.model", "spec.mode", "spec.router")
+#: The status fields the operator writes (and compares before writing); not the autoscaler's.
+OWNER_STATUS_FIELDS = tuple(
+    f"status.{key}"
+    for key in ("observedGeneration", "conditions", "endpoint", "prefill", "decode", "pool", "router")
+)
+#: What `status.compute_status` reads of a Deployment.
+DEPLOYMENT_STATUS_FIELDS = ("observedGeneration", "replicas", "readyReplicas", "updatedReplicas")
+_CONDITION_FIELDS = ("type", "status", "reason", "message")  # not their timestamps
+_META_FIELDS = ("name", "namespace", "uid", "generation", "resourceVersion")
 
 
 def resource_version(obj: Mapping[str, Any]) -> int | None:
@@ -52,6 +61,23 @@ def slim(obj: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def owner_view(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """An InferenceDeployment as a status refresh needs it."""
+    return slim(obj, OWNER_SPEC_FIELDS + OWNER_STATUS_FIELDS)
+
+
+def deployment_view(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """A Deployment as `status.compute_status` reads it: replicas, counts, and its conditions
+    without timestamps (a condition re-stamped with nothing else new is no change)."""
+    view = slim(obj, ("spec.replicas",))
+    status = obj.get("status") or {}
+    kept: dict[str, Any] = {k: status[k] for k in DEPLOYMENT_STATUS_FIELDS if k in status}
+    if status.get("conditions"):
+        kept["conditions"] = [{k: c[k] for k in _CONDITION_FIELDS if k in c} for c in status["conditions"]]
+    view["status"] = kept
+    return view
+
+
 def _content(obj: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in obj.items() if k != "metadata"}
 
@@ -65,10 +91,11 @@ def _copy(value: Any) -> Any:
 
 
 class ObjectCache:
-    """Slim copies of one kind's objects by (namespace, name), newest resourceVersion wins."""
+    """Views (`view(obj)`: small copies) of one kind's objects by (namespace, name); the newest
+    resourceVersion wins."""
 
-    def __init__(self, fields: tuple[str, ...]) -> None:
-        self.fields = fields
+    def __init__(self, view: View) -> None:
+        self.view = view
         self._objects: dict[Key, dict[str, Any]] = {}
 
     def __len__(self) -> int:
@@ -83,7 +110,7 @@ class ObjectCache:
         meta = obj.get("metadata", {})
         key = (meta.get("namespace", ""), meta.get("name", ""))
         held = self._objects.get(key)
-        fresh = slim(obj, self.fields)
+        fresh = self.view(obj)
         if held is None or held["metadata"].get("uid") != meta.get("uid"):
             self._objects[key] = fresh
             return True

@@ -21,7 +21,7 @@ from baton_operator.builders.common import child_name
 from baton_operator.builders.extras import new_signing_key
 from baton_operator.kube import Kube, KubeError
 from baton_operator.models import InferenceDeploymentSpec
-from baton_operator.object_cache import DEPLOYMENT_FIELDS, OWNER_FIELDS, ObjectCache
+from baton_operator.object_cache import ObjectCache, deployment_view, owner_view
 from baton_operator.status import Observed, compute_status, status_changed, stored_error
 
 
@@ -85,8 +85,8 @@ DEPENDENT_KINDS = frozenset({"RoleBinding", "Deployment"})
 class Caches:
     """What the operator has seen of its children and owners (watch events, write answers)."""
 
-    deployments: ObjectCache = field(default_factory=lambda: ObjectCache(DEPLOYMENT_FIELDS))
-    owners: ObjectCache = field(default_factory=lambda: ObjectCache(OWNER_FIELDS))
+    deployments: ObjectCache = field(default_factory=lambda: ObjectCache(deployment_view))
+    owners: ObjectCache = field(default_factory=lambda: ObjectCache(owner_view))
 
 
 async def write_in_order(
