@@ -21,6 +21,10 @@ from baton_operator import metrics, models
 FIELD_MANAGER = "baton-operator"
 #: Optional CRDs (PodMonitor) are looked up at most this often per operator.
 CRD_CACHE_SECONDS = 60.0
+#: Requests in flight at once, across every reconcile: each TLS connection holds buffers of a
+#: few hundred kB and each queued write its encoded body, so a burst of hundreds of reconciles
+#: waits here rather than in memory; more would not help an API server on a few cores anyway.
+MAX_IN_FLIGHT = 16
 JSON = dict[str, Any]
 
 #: (apiVersion, kind) -> plural of every kind the operator writes or reads.
@@ -115,6 +119,7 @@ class Kube:
         self._auth_headers: dict[str, str] = {}
         self._login_generation = 0  # bumped at each credentials re-read
         self._crds: dict[str, tuple[bool, float]] = {}  # name -> (exists, when checked)
+        self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
 
     def _login(self) -> None:
         info = self.credentials()
@@ -138,7 +143,7 @@ class Kube:
             self._login()
         if self._session is None:
             assert self._info is not None
-            connector = aiohttp.TCPConnector(ssl=self._info.as_ssl_context(), limit=32)
+            connector = aiohttp.TCPConnector(ssl=self._info.as_ssl_context(), limit=MAX_IN_FLIGHT)
             self._session = aiohttp.ClientSession(
                 base_url=self._info.server.rstrip("/") + "/",
                 connector=connector,
@@ -159,24 +164,36 @@ class Kube:
         body: Any = None,
         query: list[tuple[str, str]] | None = None,
         content_type: str = "application/json",
+        answer: bool = True,
     ) -> JSON:
+        """One request; its JSON answer ({} when `answer` is False: not decoded)."""
+        async with self._slots:
+            return await self._send(method, path, body, query or [], content_type, answer)
+
+    async def _send(
+        self, method: str, path: str, body: Any, query: list[tuple[str, str]], content_type: str, answer: bool
+    ) -> JSON:
+        data = json.dumps(body) if body is not None else None
         for attempt in (1, 2):
             session = self._connect()
             generation = self._login_generation
-            data = json.dumps(body) if body is not None else None
             metrics.API_REQUESTS.labels(method, resource_of(path)).inc()
             headers = {**self._auth_headers, "Content-Type": content_type, "Accept": "application/json"}
             try:
                 async with session.request(
-                    method, path.lstrip("/"), params=query or [], data=data, headers=headers
+                    method, path.lstrip("/"), params=query, data=data, headers=headers
                 ) as resp:
-                    text = await resp.text()
                     if resp.status == 401 and attempt == 1:
+                        await resp.read()
                         if generation == self._login_generation:
                             self._login()  # re-read the (possibly rotated) credentials once
                         continue
                     if resp.status >= 400:
-                        raise KubeError(resp.status, _message(text))
+                        raise KubeError(resp.status, _message(await resp.text()))
+                    if not answer:
+                        await resp.read()
+                        return {}
+                    text = await resp.text()
                     result = json.loads(text) if text else {}
                     return result if isinstance(result, dict) else {}
             except aiohttp.ClientError as exc:
@@ -184,14 +201,18 @@ class Kube:
         raise KubeError(401, f"{method} {path}: unauthorized")
 
     async def apply(
-        self, manifest: Mapping[str, Any], force: bool = True, field_manager: str | None = None
+        self,
+        manifest: Mapping[str, Any],
+        force: bool = True,
+        field_manager: str | None = None,
+        answer: bool = True,
     ) -> JSON:
         """Server-side apply under the operator's field manager (or `field_manager`); fields it
-        owns are forced."""
+        owns are forced. The object as stored, or {} when `answer` is False (not decoded)."""
         manager = field_manager or self.field_manager
         query = [("fieldManager", manager), ("force", "true" if force else "false")]
         return await self._call(
-            "PATCH", path_of(manifest), dict(manifest), query, "application/apply-patch+yaml"
+            "PATCH", path_of(manifest), dict(manifest), query, "application/apply-patch+yaml", answer
         )
 
     async def create_if_absent(self, manifest: Mapping[str, Any]) -> bool:
@@ -199,7 +220,9 @@ class Kube:
         meta = manifest["metadata"]
         path = collection_path(manifest["apiVersion"], manifest["kind"], meta["namespace"])
         try:
-            await self._call("POST", path, dict(manifest), [("fieldManager", self.field_manager)])
+            await self._call(
+                "POST", path, dict(manifest), [("fieldManager", self.field_manager)], answer=False
+            )
         except KubeError as exc:
             if exc.status == 409:
                 return False

@@ -155,7 +155,8 @@ async def reconcile(
             outcome.events.append(Event("Normal", "SigningKeyCreated", f"created Secret {name}"))
 
     async def apply(manifest: Mapping[str, Any]) -> dict[str, Any]:
-        result = await kube.apply(manifest)
+        # Only the Deployments' answers are read (their status feeds the status computation).
+        result = await kube.apply(manifest, answer=manifest["kind"] == "Deployment")
         outcome.applied += 1
         return result
 
@@ -168,7 +169,7 @@ async def reconcile(
         first = [*children.created_once, *independent]
         await write_in_order(first, write, before_write, 0)
         for result in await write_in_order(dependent, apply, before_write, len(first)):
-            if result.get("kind") == "Deployment":
+            if result:
                 caches.deployments.observe(result)
         for crd_name, manifest in children.optional:
             if await kube.crd_exists(crd_name):
