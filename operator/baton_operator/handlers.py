@@ -6,6 +6,7 @@ interval is a run-time option and tests can build their own operator.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -21,6 +22,10 @@ from baton_operator.kube import Kube, KubeError
 from baton_operator.reconcile import Caches, InvalidSpec, OperatorConfig, reconcile, refresh_status
 
 RETRY_DELAY_S = 10.0
+#: Reconciles running at once. The API server sets the pace of a burst anyway; past this, more
+#: at once only hold more state, and finish together, when Kopf opens a TLS connection (a few
+#: hundred kB each) per concurrent bookkeeping patch.
+MAX_CONCURRENT_RECONCILES = 16
 #: A child's status changes arrive in bursts (pods scheduled, started, Ready, for three
 #: Deployments): the owner's status is recomputed once per burst, this long after its start.
 REFRESH_DELAY_S = 0.5
@@ -45,10 +50,12 @@ def status_refresher(kube: Kube, caches: Caches, delay_s: float = REFRESH_DELAY_
 async def _reconcile(trigger: str, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | Any) -> None:
     kube: Kube = memo["kube"]
     cfg: OperatorConfig = memo["config"]
+    slots: asyncio.Semaphore = memo["reconcile_slots"]
     started = time.perf_counter()
     result = "ok"
     try:
-        outcome = await reconcile(kube, body, cfg, caches=memo["caches"])
+        async with slots:
+            outcome = await reconcile(kube, body, cfg, caches=memo["caches"])
     except InvalidSpec as exc:
         result = "invalid"
         metrics.RECONCILE_ERRORS.labels("InvalidSpec").inc()

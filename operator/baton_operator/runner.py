@@ -93,6 +93,7 @@ def build_registry(options: RunOptions) -> kopf.OperatorRegistry:
         memo["kube"] = kube = Kube()
         memo["caches"] = caches = Caches()
         memo["refresher"] = handlers.status_refresher(kube, caches)
+        memo["reconcile_slots"] = asyncio.Semaphore(handlers.MAX_CONCURRENT_RECONCILES)
         # One client for every engine scrape (creating one costs ~0.1 s); pods are plain HTTP.
         memo["scrape_client"] = httpx.AsyncClient(trust_env=False)
         memo["config"] = OperatorConfig(
