@@ -25,7 +25,7 @@ RETRY_DELAY_S = 10.0
 #: Reconciles running at once. The API server sets the pace of a burst anyway; past this, more
 #: at once only hold more state, and finish together, when Kopf opens a TLS connection (a few
 #: hundred kB each) per concurrent bookkeeping patch.
-MAX_CONCURRENT_RECONCILES = 16
+MAX_CONCURRENT_RECONCILES = 32
 #: A child's status changes arrive in bursts (pods scheduled, started, Ready, for three
 #: Deployments): the owner's status is recomputed once per burst, this long after its start.
 REFRESH_DELAY_S = 0.5

@@ -24,7 +24,7 @@ CRD_CACHE_SECONDS = 60.0
 #: Requests in flight at once, across every reconcile: each TLS connection holds buffers of a
 #: few hundred kB and each queued write its encoded body, so a burst of hundreds of reconciles
 #: waits here rather than in memory; more would not help an API server on a few cores anyway.
-MAX_IN_FLIGHT = 16
+MAX_IN_FLIGHT = 32
 JSON = dict[str, Any]
 
 #: (apiVersion, kind) -> plural of every kind the operator writes or reads.
