@@ -7,8 +7,8 @@ nodes, so the Deployment/ReplicaSet controllers, the scheduler and kwok work alo
 operator (nothing runs in the pods). Phase 1 creates 50 InferenceDeployments one at a time and
 times each from create to "every child applied" (status.observedGeneration == 1, which the
 operator writes only after its last apply). Phase 2 creates 200 at once and times until all are
-reconciled; the operator's peak RSS is read from /proc of its pod process; then how long until
-every pod of phase 2 is scheduled and Running.
+reconciled; the operator's peak RSS is read from /proc of its pod process and its API request
+counts from its metrics; then how long until every pod of phase 2 is scheduled and Running.
 
     python -m bench.operator --json
 """
@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +95,29 @@ def peak_rss_mb(pid: int) -> float:
     raise RuntimeError("no VmHWM in /proc status")
 
 
+def operator_metrics(cluster: DevCluster) -> str:
+    """The operator pod's /metrics text (its `metrics` container port on its pod IP)."""
+    (pod,) = [p for p in cluster.pods("baton-system") if is_ready(p)]
+    ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    url = f"http://{pod['status']['podIP']}:{ports['metrics']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+METRIC_LINE = re.compile(r"^(baton_operator_[a-z_]+_total)\{([^}]*)\} ([0-9.e+]+)$")
+
+
+def operator_counts(text: str) -> dict[str, Counter[str]]:
+    """Counter totals by metric name, keyed by their label values joined with '/'."""
+    counts: dict[str, Counter[str]] = {}
+    for line in text.splitlines():
+        if found := METRIC_LINE.match(line):
+            name, labels, value = found.groups()
+            key = "/".join(v for _, v in re.findall(r'(\w+)="([^"]*)"', labels))
+            counts.setdefault(name, Counter())[key] += int(float(value))
+    return counts
+
+
 def install_operator(cluster: DevCluster, workdir: Path) -> None:
     values = {**chart_values(PROCESS_NODES), "resyncSeconds": 3600, "peering": {"enabled": False}}
     values_file = workdir / "values.json"
@@ -133,6 +159,7 @@ def run(sequential: int, burst: int, kwok_nodes: int, kwok_gpus: int) -> dict[st
             start = time.monotonic()
             for name in sorted(names):
                 create(cluster, "burst", name)
+            create_s = time.monotonic() - start
             wait_all(cluster, "burst", names, 600, 0.2)
             burst_s = time.monotonic() - start
             rss = peak_rss_mb(pid)
@@ -141,9 +168,13 @@ def run(sequential: int, burst: int, kwok_nodes: int, kwok_gpus: int) -> dict[st
                 f"{pods} pods Running and Ready", lambda: running_pods(cluster, "burst") >= pods, 600, 1.0
             )
             pods_s = time.monotonic() - start
+            counts = operator_counts(operator_metrics(cluster))
         finally:
             cluster.close()
             stop_cluster(state)
+    resources = sequential + burst
+    requests = counts.get("baton_operator_api_requests_total", Counter())
+    patches = counts.get("baton_operator_status_patches_total", Counter())
     return {
         "resources_sequential": sequential,
         "apply_to_children_p50_s": round(statistics.median(latencies), 4),
@@ -151,10 +182,16 @@ def run(sequential: int, burst: int, kwok_nodes: int, kwok_gpus: int) -> dict[st
         "apply_to_children_max_s": round(max(latencies), 4),
         "resources_burst": burst,
         f"reconcile_{burst}_s": round(burst_s, 2),
+        # Part of the above: the bench's own sequential POSTs of the burst (admin client).
+        f"create_{burst}_s": round(create_s, 2),
         "operator_rss_mb": round(rss, 1),
         "children_per_resource": 14,
         "kwok_nodes": kwok_nodes,
         f"burst_pods_running_{pods}_s": round(pods_s, 1),
+        # The operator's own client until every pod ran (Kopf's watches and patches excluded).
+        "api_requests_per_resource": round(sum(requests.values()) / resources, 2),
+        "api_requests_by_verb_resource": dict(sorted(requests.items())),
+        "status_patches": dict(sorted(patches.items())),
     }
 
 

@@ -6,6 +6,7 @@ interval is a run-time option and tests can build their own operator.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -16,19 +17,45 @@ import kopf
 
 from baton_engine import contract
 from baton_operator import autoscale_handler, metrics, models
+from baton_operator.coalesce import Coalescer
 from baton_operator.kube import Kube, KubeError
-from baton_operator.reconcile import InvalidSpec, OperatorConfig, parse_spec, reconcile, refresh_status
+from baton_operator.reconcile import Caches, InvalidSpec, OperatorConfig, reconcile, refresh_status
 
 RETRY_DELAY_S = 10.0
+#: Reconciles running at once. The API server sets the pace of a burst anyway; past this, more
+#: at once only hold more state, and finish together, when Kopf opens a TLS connection (a few
+#: hundred kB each) per concurrent bookkeeping patch.
+MAX_CONCURRENT_RECONCILES = 32
+#: A child's status changes arrive in bursts (pods scheduled, started, Ready, for three
+#: Deployments): the owner's status is recomputed once per burst, this long after its start.
+REFRESH_DELAY_S = 0.5
+#: Handler ids of the two watch-event handlers (their per-event success lines are not logged).
+OWNER_EVENTS_ID, CHILD_EVENTS_ID = "owner-events", "child-events"
+
+
+def status_refresher(kube: Kube, caches: Caches, delay_s: float = REFRESH_DELAY_S) -> Coalescer:
+    """One coalesced status refresh per (namespace, InferenceDeployment name)."""
+
+    async def refresh(key: Any) -> None:
+        namespace, name = key
+        metrics.STATUS_REFRESHES.inc()
+        try:
+            await refresh_status(kube, caches, namespace, name)
+        except KubeError as exc:
+            metrics.RECONCILE_ERRORS.labels(f"HTTP{exc.status}").inc()
+
+    return Coalescer(refresh, delay_s)
 
 
 async def _reconcile(trigger: str, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | Any) -> None:
     kube: Kube = memo["kube"]
     cfg: OperatorConfig = memo["config"]
+    slots: asyncio.Semaphore = memo["reconcile_slots"]
     started = time.perf_counter()
     result = "ok"
     try:
-        outcome = await reconcile(kube, body, cfg)
+        async with slots:
+            outcome = await reconcile(kube, body, cfg, caches=memo["caches"])
     except InvalidSpec as exc:
         result = "invalid"
         metrics.RECONCILE_ERRORS.labels("InvalidSpec").inc()
@@ -46,31 +73,25 @@ async def _reconcile(trigger: str, body: kopf.Body, memo: kopf.Memo, logger: log
     for event in outcome.events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
     if trigger in ("create", "update"):
-        kopf.info(body, reason="Reconciled", message=f"applied {outcome.applied} children ({trigger})")
+        message = f"applied {outcome.applied} children ({trigger})"
+        kopf.event(body, type="Normal", reason="Reconciled", message=message)
     logger.debug("reconciled (%s): %d children applied", trigger, outcome.applied)
 
 
-async def _refresh_from_child(body: Mapping[str, Any], memo: kopf.Memo) -> None:
-    """A child Deployment changed: recompute the owner's status (no applies)."""
-    owners = [o for o in body.get("metadata", {}).get("ownerReferences", []) if o.get("kind") == models.KIND]
-    if not owners:
-        return
-    kube: Kube = memo["kube"]
-    namespace = body["metadata"]["namespace"]
-    owner = await kube.get(models.API_VERSION, models.KIND, namespace, owners[0]["name"])
-    if owner is None or owner["metadata"].get("uid") != owners[0].get("uid"):
-        return  # the owner is gone; garbage collection removes the child
-    try:
-        spec = parse_spec(owner)
-    except InvalidSpec:
-        return
-    await refresh_status(kube, owner, spec)
+def owner_key(child: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(namespace, name) of the InferenceDeployment owning a child, None if none does."""
+    meta = child.get("metadata", {})
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("kind") == models.KIND and ref.get("apiVersion", "").startswith(f"{models.GROUP}/"):
+            return meta.get("namespace", ""), str(ref.get("name"))
+    return None
 
 
 def _without_finalizer(registry: kopf.OperatorRegistry, fn: Any) -> None:
-    # Kopf marks every timer as needing a finalizer (to stop it before deletion). Baton's timer
-    # only re-applies children, which is harmless if it races a deletion, and Baton promises no
-    # finalizers (garbage collection deletes the children), so the flag is cleared.
+    # Kopf marks every timer and daemon as needing a finalizer (to stop it before deletion).
+    # Baton's only re-apply children or patch replicas, which is harmless if it races a
+    # deletion, and Baton promises no finalizers (garbage collection deletes the children), so
+    # the flag is cleared.
     spawning = registry._spawning
     spawning._handlers = [
         dataclasses.replace(h, requires_finalizer=False) if h.fn is fn else h for h in spawning._handlers
@@ -108,27 +129,35 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
     _without_finalizer(registry, resync)
     _without_finalizer(registry, autoscale_handler.register(registry))
 
+    @kopf.on.event(group, version, plural, registry=registry, id=OWNER_EVENTS_ID)
+    async def owner_seen(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
+        # Every version of every InferenceDeployment, our own status patches included, so that
+        # a status refresh reads its spec and stored status from memory.
+        caches: Caches = memo["caches"]
+        if type == "DELETED":
+            caches.owners.forget(body)
+            memo["refresher"].cancel((body["metadata"]["namespace"], body["metadata"]["name"]))
+        else:
+            caches.owners.observe(body)
+
     @kopf.on.event(
         "apps",
         "v1",
         "deployments",
         registry=registry,
         labels={contract.LABEL_MANAGED_BY: contract.MANAGED_BY},
+        id=CHILD_EVENTS_ID,
     )
     async def child_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
-        if type is None:  # the initial listing: resume handlers cover it
-            return
-        # Only status changes matter here; the operator's own applies (spec only) are skipped.
-        seen: dict[str, Any] = memo.setdefault("child_status", {})
-        uid = body["metadata"]["uid"]
-        status = dict(body.get("status") or {})
+        caches: Caches = memo["caches"]
         if type == "DELETED":
-            seen.pop(uid, None)
-        elif not status or seen.get(uid) == status:
-            return
+            caches.deployments.forget(body)
+            changed = True
         else:
-            seen[uid] = status
-        try:
-            await _refresh_from_child(body, memo)
-        except KubeError as exc:
-            metrics.RECONCILE_ERRORS.labels(f"HTTP{exc.status}").inc()
+            # False for the operator's own applies (their answers are cached already) and for
+            # changes outside spec.replicas and status.
+            changed = caches.deployments.observe(body)
+        key = owner_key(body)
+        if changed and key is not None and type is not None:  # None: the initial listing
+            refresher: Coalescer = memo["refresher"]
+            refresher.request(key)

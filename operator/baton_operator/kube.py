@@ -6,6 +6,7 @@ operator needs no generated API client: any kind the builders render can be appl
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -15,11 +16,15 @@ from typing import Any
 import aiohttp
 import kopf
 
-from baton_operator import models
+from baton_operator import metrics, models
 
 FIELD_MANAGER = "baton-operator"
 #: Optional CRDs (PodMonitor) are looked up at most this often per operator.
 CRD_CACHE_SECONDS = 60.0
+#: Requests in flight at once, across every reconcile: each TLS connection holds buffers of a
+#: few hundred kB and each queued write its encoded body, so a burst of hundreds of reconciles
+#: waits here rather than in memory; more would not help an API server on a few cores anyway.
+MAX_IN_FLIGHT = 32
 JSON = dict[str, Any]
 
 #: (apiVersion, kind) -> plural of every kind the operator writes or reads.
@@ -68,6 +73,18 @@ def path_of(manifest: Mapping[str, Any]) -> str:
     return object_path(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
 
 
+def resource_of(path: str) -> str:
+    """The resource a request path names, for metrics: `deployments`, `inferencedeployments/status`."""
+    parts = path.strip("/").split("?")[0].split("/")
+    if "namespaces" in parts:
+        rest = parts[parts.index("namespaces") + 2 :]
+    else:
+        rest = parts[3:] if parts[0] == "apis" else parts[2:]
+    if not rest:
+        return "namespaces"
+    return f"{rest[0]}/{rest[2]}" if len(rest) > 2 else rest[0]
+
+
 def login() -> kopf.ConnectionInfo:
     """In-cluster credentials inside a pod, otherwise the kubeconfig ($KUBECONFIG)."""
     settings = kopf.OperatorSettings()
@@ -80,8 +97,17 @@ def login() -> kopf.ConnectionInfo:
     return info
 
 
+#: ConnectionInfo fields the TLS connection is built from: when a re-read changes one of them
+#: the session is rebuilt; otherwise only the request headers (the token) change.
+_TRANSPORT_FIELDS = (
+    "server", "ca_path", "ca_data", "insecure", "certificate_path", "certificate_data",
+    "private_key_path", "private_key_data",
+)  # fmt: skip
+
+
 class Kube:
-    """One API server connection. `credentials` is called again after a 401 (rotated tokens)."""
+    """One API server connection. `credentials` is called again after a 401 (rotated tokens),
+    once however many concurrent requests got that 401."""
 
     def __init__(
         self, credentials: Callable[[], kopf.ConnectionInfo] = login, field_manager: str = FIELD_MANAGER
@@ -90,16 +116,37 @@ class Kube:
         self.field_manager = field_manager
         self._session: aiohttp.ClientSession | None = None
         self._info: kopf.ConnectionInfo | None = None
+        self._auth_headers: dict[str, str] = {}
+        self._login_generation = 0  # bumped at each credentials re-read
         self._crds: dict[str, tuple[bool, float]] = {}  # name -> (exists, when checked)
+        self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
+
+    def _login(self) -> None:
+        info = self.credentials()
+        if self._info is not None and any(
+            getattr(info, f) != getattr(self._info, f) for f in _TRANSPORT_FIELDS
+        ):
+            self._discard_session()
+        self._info = info
+        self._auth_headers = dict(info.as_http_headers())
+        self._login_generation += 1
+
+    def _discard_session(self) -> None:
+        if self._session is not None:
+            # Requests still using it fail (and are retried by their callers); this happens only
+            # when the server address or TLS material changed.
+            session, self._session = self._session, None
+            asyncio.get_running_loop().create_task(session.close())
 
     def _connect(self) -> aiohttp.ClientSession:
+        if self._info is None:
+            self._login()
         if self._session is None:
-            self._info = self.credentials()
-            connector = aiohttp.TCPConnector(ssl=self._info.as_ssl_context(), limit=32)
+            assert self._info is not None
+            connector = aiohttp.TCPConnector(ssl=self._info.as_ssl_context(), limit=MAX_IN_FLIGHT)
             self._session = aiohttp.ClientSession(
                 base_url=self._info.server.rstrip("/") + "/",
                 connector=connector,
-                headers=self._info.as_http_headers(),
                 timeout=aiohttp.ClientTimeout(total=60),
             )
         return self._session
@@ -108,6 +155,7 @@ class Kube:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        self._info = None
 
     async def _call(
         self,
@@ -116,21 +164,36 @@ class Kube:
         body: Any = None,
         query: list[tuple[str, str]] | None = None,
         content_type: str = "application/json",
+        answer: bool = True,
     ) -> JSON:
+        """One request; its JSON answer ({} when `answer` is False: not decoded)."""
+        async with self._slots:
+            return await self._send(method, path, body, query or [], content_type, answer)
+
+    async def _send(
+        self, method: str, path: str, body: Any, query: list[tuple[str, str]], content_type: str, answer: bool
+    ) -> JSON:
+        data = json.dumps(body) if body is not None else None
         for attempt in (1, 2):
             session = self._connect()
-            data = json.dumps(body) if body is not None else None
-            headers = {"Content-Type": content_type, "Accept": "application/json"}
+            generation = self._login_generation
+            metrics.API_REQUESTS.labels(method, resource_of(path)).inc()
+            headers = {**self._auth_headers, "Content-Type": content_type, "Accept": "application/json"}
             try:
                 async with session.request(
-                    method, path.lstrip("/"), params=query or [], data=data, headers=headers
+                    method, path.lstrip("/"), params=query, data=data, headers=headers
                 ) as resp:
-                    text = await resp.text()
                     if resp.status == 401 and attempt == 1:
-                        await self.close()  # re-read the (possibly rotated) credentials once
+                        await resp.read()
+                        if generation == self._login_generation:
+                            self._login()  # re-read the (possibly rotated) credentials once
                         continue
                     if resp.status >= 400:
-                        raise KubeError(resp.status, _message(text))
+                        raise KubeError(resp.status, _message(await resp.text()))
+                    if not answer:
+                        await resp.read()
+                        return {}
+                    text = await resp.text()
                     result = json.loads(text) if text else {}
                     return result if isinstance(result, dict) else {}
             except aiohttp.ClientError as exc:
@@ -138,14 +201,18 @@ class Kube:
         raise KubeError(401, f"{method} {path}: unauthorized")
 
     async def apply(
-        self, manifest: Mapping[str, Any], force: bool = True, field_manager: str | None = None
+        self,
+        manifest: Mapping[str, Any],
+        force: bool = True,
+        field_manager: str | None = None,
+        answer: bool = True,
     ) -> JSON:
         """Server-side apply under the operator's field manager (or `field_manager`); fields it
-        owns are forced."""
+        owns are forced. The object as stored, or {} when `answer` is False (not decoded)."""
         manager = field_manager or self.field_manager
         query = [("fieldManager", manager), ("force", "true" if force else "false")]
         return await self._call(
-            "PATCH", path_of(manifest), dict(manifest), query, "application/apply-patch+yaml"
+            "PATCH", path_of(manifest), dict(manifest), query, "application/apply-patch+yaml", answer
         )
 
     async def create_if_absent(self, manifest: Mapping[str, Any]) -> bool:
@@ -153,7 +220,9 @@ class Kube:
         meta = manifest["metadata"]
         path = collection_path(manifest["apiVersion"], manifest["kind"], meta["namespace"])
         try:
-            await self._call("POST", path, dict(manifest), [("fieldManager", self.field_manager)])
+            await self._call(
+                "POST", path, dict(manifest), [("fieldManager", self.field_manager)], answer=False
+            )
         except KubeError as exc:
             if exc.status == 409:
                 return False

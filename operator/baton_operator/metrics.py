@@ -20,6 +20,19 @@ RECONCILE_SECONDS = Histogram(
 RECONCILE_ERRORS = Counter(
     "baton_operator_reconcile_errors", "Reconciles that failed, by error type.", ["error"]
 )
+STATUS_PATCHES = Counter(
+    "baton_operator_status_patches",
+    "Status computations, by result: written (patched) or unchanged (no request sent).",
+    ["result"],
+)
+STATUS_REFRESHES = Counter(
+    "baton_operator_status_refreshes", "Coalesced status refreshes run after child Deployment changes."
+)
+API_REQUESTS = Counter(
+    "baton_operator_api_requests",
+    "Requests the operator's own client sent to the API server (Kopf's watches not included).",
+    ["verb", "resource"],
+)
 CHILDREN_APPLIED = Counter("baton_operator_children_applied", "Child objects server-side applied.")
 ACTIVE = Gauge("baton_operator_active", "1 while this replica is the active peer (processing events).")
 AUTOSCALER = AutoscalerMetrics(REGISTRY)

@@ -5,21 +5,24 @@ Kopf-free, so the same code runs from handlers, from tests and from the benchmar
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
 from baton_engine import contract
+from baton_operator import metrics, models
 from baton_operator.builders import BuildContext, Owner, desired_children, router_endpoint
 from baton_operator.builders.common import child_name
 from baton_operator.builders.extras import new_signing_key
 from baton_operator.kube import Kube, KubeError
 from baton_operator.models import InferenceDeploymentSpec
-from baton_operator.status import Observed, compute_status
+from baton_operator.object_cache import ObjectCache, deployment_view, owner_view
+from baton_operator.status import Observed, compute_status, status_changed, stored_error
 
 
 @dataclass(frozen=True)
@@ -70,31 +73,104 @@ async def _no_hook(index: int, manifest: Mapping[str, Any]) -> None:
     return None
 
 
+#: Child writes of one reconcile in flight at once (the API server is shared by every reconcile).
+MAX_PARALLEL_WRITES = 4
+#: Kinds written only after every other child: a RoleBinding is refused (404, by the RBAC
+#: escalation check) until its Role exists; a Deployment's pods need the ServiceAccount and the
+#: signing-key Secret.
+DEPENDENT_KINDS = frozenset({"RoleBinding", "Deployment"})
+
+
+@dataclass
+class Caches:
+    """What the operator has seen of its children and owners (watch events, write answers)."""
+
+    deployments: ObjectCache = field(default_factory=lambda: ObjectCache(deployment_view))
+    owners: ObjectCache = field(default_factory=lambda: ObjectCache(owner_view))
+
+
+async def write_in_order(
+    manifests: Sequence[Mapping[str, Any]],
+    write: Callable[[Mapping[str, Any]], Awaitable[Any]],
+    before_write: BeforeWrite,
+    first_index: int,
+) -> list[Any]:
+    """Issue `write` for each manifest in order, at most MAX_PARALLEL_WRITES in flight, awaiting
+    `before_write` before each one is issued; the writes' answers, in order.
+
+    If `before_write` or a write fails, nothing more is issued and the writes already issued are
+    awaited before the (first) error propagates: a crash after K issues leaves exactly K writes."""
+    slots = asyncio.Semaphore(MAX_PARALLEL_WRITES)
+    failed: list[BaseException] = []
+
+    async def issued(manifest: Mapping[str, Any]) -> Any:
+        try:
+            return await write(manifest)
+        except Exception as exc:
+            failed.append(exc)
+            raise
+        finally:
+            slots.release()
+
+    tasks: list[asyncio.Task[Any]] = []
+    try:
+        for offset, manifest in enumerate(manifests):
+            await before_write(first_index + offset, manifest)
+            await slots.acquire()
+            if failed:
+                slots.release()
+                break
+            tasks.append(asyncio.create_task(issued(manifest)))
+    finally:
+        answers = await asyncio.gather(*tasks, return_exceptions=True)
+    if failed:
+        raise failed[0]
+    return answers
+
+
 async def reconcile(
-    kube: Kube, body: Mapping[str, Any], cfg: OperatorConfig, before_write: BeforeWrite = _no_hook
+    kube: Kube,
+    body: Mapping[str, Any],
+    cfg: OperatorConfig,
+    before_write: BeforeWrite = _no_hook,
+    caches: Caches | None = None,
 ) -> Outcome:
-    """Bring the children to the spec, then report status. Raises on API errors (status first)."""
+    """Bring the children to the spec, then report status. Raises on API errors (status first).
+
+    Independent children go first, several at once (the signing key, the ServiceAccount, the
+    Role, Services, policies), then those that need them (DEPENDENT_KINDS)."""
+    caches = caches if caches is not None else Caches()
+    caches.owners.observe(body)
     owner = owner_of(body)
+    generation = int(body["metadata"].get("generation", 0))
     ctx = BuildContext(owner, parse_spec(body), cfg.operator_namespace, cfg.monitoring_namespace)
     children = desired_children(ctx, new_signing_key())
+    dependent = [m for m in children.applied if m["kind"] in DEPENDENT_KINDS]
+    independent = [m for m in children.applied if m["kind"] not in DEPENDENT_KINDS]
     outcome = Outcome()
-    index = 0
+
+    async def create_once(manifest: Mapping[str, Any]) -> None:
+        if await kube.create_if_absent(manifest):
+            name = manifest["metadata"]["name"]
+            outcome.events.append(Event("Normal", "SigningKeyCreated", f"created Secret {name}"))
+
+    async def apply(manifest: Mapping[str, Any]) -> dict[str, Any]:
+        # Only the Deployments' answers are read (their status feeds the status computation).
+        result = await kube.apply(manifest, answer=manifest["kind"] == "Deployment")
+        outcome.applied += 1
+        return result
+
+    created_once = {id(m) for m in children.created_once}
+
+    async def write(manifest: Mapping[str, Any]) -> Any:
+        return await (create_once(manifest) if id(manifest) in created_once else apply(manifest))
+
     try:
-        for manifest in children.created_once:
-            await before_write(index, manifest)
-            index += 1
-            if await kube.create_if_absent(manifest):
-                outcome.events.append(
-                    Event("Normal", "SigningKeyCreated", f"created Secret {manifest['metadata']['name']}")
-                )
-        applied_deployments: dict[str, dict[str, Any]] = {}
-        for manifest in children.applied:
-            await before_write(index, manifest)
-            index += 1
-            result = await kube.apply(manifest)
-            outcome.applied += 1
-            if manifest["kind"] == "Deployment":
-                applied_deployments[manifest["metadata"]["name"]] = result
+        first = [*children.created_once, *independent]
+        await write_in_order(first, write, before_write, 0)
+        for result in await write_in_order(dependent, apply, before_write, len(first)):
+            if result:
+                caches.deployments.observe(result)
         for crd_name, manifest in children.optional:
             if await kube.crd_exists(crd_name):
                 await kube.apply(manifest)
@@ -105,37 +181,89 @@ async def reconcile(
     except Exception as exc:
         # Report Degraded if the API still answers; the original error is what propagates.
         with contextlib.suppress(KubeError):
-            outcome.status = await refresh_status(kube, body, ctx.spec, error=f"{type(exc).__name__}: {exc}")
+            error = f"{type(exc).__name__}: {exc}"
+            outcome.status = await _report(kube, caches, owner, ctx.spec, generation, error)
         raise
-    outcome.status = await refresh_status(kube, body, ctx.spec, known=applied_deployments)
+    outcome.status = await _report(kube, caches, owner, ctx.spec, generation, None)
     return outcome
 
 
-async def refresh_status(
-    kube: Kube,
-    body: Mapping[str, Any],
-    spec: InferenceDeploymentSpec,
-    error: str | None = None,
-    known: Mapping[str, dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """Patch the status subresource from the child Deployments; returns the patch. `known`
-    holds Deployments an apply just returned (name -> object): those are not read again."""
-    owner = owner_of(body)
-    deployments: dict[str, Mapping[str, Any] | None] = {}
+async def _deployments(
+    kube: Kube, caches: Caches, owner: Owner, spec: InferenceDeploymentSpec
+) -> dict[str, Mapping[str, Any] | None]:
+    """The child Deployments by role: from the cache, read (and cached) only when never seen."""
+    found: dict[str, Mapping[str, Any] | None] = {}
     for role in [*spec.roles(), contract.ROLE_ROUTER]:
         name = child_name(owner, role)
-        if known is not None and name in known:
-            deployments[role] = known[name]
-        else:
-            deployments[role] = await kube.get("apps/v1", "Deployment", owner.namespace, name)
-    ctx = BuildContext(owner, spec)
+        cached = caches.deployments.get(owner.namespace, name)
+        if cached is None:
+            cached = await kube.get("apps/v1", "Deployment", owner.namespace, name)
+            if cached is not None:
+                caches.deployments.observe(cached)
+        found[role] = cached
+    return found
+
+
+async def _report(
+    kube: Kube,
+    caches: Caches,
+    owner: Owner,
+    spec: InferenceDeploymentSpec,
+    generation: int,
+    error: str | None,
+) -> dict[str, Any]:
+    """A reconcile's status: observedGeneration (the applied `generation`) when it succeeded."""
+    stored = caches.owners.get(owner.namespace, owner.name) or {}
     patch = compute_status(
         name=owner.name,
-        generation=int(body["metadata"].get("generation", 0)),
-        observed=Observed(deployments=deployments, error=error),
-        endpoint=router_endpoint(ctx),
+        generation=generation,
+        observed=Observed(deployments=await _deployments(kube, caches, owner, spec), error=error),
+        endpoint=router_endpoint(BuildContext(owner, spec)),
         now=now_rfc3339(),
-        previous=body.get("status") or {},
+        previous=stored.get("status") or {},
     )
-    await kube.patch_status(owner.namespace, owner.name, patch)
+    await write_status(kube, caches, owner, patch)
     return patch
+
+
+async def write_status(kube: Kube, caches: Caches, owner: Owner, patch: Mapping[str, Any]) -> bool:
+    """Merge-patch the status subresource unless that would change nothing; True when written."""
+    stored = caches.owners.get(owner.namespace, owner.name) or {}
+    if not status_changed(stored.get("status") or {}, patch):
+        metrics.STATUS_PATCHES.labels("unchanged").inc()
+        return False
+    caches.owners.observe(await kube.patch_status(owner.namespace, owner.name, patch))
+    metrics.STATUS_PATCHES.labels("written").inc()
+    return True
+
+
+async def refresh_status(kube: Kube, caches: Caches, namespace: str, name: str) -> None:
+    """A child changed: recompute the owner's status from the caches (no applies, no
+    observedGeneration; a failed reconcile's error stays until a reconcile succeeds)."""
+    body = caches.owners.get(namespace, name)
+    if body is None:
+        body = await kube.get(models.API_VERSION, models.KIND, namespace, name)
+        if body is None:
+            return  # deleted; garbage collection removes the children
+        caches.owners.observe(body)
+    try:
+        spec = parse_spec(body)
+    except InvalidSpec:
+        return
+    owner = owner_of(body)
+    stored = body.get("status") or {}
+    deployments = await _deployments(kube, caches, owner, spec)
+    patch = compute_status(
+        name=name,
+        generation=int(stored.get("observedGeneration", body["metadata"].get("generation", 0))),
+        observed=Observed(deployments=deployments, error=stored_error(stored)),
+        endpoint=router_endpoint(BuildContext(owner, spec)),
+        now=now_rfc3339(),
+        previous=stored,
+        record_generation=False,
+    )
+    try:
+        await write_status(kube, caches, owner, patch)
+    except KubeError as exc:
+        if exc.status != 404:
+            raise

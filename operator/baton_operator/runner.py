@@ -14,8 +14,9 @@ import kopf
 from prometheus_client import start_http_server
 
 from baton_operator import handlers, metrics
+from baton_operator.coalesce import Coalescer
 from baton_operator.kube import Kube
-from baton_operator.reconcile import OperatorConfig
+from baton_operator.reconcile import Caches, OperatorConfig
 
 #: Kopf's bookkeeping annotations (progress, last-handled configuration) live under this prefix.
 ANNOTATION_PREFIX = "baton.dev"
@@ -59,7 +60,10 @@ def configure(settings: kopf.OperatorSettings, options: RunOptions) -> None:
     settings.persistence.finalizer = (
         f"{ANNOTATION_PREFIX}/kopf-finalizer"  # never added: no deletion handlers
     )
-    settings.posting.level = logging.INFO
+    # Kubernetes Events: Baton's own (kopf.event) and Kopf's warnings and errors. Kopf's INFO
+    # lines ("Handler 'reconcile' succeeded.", "Creation is processed") would add two Event
+    # writes per reconcile that say nothing the `Reconciled` Event does not.
+    settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     if options.peering:
@@ -86,7 +90,10 @@ def build_registry(options: RunOptions) -> kopf.OperatorRegistry:
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         configure(settings, options)
-        memo["kube"] = Kube()
+        memo["kube"] = kube = Kube()
+        memo["caches"] = caches = Caches()
+        memo["refresher"] = handlers.status_refresher(kube, caches)
+        memo["reconcile_slots"] = asyncio.Semaphore(handlers.MAX_CONCURRENT_RECONCILES)
         # One client for every engine scrape (creating one costs ~0.1 s); pods are plain HTTP.
         memo["scrape_client"] = httpx.AsyncClient(trust_env=False)
         memo["config"] = OperatorConfig(
@@ -96,6 +103,9 @@ def build_registry(options: RunOptions) -> kopf.OperatorRegistry:
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        refresher: Coalescer | None = memo.get("refresher")
+        if refresher is not None:
+            await refresher.close()
         kube: Kube | None = memo.get("kube")
         if kube is not None:
             await kube.close()
@@ -107,12 +117,17 @@ def build_registry(options: RunOptions) -> kopf.OperatorRegistry:
     return registry
 
 
-class _QuietTicks(logging.Filter):
-    """Drops Kopf's "Timer 'autoscaler' succeeded." line: the timer fires 4 times a second per
-    resource to honour each one's own interval; its real decisions are logged by the handler."""
+class _QuietSuccesses(logging.Filter):
+    """Drops Kopf's success line of the watch-event handlers: they run for every version of every
+    owner and child Deployment, and have nothing to report."""
+
+    QUIET = frozenset(
+        f"Handler '{handler_id}' succeeded."
+        for handler_id in (handlers.OWNER_EVENTS_ID, handlers.CHILD_EVENTS_ID)
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno <= logging.INFO and record.getMessage() == "Timer 'autoscaler' succeeded.")
+        return not (record.levelno <= logging.INFO and record.getMessage() in self.QUIET)
 
 
 def run(options: RunOptions) -> int:
@@ -121,7 +136,7 @@ def run(options: RunOptions) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     for handler in logging.getLogger().handlers:
-        handler.addFilter(_QuietTicks())
+        handler.addFilter(_QuietSuccesses())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per engine scrape otherwise
     if options.metrics_port:
         start_http_server(options.metrics_port, addr=options.bind)

@@ -145,8 +145,12 @@ def compute_status(
     endpoint: str,
     now: str,
     previous: Mapping[str, Any],
+    record_generation: bool = True,
 ) -> dict[str, Any]:
-    """The status fields the operator owns, as a merge patch (absent roles are nulled)."""
+    """The status fields the operator owns, as a merge patch (absent roles are nulled).
+
+    `observedGeneration` is written only by a reconcile that applied every child of
+    `generation` (`record_generation`); a refresh from child events leaves it as stored."""
     roles = {
         role: role_status(deployment, contract.pod_selector(name, role))
         for role, deployment in observed.deployments.items()
@@ -159,6 +163,31 @@ def compute_status(
         for c in conditions(observed, roles, generation, now, previous.get("conditions", []))
     ]
     patch["endpoint"] = endpoint
-    if observed.error is None:
+    if observed.error is None and record_generation:
         patch["observedGeneration"] = generation
     return patch
+
+
+def stored_error(stored: Mapping[str, Any]) -> str | None:
+    """The error a stored status reports from a failed reconcile (Degraded, ReconcileFailed)."""
+    for cond in stored.get("conditions") or []:
+        failed = cond.get("status") == "True" and cond.get("reason") == "ReconcileFailed"
+        if cond.get("type") == DEGRADED and failed:
+            return str(cond.get("message") or "reconcile failed")
+    return None
+
+
+def status_changed(stored: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:
+    """Whether a JSON merge patch (RFC 7386) would change `stored`: a null deletes a key, an
+    object merges key by key, anything else (lists included) replaces."""
+    for key, value in patch.items():
+        current = stored.get(key)
+        if value is None:
+            if current is not None:
+                return True
+        elif isinstance(value, Mapping):
+            if not isinstance(current, Mapping) or status_changed(current, value):
+                return True
+        elif current != value:
+            return True
+    return False

@@ -1,4 +1,7 @@
-"""Fixtures of the operator tests: a bare API server (etcd + kube-apiserver) with the CRD."""
+"""Fixtures of the operator tests: a bare API server (etcd + kube-apiserver) with the CRD,
+shared by the session; and, for modules that run the operator process (which watches every
+namespace, so other modules' resources would be resumed, reconciled and counted), one of the
+module's own with the chart's RBAC installed (`own_apiserver`, `own_kube`, `chart_installed`)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import yaml
 
 from baton_operator import crd
 from tests.operator_tests.apiserver import ApiServer, api_server, binary_dir
+from tests.operator_tests.kube_helpers import Rest
+from tests.operator_tests.operator_process import install_chart, operator_kubeconfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,3 +66,34 @@ def kube(apiserver: ApiServer) -> Iterator[Any]:
     install_crd(client)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="module")
+def own_apiserver(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[ApiServer]:
+    bin_dir = binary_dir()
+    if bin_dir is None:
+        pytest.skip("etcd/kube-apiserver not built yet (bash devcluster/scripts/build.sh)")
+    module = request.module.__name__.rsplit(".", 1)[-1]
+    with api_server(tmp_path_factory.mktemp(f"{module}-apiserver"), bin_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def own_kube(own_apiserver: ApiServer) -> Iterator[Any]:
+    """An admin client of `own_apiserver`, with the CRD installed."""
+    client = admin_client(own_apiserver)
+    install_crd(client)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def chart_installed(own_apiserver: ApiServer, own_kube: Any) -> tuple[Path, str]:
+    """What `helm install` creates for the operator; (its kubeconfig, its token)."""
+    helm = binary_dir()
+    assert helm is not None
+    rest = Rest(own_apiserver)
+    sa = install_chart(rest, helm / "helm")
+    return operator_kubeconfig(own_apiserver, rest, sa, own_apiserver.workdir / "operator.kubeconfig")

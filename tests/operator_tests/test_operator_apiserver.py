@@ -8,70 +8,35 @@ import json
 import re
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from baton_operator.kube import FIELD_MANAGER, collection_path
-from tests.operator_tests.apiserver import ApiServer, api_server, binary_dir
+from tests.operator_tests.apiserver import ApiServer
 from tests.operator_tests.cases import VALID_SPEC
-from tests.operator_tests.conftest import admin_client, install_crd
 from tests.operator_tests.kube_helpers import Rest, create_infd, create_namespace, get_infd, wait_for
-from tests.operator_tests.operator_process import (
-    OperatorProcess,
-    install_chart,
-    operator_kubeconfig,
-    operator_process,
-)
+from tests.operator_tests.operator_process import OperatorProcess, operator_process
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
 INFD = "/apis/baton.dev/v1alpha1/namespaces/{ns}/inferencedeployments/{name}"
 
 
-# A control plane of its own: the operator watches every namespace, and metrics counts must
-# not include other modules' resources.
 @pytest.fixture(scope="module")
-def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
-    bin_dir = binary_dir()
-    if bin_dir is None:
-        pytest.skip("etcd/kube-apiserver not built yet (bash devcluster/scripts/build.sh)")
-    with api_server(tmp_path_factory.mktemp("operator-apiserver"), bin_dir) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def kube(apiserver: ApiServer) -> Iterator[Any]:
-    client = admin_client(apiserver)
-    install_crd(client)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def chart_installed(apiserver: ApiServer, kube: Any) -> tuple[Path, str]:
-    helm = binary_dir()
-    assert helm is not None
-    rest = Rest(apiserver)
-    sa = install_chart(rest, helm / "helm")
-    return operator_kubeconfig(apiserver, rest, sa, apiserver.workdir / "operator.kubeconfig")
-
-
-@pytest.fixture(scope="module")
-def operator(apiserver: ApiServer, chart_installed: tuple[Path, str]) -> Iterator[OperatorProcess]:
+def operator(own_apiserver: ApiServer, chart_installed: Any) -> Iterator[OperatorProcess]:
     kubeconfig, _ = chart_installed
-    with operator_process(kubeconfig, apiserver.workdir, "--resync-seconds=2") as proc:
+    with operator_process(kubeconfig, own_apiserver.workdir, "--resync-seconds=2") as proc:
         yield proc
 
 
 @pytest.fixture(scope="module")
-def reconciled(kube: Any, operator: OperatorProcess, apiserver: ApiServer) -> dict[str, Any]:
-    create_namespace(kube, "op")
-    create_infd(kube, "op", "demo", VALID_SPEC)
+def reconciled(own_kube: Any, operator: OperatorProcess, own_apiserver: ApiServer) -> dict[str, Any]:
+    create_namespace(own_kube, "op")
+    create_infd(own_kube, "op", "demo", VALID_SPEC)
 
     def handled() -> dict[str, Any] | None:
-        body = get_infd(kube, "op", "demo")
+        body = get_infd(own_kube, "op", "demo")
         done = body.get("status", {}).get("observedGeneration") == 1
         # Kopf records the handled spec after the handler returns, after the status patch.
         recorded = "baton.dev/last-handled-configuration" in body["metadata"].get("annotations", {})
@@ -80,8 +45,8 @@ def reconciled(kube: Any, operator: OperatorProcess, apiserver: ApiServer) -> di
     return dict(wait_for(handled, 60, "status.observedGeneration == 1 and Kopf's record"))
 
 
-def test_children_status_and_bookkeeping(reconciled: dict[str, Any], apiserver: ApiServer) -> None:
-    rest = Rest(apiserver)
+def test_children_status_and_bookkeeping(reconciled: dict[str, Any], own_apiserver: ApiServer) -> None:
+    rest = Rest(own_apiserver)
     deployments = rest.get(collection_path("apps/v1", "Deployment", "op"))["items"]
     assert sorted(d["metadata"]["name"] for d in deployments) == [
         "demo-decode",
@@ -99,8 +64,8 @@ def test_children_status_and_bookkeeping(reconciled: dict[str, Any], apiserver: 
     assert conditions == {"Ready": "PodsNotReady", "Progressing": "RollingOut", "Degraded": "AsExpected"}
 
 
-def test_events_are_posted(reconciled: dict[str, Any], apiserver: ApiServer) -> None:
-    rest = Rest(apiserver)
+def test_events_are_posted(reconciled: dict[str, Any], own_apiserver: ApiServer) -> None:
+    rest = Rest(own_apiserver)
 
     def reasons() -> set[str] | None:
         found = {e["reason"] for e in rest.get("/api/v1/namespaces/op/events")["items"]}
@@ -110,10 +75,10 @@ def test_events_are_posted(reconciled: dict[str, Any], apiserver: ApiServer) -> 
 
 
 def test_operator_cannot_read_secrets(
-    reconciled: dict[str, Any], apiserver: ApiServer, chart_installed: Any
+    reconciled: dict[str, Any], own_apiserver: ApiServer, chart_installed: Any
 ) -> None:
     _, token = chart_installed
-    as_operator = Rest(apiserver, token)
+    as_operator = Rest(own_apiserver, token)
     secret = collection_path("v1", "Secret", "op") + "/demo-kv-transfer"
     for path in (secret, collection_path("v1", "Secret", "op"), "/api/v1/secrets"):
         status, body = as_operator.call("GET", path)
@@ -122,12 +87,12 @@ def test_operator_cannot_read_secrets(
             'cannot get resource "secrets"' in body["message"]
             or 'cannot list resource "secrets"' in body["message"]
         )
-    status, _ = Rest(apiserver).call("GET", secret)  # it exists: the operator created it
+    status, _ = Rest(own_apiserver).call("GET", secret)  # it exists: the operator created it
     assert status == 200
 
 
-def test_periodic_reconcile_repairs_a_hand_edit(reconciled: dict[str, Any], apiserver: ApiServer) -> None:
-    rest = Rest(apiserver)
+def test_periodic_reconcile_repairs_a_hand_edit(reconciled: dict[str, Any], own_apiserver: ApiServer) -> None:
+    rest = Rest(own_apiserver)
     path = collection_path("apps/v1", "Deployment", "op") + "/demo-prefill"
     patch = {"spec": {"template": {"spec": {"terminationGracePeriodSeconds": 7}}}}
     status, _ = rest.call("PATCH", path + "?fieldManager=kubectl-edit", patch, "application/merge-patch+json")
@@ -140,9 +105,9 @@ def test_periodic_reconcile_repairs_a_hand_edit(reconciled: dict[str, Any], apis
 
 
 def test_spec_change_reaches_the_pod_template(
-    reconciled: dict[str, Any], apiserver: ApiServer, kube: Any
+    reconciled: dict[str, Any], own_apiserver: ApiServer, own_kube: Any
 ) -> None:
-    rest = Rest(apiserver)
+    rest = Rest(own_apiserver)
     status, body = rest.call(
         "PATCH",
         INFD.format(ns="op", name="demo"),
@@ -158,7 +123,7 @@ def test_spec_change_reaches_the_pod_template(
 
     wait_for(updated, 30, "--max-num-seqs 17 in the decode pod template")
     wait_for(
-        lambda: get_infd(kube, "op", "demo")["status"].get("observedGeneration") == 2, 30, "generation 2"
+        lambda: get_infd(own_kube, "op", "demo")["status"].get("observedGeneration") == 2, 30, "generation 2"
     )
 
 
@@ -173,22 +138,22 @@ def test_metrics_and_liveness(reconciled: dict[str, Any], operator: OperatorProc
 def test_peering_keeps_one_replica_active(
     reconciled: dict[str, Any],
     operator: OperatorProcess,
-    apiserver: ApiServer,
+    own_apiserver: ApiServer,
     chart_installed: Any,
-    kube: Any,
+    own_kube: Any,
 ) -> None:
     kubeconfig, _ = chart_installed
-    rest = Rest(apiserver)
-    with operator_process(kubeconfig, apiserver.workdir, "--resync-seconds=2") as second:
+    rest = Rest(own_apiserver)
+    with operator_process(kubeconfig, own_apiserver.workdir, "--resync-seconds=2") as second:
         peering = "/apis/kopf.dev/v1/clusterkopfpeerings/baton-operator"
         peers = wait_for(
             lambda: (s := rest.get(peering).get("status") or {}) and len(s) == 2 and s, 30, "2 peers"
         )
         priorities = [p["priority"] for p in peers.values()]
         assert len(set(priorities)) == 2
-        create_infd(kube, "op", "second", VALID_SPEC)
+        create_infd(own_kube, "op", "second", VALID_SPEC)
         wait_for(
-            lambda: get_infd(kube, "op", "second").get("status", {}).get("observedGeneration") == 1,
+            lambda: get_infd(own_kube, "op", "second").get("status", {}).get("observedGeneration") == 1,
             30,
             "the active replica to reconcile",
         )
@@ -212,28 +177,43 @@ def _mark_ready(rest: Rest, namespace: str, name: str) -> None:
     assert code == 200, body
 
 
+def sample(text: str, series: str) -> float:
+    found = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_child_readiness_reaches_status_and_printer_columns(
-    reconciled: dict[str, Any], apiserver: ApiServer, kube: Any
+    reconciled: dict[str, Any], own_apiserver: ApiServer, own_kube: Any, operator: OperatorProcess
 ) -> None:
-    rest = Rest(apiserver)
+    rest = Rest(own_apiserver)
+    refreshes = sample(operator.metrics(), "baton_operator_status_refreshes_total")
     for name in ("demo-prefill", "demo-decode", "demo-router"):
         _mark_ready(rest, "op", name)
 
     def ready() -> bool:
-        conditions = get_infd(kube, "op", "demo")["status"]["conditions"]
+        conditions = get_infd(own_kube, "op", "demo")["status"]["conditions"]
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
     wait_for(ready, 30, "Ready=True from the child Deployments' status")
-    status = get_infd(kube, "op", "demo")["status"]
+    # The child events also ran a status refresh (the 2 s resync may have written Ready first).
+    wait_for(
+        lambda: sample(operator.metrics(), "baton_operator_status_refreshes_total") > refreshes,
+        10,
+        "a status refresh after the child Deployments' status changes",
+    )
+    # The operator's status patches never start a reconcile: the only update is the spec change.
+    updates = 'baton_operator_reconciles_total{result="ok",trigger="update"}'
+    assert sample(operator.metrics(), updates) == 1.0
+    status = get_infd(own_kube, "op", "demo")["status"]
     assert (status["prefill"]["ready"], status["decode"]["ready"], status["router"]["ready"]) == ("1/1",) * 3
     conditions = {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
     assert conditions["Progressing"] == ("False", "Stable")
 
     # `kubectl get infd`: the server renders the printer columns as a Table.
     req = urllib.request.Request(
-        apiserver.url + "/apis/baton.dev/v1alpha1/namespaces/op/inferencedeployments/demo"
+        own_apiserver.url + "/apis/baton.dev/v1alpha1/namespaces/op/inferencedeployments/demo"
     )
-    req.add_header("Authorization", f"Bearer {apiserver.token}")
+    req.add_header("Authorization", f"Bearer {own_apiserver.token}")
     req.add_header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
     with urllib.request.urlopen(req, context=rest.ctx) as resp:
         table = json.loads(resp.read())

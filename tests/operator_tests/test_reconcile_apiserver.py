@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from baton_dev.testing import wait_for
 from baton_operator.kube import FIELD_MANAGER, Kube, collection_path
-from baton_operator.reconcile import OperatorConfig, reconcile
+from baton_operator.reconcile import Caches, OperatorConfig, reconcile, refresh_status
 from tests.operator_tests.apiserver import ApiServer
 from tests.operator_tests.cases import VALID_SPEC, merged
 from tests.operator_tests.kube_helpers import Rest, async_kube, create_infd, create_namespace, get_infd
@@ -344,3 +345,74 @@ async def test_reconcile_keeps_the_autoscalers_status(
     assert stored["autoscaling"] == decision  # the schema accepted it and the operator left it alone
     assert stored["observedGeneration"] == 1
     assert body["metadata"]["generation"] == 1
+
+
+def requests_sent(verb: str, resource: str) -> float:
+    sample = REGISTRY.get_sample_value(
+        "baton_operator_api_requests_total", {"verb": verb, "resource": resource}
+    )
+    return sample or 0.0
+
+
+async def test_a_child_refresh_reads_the_caches_and_patches_only_changes(
+    kube: Any, akube: Kube, rest: Rest, namespace: str
+) -> None:
+    caches = Caches()
+    await reconcile(akube, create_infd(kube, namespace, "demo", VALID_SPEC), CFG, caches=caches)
+    # A spec change that no reconcile has applied yet: a refresh must not claim generation 2.
+    infd = f"/apis/baton.dev/v1alpha1/namespaces/{namespace}/inferencedeployments/demo"
+    code, answer = rest.call(
+        "PATCH", infd, {"spec": {"engine": {"maxNumSeqs": 9}}}, "application/merge-patch+json"
+    )
+    assert code == 200 and answer["metadata"]["generation"] == 2, answer
+    caches.owners.observe(answer)  # what the watch delivers
+    for role in ("prefill", "decode", "router"):
+        path = collection_path("apps/v1", "Deployment", namespace) + f"/demo-{role}"
+        status = {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
+        code, ready = rest.call("PATCH", path + "/status", {"status": status}, "application/merge-patch+json")
+        assert code == 200, ready
+        assert caches.deployments.observe(ready) is True  # the watch event of the controller's write
+
+    reads_before = (requests_sent("GET", "deployments"), requests_sent("GET", "inferencedeployments"))
+    patches_before = requests_sent("PATCH", "inferencedeployments/status")
+    await refresh_status(akube, caches, namespace, "demo")
+    stored = get_infd(kube, namespace, "demo")
+    status = stored["status"]
+    assert status["observedGeneration"] == 1
+    assert (status["prefill"]["ready"], status["decode"]["ready"], status["router"]["ready"]) == ("1/1",) * 3
+    conditions = {
+        c["type"]: (c["status"], c["reason"], c["observedGeneration"]) for c in status["conditions"]
+    }
+    assert conditions == {
+        "Ready": ("True", "AllPodsReady", 1),
+        "Progressing": ("False", "Stable", 1),
+        "Degraded": ("False", "AsExpected", 1),
+    }
+    await refresh_status(akube, caches, namespace, "demo")  # nothing changed: nothing sent
+    assert (
+        get_infd(kube, namespace, "demo")["metadata"]["resourceVersion"]
+        == stored["metadata"]["resourceVersion"]
+    )
+    assert (requests_sent("GET", "deployments"), requests_sent("GET", "inferencedeployments")) == reads_before
+    assert requests_sent("PATCH", "inferencedeployments/status") == patches_before + 1
+
+
+async def test_a_refresh_keeps_a_failed_reconciles_error(
+    kube: Any, akube: Kube, rest: Rest, namespace: str
+) -> None:
+    caches = Caches()
+    body = create_infd(kube, namespace, "demo", VALID_SPEC)
+
+    async def crash_at_3(index: int, manifest: Mapping[str, Any]) -> None:
+        if index == 3:
+            raise Crash("killed before write 3")
+
+    with pytest.raises(Crash):
+        await reconcile(akube, body, CFG, before_write=crash_at_3, caches=caches)
+    await refresh_status(akube, caches, namespace, "demo")
+    status = get_infd(kube, namespace, "demo")["status"]
+    degraded = [c for c in status["conditions"] if c["type"] == "Degraded"]
+    assert [(c["status"], c["reason"], c["message"]) for c in degraded] == [
+        ("True", "ReconcileFailed", "Crash: killed before write 3")
+    ]
+    assert "observedGeneration" not in status

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from baton_operator.status import Observed, compute_status, role_status
+from baton_operator.status import Observed, compute_status, role_status, status_changed, stored_error
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -183,3 +183,76 @@ def test_transition_time_moves_only_on_a_flip() -> None:
     status = status_of(ALL_READY, previous=previous)
     times = {c["type"]: c["lastTransitionTime"] for c in status["conditions"]}
     assert times == {"Ready": T0, "Progressing": T1, "Degraded": T1}
+
+
+def test_a_child_refresh_leaves_observed_generation_as_stored() -> None:
+    status = compute_status(
+        name="demo",
+        generation=3,
+        observed=Observed(deployments=ALL_READY),
+        endpoint="http://demo-router.ns.svc:80",
+        now=T1,
+        previous={},
+        record_generation=False,
+    )
+    assert "observedGeneration" not in status
+    assert [c["observedGeneration"] for c in status["conditions"]] == [3, 3, 3]
+
+
+READY_T0 = {"type": "Ready", "status": "True", "lastTransitionTime": T0, "reason": "AllPodsReady"}
+
+
+@pytest.mark.parametrize(
+    ("stored", "patch", "changed"),
+    [
+        ({}, {}, False),
+        ({"endpoint": "a"}, {"endpoint": "a"}, False),
+        ({"endpoint": "a"}, {"endpoint": "b"}, True),
+        ({}, {"endpoint": "a"}, True),
+        ({}, {"pool": None}, False),  # deleting an absent key
+        ({"pool": {"ready": "0/0"}}, {"pool": None}, True),
+        ({"decode": {"ready": "1/1", "replicas": 1}}, {"decode": {"ready": "1/1"}}, False),  # merged
+        ({"decode": {"ready": "1/1"}}, {"decode": {"ready": "0/1"}}, True),
+        ({"decode": "x"}, {"decode": {"ready": "0/1"}}, True),
+        ({"conditions": [READY_T0]}, {"conditions": [READY_T0]}, False),
+        ({"conditions": [READY_T0]}, {"conditions": [{**READY_T0, "lastTransitionTime": T1}]}, True),
+        ({"conditions": [READY_T0, READY_T0]}, {"conditions": [READY_T0]}, True),  # lists replace
+        ({"observedGeneration": 2, "autoscaling": {"x": 1}}, {"observedGeneration": 2}, False),
+    ],
+)
+def test_status_changed(stored: dict[str, Any], patch: dict[str, Any], changed: bool) -> None:
+    assert status_changed(stored, patch) is changed
+
+
+def test_an_unchanged_world_computes_an_unchanged_status() -> None:
+    first = status_of(ALL_READY)
+    stored = {**first, "autoscaling": {"lastDecision": {"decode": 2}}}
+    later = compute_status(
+        name="demo",
+        generation=3,
+        observed=Observed(deployments=ALL_READY),
+        endpoint="http://demo-router.ns.svc:80",
+        now="2026-01-01T01:00:00Z",  # later: transition times stay, so nothing to write
+        previous=stored,
+    )
+    assert status_changed(stored, later) is False
+    not_ready = {**ALL_READY, "router": deployment("demo-router", ready=0)}
+    assert status_changed(stored, status_of(not_ready, previous=stored)) is True
+
+
+@pytest.mark.parametrize(
+    ("conditions", "error"),
+    [
+        ([], None),
+        ([{"type": "Degraded", "status": "False", "reason": "AsExpected", "message": "ok"}], None),
+        ([{"type": "Degraded", "status": "True", "reason": "DeploymentFailing", "message": "x"}], None),
+        ([{"type": "Ready", "status": "False", "reason": "ReconcileFailed", "message": "HTTP 403"}], None),
+        (
+            [{"type": "Degraded", "status": "True", "reason": "ReconcileFailed", "message": "HTTP 403"}],
+            "HTTP 403",
+        ),
+        ([{"type": "Degraded", "status": "True", "reason": "ReconcileFailed"}], "reconcile failed"),
+    ],
+)
+def test_stored_error(conditions: list[dict[str, str]], error: str | None) -> None:
+    assert stored_error({"conditions": conditions}) == error

@@ -18,16 +18,10 @@ import pytest
 from baton_engine import contract
 from baton_operator.autoscaler.tick import FIELD_MANAGER as AUTOSCALER_MANAGER
 from baton_operator.kube import FIELD_MANAGER, collection_path
-from tests.operator_tests.apiserver import ApiServer, api_server, binary_dir
+from tests.operator_tests.apiserver import ApiServer
 from tests.operator_tests.autoscaler.metrics_servers import MetricsServer, answer
-from tests.operator_tests.conftest import admin_client, install_crd
 from tests.operator_tests.kube_helpers import Rest, create_infd, create_namespace, get_infd, wait_for
-from tests.operator_tests.operator_process import (
-    OperatorProcess,
-    install_chart,
-    operator_kubeconfig,
-    operator_process,
-)
+from tests.operator_tests.operator_process import OperatorProcess, operator_process
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -67,27 +61,11 @@ class Load:
 
 
 @pytest.fixture(scope="module")
-def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
-    bin_dir = binary_dir()
-    if bin_dir is None:
-        pytest.skip("etcd/kube-apiserver not built yet (bash devcluster/scripts/build.sh)")
-    with api_server(tmp_path_factory.mktemp("autoscaler-apiserver"), bin_dir) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def operator(apiserver: ApiServer) -> Iterator[OperatorProcess]:
-    client = admin_client(apiserver)
-    install_crd(client)
-    helm = binary_dir()
-    assert helm is not None
-    rest = Rest(apiserver)
-    sa = install_chart(rest, helm / "helm")
-    kubeconfig, _ = operator_kubeconfig(apiserver, rest, sa, apiserver.workdir / "operator.kubeconfig")
-    create_namespace(client, NS)
-    with operator_process(kubeconfig, apiserver.workdir, "--resync-seconds=1") as proc:
+def operator(own_apiserver: ApiServer, own_kube: Any, chart_installed: Any) -> Iterator[OperatorProcess]:
+    kubeconfig, _ = chart_installed
+    create_namespace(own_kube, NS)
+    with operator_process(kubeconfig, own_apiserver.workdir, "--resync-seconds=1") as proc:
         yield proc
-    client.close()
 
 
 @pytest.fixture
@@ -148,10 +126,10 @@ def counter(text: str, name: str, **labels: str) -> float:
 
 
 def test_builtin_scales_up_then_down_one_step_per_window(
-    apiserver: ApiServer, operator: OperatorProcess, loads: dict[str, Load]
+    own_apiserver: ApiServer, own_kube: Any, operator: OperatorProcess, loads: dict[str, Load]
 ) -> None:
-    rest = Rest(apiserver)
-    kube = admin_client(apiserver)
+    rest = Rest(own_apiserver)
+    kube = own_kube
     create_infd(kube, NS, "grow", SPEC)
     wait_for(lambda: rest.call("GET", deployment_path("grow-decode"))[0] == 200, 30, "the role Deployments")
     for role, load in loads.items():
@@ -222,12 +200,13 @@ def test_builtin_scales_up_then_down_one_step_per_window(
         text, "baton_autoscaler_scale_actions_total", deployment="grow", role="prefill", direction="down"
     )
     assert (up, down) == (1.0, 2.0)
-    kube.close()
 
 
-def test_external_mode_never_writes_replicas(apiserver: ApiServer, operator: OperatorProcess) -> None:
-    rest = Rest(apiserver)
-    kube = admin_client(apiserver)
+def test_external_mode_never_writes_replicas(
+    own_apiserver: ApiServer, own_kube: Any, operator: OperatorProcess
+) -> None:
+    rest = Rest(own_apiserver)
+    kube = own_kube
     spec = {**SPEC, "autoscaling": {**SPEC["autoscaling"], "mode": "external"}}
     create_infd(kube, NS, "ext", spec)
     wait_for(lambda: rest.call("GET", deployment_path("ext-prefill"))[0] == 200, 30, "the role Deployments")
@@ -250,4 +229,3 @@ def test_external_mode_never_writes_replicas(apiserver: ApiServer, operator: Ope
     managers = {m["manager"] for m in rest.get(deployment_path("ext-prefill"))["metadata"]["managedFields"]}
     assert AUTOSCALER_MANAGER not in managers
     assert "autoscaling" not in (get_infd(kube, NS, "ext").get("status") or {})
-    kube.close()

@@ -1,0 +1,129 @@
+"""In-memory copies of watched objects, so that a status refresh needs no GETs.
+
+The operator sees every child Deployment and every InferenceDeployment through Kopf's watches,
+and every object it writes in the write's answer. Both feed one cache per kind, which keeps only
+the fields a status refresh reads (whole objects of hundreds of resources would cost the
+operator tens of MB) and never lets an older copy replace a newer one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+Key = tuple[str, str]  # (namespace, name)
+View = Callable[[Mapping[str, Any]], dict[str, Any]]
+
+#: What a status refresh reads of an InferenceDeployment's spec: enough for `parse_spec` to
+#: give the roles and the router endpoint (every other spec field has a default).
+OWNER_SPEC_FIELDS = ("spec.model", "spec.mode", "spec.router")
+#: The status fields the operator writes (and compares before writing); not the autoscaler's.
+OWNER_STATUS_FIELDS = tuple(
+    f"status.{key}"
+    for key in ("observedGeneration", "conditions", "endpoint", "prefill", "decode", "pool", "router")
+)
+#: What `status.compute_status` reads of a Deployment.
+DEPLOYMENT_STATUS_FIELDS = ("observedGeneration", "replicas", "readyReplicas", "updatedReplicas")
+_CONDITION_FIELDS = ("type", "status", "reason", "message")  # not their timestamps
+_META_FIELDS = ("name", "namespace", "uid", "generation", "resourceVersion")
+
+
+def resource_version(obj: Mapping[str, Any]) -> int | None:
+    """The object's resourceVersion as an integer, None if it has none or it is not numeric.
+
+    Kubernetes calls resourceVersion opaque, but the API server in use (etcd-backed) hands out
+    its increasing revision: comparing them only keeps a late watch event from overwriting the
+    newer copy a write just returned; a non-numeric one simply always replaces."""
+    value = obj.get("metadata", {}).get("resourceVersion")
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def slim(obj: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    """A copy of `obj` with its identifying metadata and the dotted `fields` (absent ones left out)."""
+    meta = obj.get("metadata", {})
+    out: dict[str, Any] = {"metadata": {k: meta[k] for k in _META_FIELDS if k in meta}}
+    for dotted in fields:
+        source: Any = obj
+        parts = dotted.split(".")
+        for part in parts:
+            source = source.get(part) if isinstance(source, Mapping) else None
+            if source is None:
+                break
+        if source is None:
+            continue
+        target = out
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+        target[parts[-1]] = _copy(source)
+    return out
+
+
+def owner_view(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """An InferenceDeployment as a status refresh needs it."""
+    return slim(obj, OWNER_SPEC_FIELDS + OWNER_STATUS_FIELDS)
+
+
+def deployment_view(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """A Deployment as `status.compute_status` reads it: replicas, counts, and its conditions
+    without timestamps (a condition re-stamped with nothing else new is no change)."""
+    view = slim(obj, ("spec.replicas",))
+    status = obj.get("status") or {}
+    kept: dict[str, Any] = {k: status[k] for k in DEPLOYMENT_STATUS_FIELDS if k in status}
+    if status.get("conditions"):
+        kept["conditions"] = [{k: c[k] for k in _CONDITION_FIELDS if k in c} for c in status["conditions"]]
+    view["status"] = kept
+    return view
+
+
+def _content(obj: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if k != "metadata"}
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_copy(v) for v in value]
+    return value
+
+
+class ObjectCache:
+    """Views (`view(obj)`: small copies) of one kind's objects by (namespace, name); the newest
+    resourceVersion wins."""
+
+    def __init__(self, view: View) -> None:
+        self.view = view
+        self._objects: dict[Key, dict[str, Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._objects.get((namespace, name))
+
+    def observe(self, obj: Mapping[str, Any]) -> bool:
+        """Store `obj` unless the cache holds a newer version of it. True when the cached fields
+        (all but metadata) changed: a first sight, a new object of that name, or new content."""
+        meta = obj.get("metadata", {})
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        held = self._objects.get(key)
+        fresh = self.view(obj)
+        if held is None or held["metadata"].get("uid") != meta.get("uid"):
+            self._objects[key] = fresh
+            return True
+        old, new = resource_version(held), resource_version(obj)
+        if old is not None and new is not None and new < old:
+            return False
+        self._objects[key] = fresh
+        return _content(held) != _content(fresh)
+
+    def forget(self, obj: Mapping[str, Any]) -> None:
+        """Drop the object (it was deleted) unless a newer one of that name (another uid) is held."""
+        meta = obj.get("metadata", {})
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        held = self._objects.get(key)
+        if held is not None and held["metadata"].get("uid") == meta.get("uid"):
+            del self._objects[key]
