@@ -103,10 +103,14 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def abort_requests(self, request_ids: Sequence[str], message: str | None = None) -> None:
-        """Finish requests now and free their KV; unknown or finished ids are ignored."""
+        """Finish requests now and free their KV; unknown ids are ignored. A finished P/D producer
+        request whose blocks are still leased gets its lease released (nobody will pull it: the
+        abort means its client, which would have passed the params on, is gone)."""
         for request_id in request_ids:
             seq_id = self._ids.get(request_id)
             if seq_id is None:
+                if self.kv_connector is not None:
+                    self.kv_connector.release_request(request_id)
                 continue
             if self.kv_connector is not None and self.kv_connector.abort(seq_id, message):
                 continue  # its KV pull is stopping; the connector aborts it once it has
@@ -117,12 +121,15 @@ class EngineCore:
 
     def poll_kv_transfer(self) -> bool:
         """Free the blocks of ended producer leases while idle (`step` does it when busy).
-        True if transfer stats changed since the last poll (worth a stats push)."""
+        True if blocks were freed or transfer stats changed since the last poll (worth a stats
+        push: a stats call between a lease's end and its free saw no lease but the blocks used)."""
         if self.kv_connector is None:
             return False
-        self.kv_connector.before_step()
+        freed = self.kv_connector.before_step()
         version = self.kv_connector.stats.version
-        changed = version != self._kv_stats_version or self._leases_held() != self._kv_leases_reported
+        changed = (
+            freed or version != self._kv_stats_version or self._leases_held() != self._kv_leases_reported
+        )
         self._kv_stats_version = version
         return changed
 
@@ -194,7 +201,7 @@ class EngineCore:
         kv_params = None
         if finished:
             if self.kv_connector is not None:
-                kv_params = self.kv_connector.producer_finished(seq)
+                kv_params = self.kv_connector.producer_finished(seq, req.request_id)
             del self._requests[seq.seq_id]
             del self._ids[req.request_id]
         reason = seq.finish_reason.value if finished and seq.finish_reason is not None else None

@@ -280,6 +280,25 @@ def test_client_gone_during_either_leg_frees_both_sides(cores: Cores) -> None:
     assert cores.producer.scheduler.num_held_transfers == 0 and _used(cores.producer) == base_prod
 
 
+def test_abort_after_the_producer_leg_finished_releases_its_lease(cores: Cores) -> None:
+    """The client went away while the prefill step ran (the server's abort reaches the core after
+    the step finished the request) or before the response with the params was delivered."""
+    prompt = cores.tokenizer.encode("A short story about a lighthouse keeper. " * 6)
+    base_prod = _used(cores.producer)
+    leased = -(-len(prompt) // BLOCK)
+    _, kv, _, _ = _run(cores.producer, "late-abort-p", prompt, kv={"do_remote_decode": True})
+    assert kv is not None and cores.producer.scheduler.num_held_transfers == 1
+    assert _used(cores.producer) == base_prod + leased
+    cores.prod_connector.stats.take()
+    cores.producer.abort_requests(["late-abort-p"], "client disconnected")
+    cores.producer.poll_kv_transfer()  # an idle core frees ended leases here
+    assert cores.producer.scheduler.num_held_transfers == 0
+    assert _used(cores.producer) == base_prod
+    assert cores.prod_connector.stats.take().leases_expired == 0  # released, not expired
+    cores.producer.abort_requests(["late-abort-p"], "again")  # nothing left to release: a no-op
+    assert _used(cores.producer) == base_prod
+
+
 def test_bad_params_are_refused_at_add(cores: Cores) -> None:
     prompt = cores.tokenizer.encode("Refused")
     with pytest.raises(ValueError, match="kv_transfer_params.do_remote_decode: unknown field"):

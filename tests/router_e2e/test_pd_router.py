@@ -222,20 +222,7 @@ def _running(engine: ServerProcess) -> int:
     return int(engine.stats()["num_running"])
 
 
-@pytest.mark.parametrize(
-    "leg",
-    [
-        pytest.param(
-            "prefill",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="known bug: the producer logs 'client disconnected; aborting' while its core runs "
-                "the prefill step, yet an engine still holds KV blocks 45 s later (lease not released early)",
-            ),
-        ),
-        "decode",
-    ],
-)
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
 def test_client_disconnect_mid_leg_frees_both_sides(deployment: Deployment, leg: str) -> None:
     router = deployment.router(f"disconnect-{leg}")
     try:

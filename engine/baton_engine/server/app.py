@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -104,7 +104,7 @@ def build_app(state: ServerState) -> FastAPI:
         )  # fmt: skip
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return _sse(state, request_id, _completion_stream(state, gen, request_id, include_usage))
+            return _sse(state, gen, request_id, _completion_stream(state, gen, request_id, include_usage))
         return await _collect(state, request, gen, request_id, "text_completion")
 
     @app.post("/v1/chat/completions")
@@ -127,7 +127,7 @@ def build_app(state: ServerState) -> FastAPI:
         log.info("request %s: chat, %d prompt tokens, stream=%s", request_id, len(prompt), req.stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return _sse(state, request_id, _chat_stream(state, gen, request_id, include_usage))
+            return _sse(state, gen, request_id, _chat_stream(state, gen, request_id, include_usage))
         return await _collect(state, request, gen, request_id, "chat.completion")
 
     return app
@@ -304,15 +304,22 @@ def _error_event(exc: APIError) -> str:
     return f"data: {json.dumps(exc.body())}\n\n"
 
 
-def _sse(state: ServerState, request_id: str, events: AsyncIterator[str]) -> StreamingResponse:
+def _sse(
+    state: ServerState, gen: Generation, request_id: str, events: AsyncGenerator[str, None]
+) -> StreamingResponse:
     state.in_flight += 1
 
     async def body() -> AsyncIterator[str]:
+        delivered = False
         try:
-            async for event in events:
-                yield event
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield event
+            delivered = True  # the last event was sent: the response asked for the next one
         finally:
             state.in_flight -= 1
+            if not delivered:
+                gen.release_transfer()  # a P/D producer leg whose params never got out
             log.info("request %s: stream closed", request_id)
 
     return StreamingResponse(
@@ -460,12 +467,18 @@ async def _collect(
             done, _ = await asyncio.wait({task}, timeout=0.25)
             if done:
                 task.result()
+                if gen.kv_transfer_params_out is not None and await request.is_disconnected():
+                    # nobody will pass these params on to a consumer: free the lease now
+                    log.info("request %s: client gone before its kv_transfer_params; releasing", request_id)
+                    gen.release_transfer()
+                    return Response(status_code=499)
                 break
             if await request.is_disconnected():
                 log.info("request %s: client disconnected; aborting", request_id)
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+                gen.release_transfer()  # the prefill may have finished meanwhile (lease held)
                 return Response(status_code=499)
     finally:
         if not task.done():
