@@ -156,6 +156,13 @@ class KVTransferConnector:
             log.info("KV transfer: lease %s released early (request %s aborted)", transfer_id, request_id)
         return released
 
+    def release_transfer(self, engine_id: str, transfer_id: str) -> bool:
+        """Producer: end a lease early on request (signed params checked by the caller). False
+        if the params are another engine's (e.g. before this one restarted) or not leased."""
+        if self.producer is None or engine_id != self.engine_id:
+            return False
+        return self.producer.release(transfer_id)
+
     def abort(self, seq_id: int, message: str | None) -> bool:
         """Called before the scheduler aborts `seq_id`. True: the abort is deferred until the
         running pull stops writing into the sequence's blocks (`before_step` finishes it)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter as Tally
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,6 +39,7 @@ class RouterCore:
         self.scorer = scorer
         self.metrics = metrics
         self.in_flight: Tally[str] = Tally()
+        self.background: set[asyncio.Future[None]] = set()  # fire-and-forget calls (lease releases)
         self._prefill_weights = settings.prefill_weights
         self._turns: Tally[str] = Tally()
         registry.subscribe(self._on_endpoint)

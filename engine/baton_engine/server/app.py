@@ -89,6 +89,28 @@ def build_app(state: ServerState) -> FastAPI:
         stats = await client.call("stats")
         return JSONResponse({**stats, "core_pid": client.info["pid"], "in_flight": state.in_flight})
 
+    @app.post(contract.PATH_KV_TRANSFER_RELEASE)
+    async def kv_transfer_release(request: Request) -> JSONResponse:
+        """End the lease of signed params nobody will pull (their client went away). The
+        signature proves the caller got the params from this deployment."""
+        from baton_engine.contract import KVTransferParamsError
+        from baton_engine.kv_transfer.params import load_key, verify_params
+
+        body = decode_body(await request.body())
+        if state.config.kv_role not in ("producer", "both"):
+            raise bad_request(
+                f"kv_transfer_params: this engine's kv_role is {state.config.kv_role!r}, not producer",
+                param="kv_transfer_params",
+            )
+        try:
+            params = verify_params(body.get("kv_transfer_params"), load_key())
+        except KVTransferParamsError as exc:
+            raise bad_request(str(exc), param="kv_transfer_params") from exc
+        client = _require_ready(state)
+        released = await client.call("release_transfer", params.engine_id, params.transfer_id)
+        log.info("kv transfer %s: release requested, released=%s", params.transfer_id, released)
+        return JSONResponse({"transfer_id": params.transfer_id, "released": bool(released)})
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         request_id = _request_id(request, "cmpl")
