@@ -202,6 +202,7 @@ def _running(engine: ServerProcess) -> int:
 
 @pytest.mark.parametrize("leg", ["prefill", "decode"])
 def test_client_disconnect_mid_leg_frees_both_sides(deployment: Deployment, leg: str) -> None:
+    expired = [counter(p.url, contract.M_KV_LEASES_EXPIRED) for p in deployment.producers]
     router = deployment.router(f"disconnect-{leg}")
     try:
         if leg == "prefill":
@@ -236,6 +237,10 @@ def test_client_disconnect_mid_leg_frees_both_sides(deployment: Deployment, leg:
         sock.close()
         # freed before the producer's 60 s lease could expire (a busy core finishes its step first)
         wait_kv_free(deployment.engines, timeout=45)
+        for engine in deployment.engines:
+            stats = engine.stats()
+            assert (stats["num_used_kv_blocks"], stats["kv_leases_held"]) == (0, 0), engine.url
+        assert [counter(p.url, contract.M_KV_LEASES_EXPIRED) for p in deployment.producers] == expired
     finally:
         router.stop()
 
