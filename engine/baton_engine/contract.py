@@ -118,6 +118,9 @@ def pod_selector(deployment: str, role: str) -> dict[str, str]:
 PATH_HEALTH: Final = "/health"
 PATH_READY: Final = "/ready"
 PATH_METRICS: Final = "/metrics"
+# Baton extension on producer pods: POST {"kv_transfer_params": <the signed params>} ends that
+# lease early (the router calls it when a client goes away between the legs).
+PATH_KV_TRANSFER_RELEASE: Final = "/v1/kv_transfer/release"
 
 # --------------------------------------------------------------------------- metrics
 

@@ -66,6 +66,9 @@ def _handle(core: EngineCore, kind: str, payload: Any, state: _LoopState) -> Non
         call_id, method, _args = payload
         if method == "stats":
             state.utility_results.append([call_id, True, core.stats().to_dict()])
+        elif method == "release_transfer":
+            engine_id, transfer_id = _args
+            state.utility_results.append([call_id, True, core.release_transfer(engine_id, transfer_id)])
         elif method == "reset_prefix_cache":
             core.scheduler.reset_prefix_cache()
             state.utility_results.append([call_id, True, None])

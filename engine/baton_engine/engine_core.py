@@ -70,6 +70,8 @@ class EngineCore:
         self._kv_leases_reported = 0
         self._requests: dict[int, _Request] = {}
         self._ids: dict[str, int] = {}
+        # Aborted while a step was in flight: such a request may still finish in that step.
+        self._abort_requested: set[str] = set()
         self._next_seq_id = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -103,26 +105,39 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def abort_requests(self, request_ids: Sequence[str], message: str | None = None) -> None:
-        """Finish requests now and free their KV; unknown or finished ids are ignored."""
+        """Finish requests now and free their KV; unknown ids are ignored. A finished P/D producer
+        request whose blocks are still leased gets its lease released (nobody will pull it: the
+        abort means its client, which would have passed the params on, is gone)."""
         for request_id in request_ids:
             seq_id = self._ids.get(request_id)
             if seq_id is None:
+                if self.kv_connector is not None:
+                    self.kv_connector.release_request(request_id)
                 continue
+            self._abort_requested.add(request_id)
             if self.kv_connector is not None and self.kv_connector.abort(seq_id, message):
                 continue  # its KV pull is stopping; the connector aborts it once it has
             self.scheduler.abort(seq_id, message)
+
+    def release_transfer(self, engine_id: str, transfer_id: str) -> bool:
+        """Producer: end lease `transfer_id` early if this engine (`engine_id`) holds it; its
+        blocks are freed on the next step or idle poll. False if there is no such lease."""
+        return self.kv_connector is not None and self.kv_connector.release_transfer(engine_id, transfer_id)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests) or self.scheduler.has_unfinished()
 
     def poll_kv_transfer(self) -> bool:
         """Free the blocks of ended producer leases while idle (`step` does it when busy).
-        True if transfer stats changed since the last poll (worth a stats push)."""
+        True if blocks were freed or transfer stats changed since the last poll (worth a stats
+        push: a stats call between a lease's end and its free saw no lease but the blocks used)."""
         if self.kv_connector is None:
             return False
-        self.kv_connector.before_step()
+        freed = self.kv_connector.before_step()
         version = self.kv_connector.stats.version
-        changed = version != self._kv_stats_version or self._leases_held() != self._kv_leases_reported
+        changed = (
+            freed or version != self._kv_stats_version or self._leases_held() != self._kv_leases_reported
+        )
         self._kv_stats_version = version
         return changed
 
@@ -194,7 +209,11 @@ class EngineCore:
         kv_params = None
         if finished:
             if self.kv_connector is not None:
-                kv_params = self.kv_connector.producer_finished(seq)
+                kv_params = self.kv_connector.producer_finished(seq, req.request_id)
+                if kv_params is not None and req.request_id in self._abort_requested:
+                    self.kv_connector.release_request(req.request_id)  # its client is gone
+                    kv_params = None
+            self._abort_requested.discard(req.request_id)
             del self._requests[seq.seq_id]
             del self._ids[req.request_id]
         reason = seq.finish_reason.value if finished and seq.finish_reason is not None else None

@@ -9,7 +9,6 @@ steps both cores. Faults: producer gone between the legs (recompute), consumer n
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,47 +17,26 @@ from typing import Any
 import pytest
 import torch
 
-from baton_engine import contract
 from baton_engine.config import EngineConfig
 from baton_engine.engine_core import EngineCore
 from baton_engine.engine_factory import build_engine_core
 from baton_engine.kv_transfer.engine_connector import KVTransferConnector
 from baton_engine.sampling_params import SamplingParams
 from tests.kv_transfer.helpers import KEY
+from tests.pd_setup import (
+    BLOCK_SIZE,
+    PREFIXED,
+    SHARED_PREFIX,
+    TEXTS,
+    core_settings,
+    free_port,
+    pd_environment,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
-BLOCK = 16
+BLOCK = BLOCK_SIZE
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
-TEXTS = [
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "1, 2, 3, 4, 5,",
-    "Explain why the sky is blue in one sentence.",
-    "def fibonacci(n):",
-    "Translate to French: good morning, my friend.",
-    "List three primary colors:",
-    "Once upon a time, in a small village by the mountains, there lived an old clockmaker who",
-    "Q: What is 12 times 12?\nA:",
-    "The quick brown fox jumps over the lazy dog. " * 6,
-    "A recipe for pancakes needs flour, eggs, milk and",
-    "In physics, energy is",
-    "Hello",
-    "Summarize: Kubernetes is a system for automating deployment, scaling and management of "
-    "containerized applications. It groups containers into logical units.",
-    "The three laws of thermodynamics are",
-    "Name a famous painting by Leonardo da Vinci:",
-]
-SHARED_PREFIX = (
-    "You are a helpful assistant. Answer briefly and precisely, and never make things up. "
-    "The user is a student preparing for an exam in history and geography. "
-)
-PREFIXED = ["Question: who built the pyramids?", "Question: what is the longest river?"]
-
-
-def _free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        return int(probe.getsockname()[1])
 
 
 @dataclass
@@ -83,23 +61,17 @@ class Cores:
 def cores() -> Iterator[Cores]:
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    mp = pytest.MonkeyPatch()
-    mp.setenv(contract.ENV_KV_TRANSFER_KEY, KEY.decode())
-    mp.delenv(contract.ENV_POD_IP, raising=False)
-    common = dict(dtype="float32", num_kv_blocks=160, max_model_len=1024, block_size=BLOCK)
-    single, info = build_engine_core(EngineConfig(**common))
-    producer, _ = build_engine_core(
-        EngineConfig(**common, kv_role="producer", kv_transfer_port=_free_port(), kv_lease_seconds=30)
-    )
-    consumer, _ = build_engine_core(EngineConfig(**common, kv_role="consumer"))
-    try:
-        yield Cores(single, producer, consumer, single.runner.loaded.tokenizer)  # type: ignore[attr-defined]
-    finally:
-        for core in (producer, consumer):
-            assert core.kv_connector is not None
-            core.kv_connector.close()
-        mp.undo()
-        torch.set_num_threads(previous_threads)
+    with pd_environment(KEY.decode()):
+        single, _ = build_engine_core(EngineConfig(**core_settings("none", num_kv_blocks=160)))
+        producer, _ = build_engine_core(EngineConfig(**core_settings("producer", num_kv_blocks=160)))
+        consumer, _ = build_engine_core(EngineConfig(**core_settings("consumer", num_kv_blocks=160)))
+        try:
+            yield Cores(single, producer, consumer, single.runner.loaded.tokenizer)  # type: ignore[attr-defined]
+        finally:
+            for core in (producer, consumer):
+                assert core.kv_connector is not None
+                core.kv_connector.close()
+            torch.set_num_threads(previous_threads)
 
 
 def _run(
@@ -177,7 +149,7 @@ def test_producer_gone_between_the_legs_recomputes(cores: Cores, monkeypatch: py
     want, _, _, _ = _run(cores.single, "gone-s", prompt)
     _, kv, _, _ = _run(cores.producer, "gone-p", prompt, kv={"do_remote_decode": True})
     assert kv is not None
-    dead_port = _free_port()  # nothing listens there: the producer is gone
+    dead_port = free_port()  # nothing listens there: the producer is gone
     from baton_engine.contract import KVTransferParams
 
     moved = KVTransferParams.from_dict({**kv, "port": dead_port, "signature": ""}).signed(KEY).to_dict()
@@ -195,7 +167,7 @@ def test_fail_policy_reports_a_clear_error(cores: Cores) -> None:
     raw = {
         "engine_id": "nobody",
         "host": "127.0.0.1",
-        "port": _free_port(),
+        "port": free_port(),
         "transfer_id": "x",
         "block_ids": [0],
         "num_tokens": len(prompt),
@@ -278,6 +250,25 @@ def test_client_gone_during_either_leg_frees_both_sides(cores: Cores) -> None:
         cores.producer.poll_kv_transfer()
         time.sleep(0.01)
     assert cores.producer.scheduler.num_held_transfers == 0 and _used(cores.producer) == base_prod
+
+
+def test_abort_after_the_producer_leg_finished_releases_its_lease(cores: Cores) -> None:
+    """The client went away while the prefill step ran (the server's abort reaches the core after
+    the step finished the request) or before the response with the params was delivered."""
+    prompt = cores.tokenizer.encode("A short story about a lighthouse keeper. " * 6)
+    base_prod = _used(cores.producer)
+    leased = -(-len(prompt) // BLOCK)
+    _, kv, _, _ = _run(cores.producer, "late-abort-p", prompt, kv={"do_remote_decode": True})
+    assert kv is not None and cores.producer.scheduler.num_held_transfers == 1
+    assert _used(cores.producer) == base_prod + leased
+    cores.prod_connector.stats.take()
+    cores.producer.abort_requests(["late-abort-p"], "client disconnected")
+    cores.producer.poll_kv_transfer()  # an idle core frees ended leases here
+    assert cores.producer.scheduler.num_held_transfers == 0
+    assert _used(cores.producer) == base_prod
+    assert cores.prod_connector.stats.take().leases_expired == 0  # released, not expired
+    cores.producer.abort_requests(["late-abort-p"], "again")  # nothing left to release: a no-op
+    assert _used(cores.producer) == base_prod
 
 
 def test_bad_params_are_refused_at_add(cores: Cores) -> None:

@@ -20,24 +20,13 @@ import pytest
 
 from baton_engine import contract
 from tests.kv_transfer.helpers import KEY
-from tests.kv_transfer.test_pd_engine_core import PREFIXED, SHARED_PREFIX, TEXTS
-from tests.server.server_process import ServerProcess, free_port, pid_alive, wait_for
+from tests.pd_setup import MODEL, PREFIXED, SHARED_PREFIX, TEXTS, pd_environment, serve_args
+from tests.server.server_process import ServerProcess, pid_alive, wait_for
 
 # Two model loads and ~60 requests: minutes on a loaded 2-core machine.
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(1800)]
 
-MODEL = "builtin:smollm2-135m-instruct"
 NAME = "smollm2"
-ARGS = (
-    "--num-kv-blocks",
-    "160",
-    "--max-model-len",
-    "1024",
-    "--dtype",
-    "float32",
-    "--served-model-name",
-    NAME,
-)
 LEASE_SECONDS = 4
 
 
@@ -48,16 +37,12 @@ class Servers:
     def __init__(self, log_dir: Path) -> None:
         self.started: list[ServerProcess] = []
         self.core_pids: dict[int, int] = {}
-        self.producer = self._start(
-            log_dir / "producer.log",
-            "--kv-role", "producer",
-            "--kv-transfer-port", str(free_port()),
-            "--kv-lease-seconds", str(LEASE_SECONDS),
-        )  # fmt: skip
-        self.consumer = self._start(log_dir / "consumer.log", "--kv-role", "consumer")
+        self.producer = self._start(log_dir / "producer.log", "producer")
+        self.consumer = self._start(log_dir / "consumer.log", "consumer")
 
-    def _start(self, log: Path, *args: str) -> ServerProcess:
-        server = ServerProcess(MODEL, *ARGS, *args, log_path=log)
+    def _start(self, log: Path, role: str) -> ServerProcess:
+        args = serve_args(role, num_kv_blocks=160, lease_seconds=LEASE_SECONDS, name=NAME)
+        server = ServerProcess(MODEL, *args, log_path=log)
         self.started.append(server)
         self.core_pids[server.pid] = int(server.stats()["core_pid"])
         return server
@@ -72,15 +57,12 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    mp = pytest.MonkeyPatch()
-    mp.setenv(contract.ENV_KV_TRANSFER_KEY, KEY.decode())
-    mp.delenv(contract.ENV_POD_IP, raising=False)
-    started = Servers(tmp_path_factory.mktemp("pd-http"))
-    try:
-        yield started
-    finally:
-        started.stop()
-        mp.undo()
+    with pd_environment(KEY.decode()):
+        started = Servers(tmp_path_factory.mktemp("pd-http"))
+        try:
+            yield started
+        finally:
+            started.stop()
 
 
 def _complete(server: ServerProcess, prompt: str, **extra: Any) -> Any:
@@ -177,6 +159,34 @@ def test_unpulled_lease_is_freed_at_expiry(servers: Servers) -> None:
     wait_for(
         lambda: _metric(servers.producer, contract.M_KV_LEASES_EXPIRED) == before + 1, 10, "expiry metric"
     )
+
+
+def test_release_endpoint_frees_a_lease_before_it_expires(servers: Servers) -> None:
+    """What the router calls when a client goes away between the legs: the signed params free
+    their lease at once; anything else is a 400 that changes nothing."""
+    producer = servers.producer
+    expired = _metric(producer, contract.M_KV_LEASES_EXPIRED)
+    leg = _complete(producer, "Released early " * 8, kv_transfer_params={"do_remote_decode": True})
+    kv = leg.json()["kv_transfer_params"]
+    path = contract.PATH_KV_TRANSFER_RELEASE
+    cases = [
+        (producer, {"kv_transfer_params": {**kv, "transfer_id": "another"}}, "signature: does not match"),
+        (producer, {"kv_transfer_params": {"do_remote_decode": True}}, "do_remote_decode: unknown field"),
+        (producer, {}, "kv_transfer_params: must be an object"),
+        (servers.consumer, {"kv_transfer_params": kv}, "kv_role is 'consumer', not producer"),
+    ]
+    for server, body, message in cases:
+        refused = server.http.post(path, json=body)
+        assert refused.status_code == 400, refused.text
+        assert message in refused.json()["error"]["message"]
+    assert producer.stats()["kv_leases_held"] == 1
+    released = producer.http.post(path, json={"kv_transfer_params": kv})
+    assert released.status_code == 200
+    assert released.json() == {"transfer_id": kv["transfer_id"], "released": True}
+    producer.wait_idle(timeout=LEASE_SECONDS)
+    again = producer.http.post(path, json={"kv_transfer_params": kv})
+    assert again.json() == {"transfer_id": kv["transfer_id"], "released": False}
+    assert _metric(producer, contract.M_KV_LEASES_EXPIRED) == expired
 
 
 def test_producer_killed_between_the_legs_recomputes(servers: Servers) -> None:

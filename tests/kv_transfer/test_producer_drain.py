@@ -16,8 +16,9 @@ import pytest
 
 from baton_engine import contract
 from tests.kv_transfer.helpers import KEY
-from tests.kv_transfer.test_pd_http import ARGS, MODEL, _complete, _metric
-from tests.server.server_process import ServerProcess, free_port, pid_alive, wait_for
+from tests.kv_transfer.test_pd_http import NAME, _complete, _metric
+from tests.pd_setup import MODEL, pd_environment, serve_args
+from tests.server.server_process import ServerProcess, pid_alive, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -25,26 +26,25 @@ LEASE_SECONDS = 60  # far longer than the test: the exit must come from the pull
 
 
 @pytest.fixture
-def pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    monkeypatch.setenv(contract.ENV_KV_TRANSFER_KEY, KEY.decode())
-    monkeypatch.delenv(contract.ENV_POD_IP, raising=False)
-    producer = ServerProcess(
-        MODEL,
-        *ARGS,
-        "--kv-role", "producer",
-        "--kv-transfer-port", str(free_port()),
-        "--kv-lease-seconds", str(LEASE_SECONDS),
-        log_path=tmp_path / "producer.log",
-    )  # fmt: skip
-    consumer = ServerProcess(MODEL, *ARGS, "--kv-role", "consumer", log_path=tmp_path / "consumer.log")
-    try:
-        yield producer, consumer
-    finally:
-        for server in (producer, consumer):
-            core_pid = server.core_pid
-            server.stop(signal.SIGKILL, timeout=10)
-            if core_pid is not None and pid_alive(core_pid):
-                wait_for(lambda pid=core_pid: not pid_alive(pid), 10, f"core {core_pid} to exit")
+def pair(tmp_path: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    with pd_environment(KEY.decode()):
+        started: list[ServerProcess] = []
+        try:
+            for role in ("producer", "consumer"):
+                started.append(
+                    ServerProcess(
+                        MODEL,
+                        *serve_args(role, num_kv_blocks=160, lease_seconds=LEASE_SECONDS, name=NAME),
+                        log_path=tmp_path / f"{role}.log",
+                    )
+                )
+            yield started[0], started[1]
+        finally:
+            for server in started:
+                core_pid = server.core_pid
+                server.stop(signal.SIGKILL, timeout=10)
+                if core_pid is not None and pid_alive(core_pid):
+                    wait_for(lambda pid=core_pid: not pid_alive(pid), 10, f"core {core_pid} to exit")
 
 
 def test_sigterm_keeps_serving_leased_blocks_until_pulled(pair: tuple[ServerProcess, ServerProcess]) -> None:

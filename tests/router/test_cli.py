@@ -96,6 +96,14 @@ def test_cli_serves_requests_with_the_api_key_from_the_environment(router_proces
             "--tokenizer builtin:nope: unknown builtin model 'nope'",
         ),
         (["--prefill", "a:1#kv-events=x", "--decode", "b:1"], "port 'kv-events=x' is not NAME=PORT"),
+        (
+            ["--prefill", "a:1", "--decode", "b:1", "--prefix-weight", "-2"],
+            "prefix_weight: must be a finite number >= 0, got -2.0",
+        ),
+        (
+            ["--prefill", "a:1", "--decode", "b:1", "--load-weight", "inf"],
+            "load_weight: must be a finite number >= 0, got inf",
+        ),
     ],
 )
 def test_cli_rejects_bad_flags(argv: list[str], message: str) -> None:

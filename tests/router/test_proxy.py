@@ -47,6 +47,7 @@ def test_disaggregated_legs_in_order_with_params_passed_through(start_engine, st
     assert decode_leg.body == {**BODY, "kv_transfer_params": prefill.params_for("req-1")}
     assert prefill_leg.request_id == decode_leg.request_id == "req-1"
     assert _metric(router.url, 'baton_router_requests_total{mode="disaggregated",outcome="success"}') == 1.0
+    assert len(prefill.posts()) == 1  # the decode leg completed: no lease release
 
 
 def test_stream_is_relayed_byte_for_byte(start_engine, start_router) -> None:
@@ -214,6 +215,14 @@ def test_client_disconnect_mid_stream_closes_the_decode_leg(start_engine, start_
         assert first.startswith(b"data: ")
     # leaving the block closed the client connection mid-stream
     wait_for(lambda: decode.disconnects == ["c-1"], what="decode pod to see its stream closed")
+    # and the prefill pod is asked to free the blocks it leased for the abandoned decode leg
+    wait_for(lambda: len(prefill.posts()) == 2, what="the lease release to reach the prefill pod")
+    release = prefill.posts()[1]
+    assert (release.path, release.body) == (
+        "/v1/kv_transfer/release",
+        {"kv_transfer_params": prefill.params_for("c-1")},
+    )
+    assert release.request_id == "c-1"
     wait_for(
         lambda: (
             _metric(router.url, 'baton_router_requests_total{mode="disaggregated",outcome="cancelled"}')
@@ -299,7 +308,7 @@ def test_unknown_paths_and_methods_get_openai_errors(start_engine, start_router)
 
 
 def test_no_reachable_decode_pod_is_503(start_engine, start_router) -> None:
-    _, prefill_url = start_engine("p0")
+    prefill, prefill_url = start_engine("p0")
     router = start_router(prefill=[prefill_url], decode=[dead_url(), dead_url()])
 
     response = httpx.post(router.url + "/v1/completions", json=BODY)
@@ -309,6 +318,9 @@ def test_no_reachable_decode_pod_is_503(start_engine, start_router) -> None:
     assert set(error) == ERROR_KEYS
     assert error["type"] == "service_unavailable"
     assert error["message"].startswith("decode leg: no pod accepted the connection")
+    # nobody will pull the prefill pod's blocks: it is asked to free them now
+    wait_for(lambda: len(prefill.posts()) == 2, what="the lease release to reach the prefill pod")
+    assert [r.path for r in prefill.posts()] == ["/v1/completions", "/v1/kv_transfer/release"]
 
 
 def test_refused_decode_pod_is_skipped_for_the_next(start_engine, start_router) -> None:

@@ -81,6 +81,8 @@ class KVTransferConnector:
             )
         if self.role in ("consumer", "both"):
             self.puller = BackgroundPuller(kv_cache, stats=self.stats, timeout_s=pull_timeout_s)
+        self._lease_of_request: dict[str, str] = {}  # producer: request id -> transfer id, while leased
+        self._request_of_lease: dict[str, str] = {}
         self._consumer_params: dict[int, KVTransferParams] = {}  # seq id -> params, until pulled
         self._pulling: set[int] = set()
         self._aborted_while_pulling: dict[int, str | None] = {}
@@ -112,8 +114,12 @@ class KVTransferConnector:
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
         self._consumer_params[seq.seq_id] = params
 
-    def producer_finished(self, seq: Sequence) -> dict[str, Any] | None:
-        """Lease a finished producer request's blocks; the signed params for its response."""
+    def producer_finished(self, seq: Sequence, request_id: str) -> dict[str, Any] | None:
+        """Lease a finished producer request's blocks; the signed params for its response.
+
+        Until the lease ends, aborting `request_id` (`release_request`) releases it: the
+        response carrying the params may never reach the client (it went away during the
+        prefill step, or just after it), and then nobody will pull them."""
         transfer_id = seq.hold_blocks_for_transfer
         if self.producer is None or transfer_id is None:
             return None
@@ -123,6 +129,8 @@ class KVTransferConnector:
         num_blocks = -(-seq.num_prompt_tokens // self.spec.block_size)
         block_ids = held[:num_blocks]
         expires_at = self.producer.add_lease(transfer_id, block_ids, self.lease_seconds)
+        self._lease_of_request[request_id] = transfer_id
+        self._request_of_lease[transfer_id] = request_id
         return sign_params(
             key=self.key,
             engine_id=self.engine_id,
@@ -136,6 +144,24 @@ class KVTransferConnector:
             model=self.model_name,
             lease_expires_at=expires_at,
         )
+
+    def release_request(self, request_id: str) -> bool:
+        """Producer: end the lease of finished request `request_id` early (its client is gone).
+        False if it holds none (never leased, already pulled, released or expired)."""
+        transfer_id = self._lease_of_request.get(request_id)
+        if transfer_id is None or self.producer is None:
+            return False
+        released = self.producer.release(transfer_id)
+        if released:
+            log.info("KV transfer: lease %s released early (request %s aborted)", transfer_id, request_id)
+        return released
+
+    def release_transfer(self, engine_id: str, transfer_id: str) -> bool:
+        """Producer: end a lease early on request (signed params checked by the caller). False
+        if the params are another engine's (e.g. before this one restarted) or not leased."""
+        if self.producer is None or engine_id != self.engine_id:
+            return False
+        return self.producer.release(transfer_id)
 
     def abort(self, seq_id: int, message: str | None) -> bool:
         """Called before the scheduler aborts `seq_id`. True: the abort is deferred until the
@@ -153,15 +179,21 @@ class KVTransferConnector:
         """Pulls are in flight (the step loop has nothing else of these requests to run)."""
         return bool(self._pulling)
 
-    def before_step(self) -> None:
+    def before_step(self) -> bool:
+        """Free ended leases and take finished pulls; True if a lease's blocks were freed."""
+        freed = False
         if self.producer is not None:
             for transfer_id, how in self.producer.take_ended():
+                freed = True
+                request_id = self._request_of_lease.pop(transfer_id, None)
+                if request_id is not None and self._lease_of_request.get(request_id) == transfer_id:
+                    del self._lease_of_request[request_id]
                 if not self.scheduler.release(transfer_id):
                     log.warning("KV transfer: lease %s ended (%s) with no held blocks", transfer_id, how)
                 elif how is LeaseEnd.EXPIRED:
                     log.info("KV transfer: lease %s expired; blocks freed", transfer_id)
         if self.puller is None:
-            return
+            return freed
         for job in self.puller.take_finished():
             self._pulling.discard(job.seq_id)
             if job.seq_id in self._aborted_while_pulling:
@@ -178,6 +210,7 @@ class KVTransferConnector:
                 self.scheduler.mark_remote_kv_failed(job.seq_id, recompute=self.recompute_on_failure)
                 if seq is not None and seq.is_finished:
                     seq.finish_message = f"KV transfer from the prefill engine failed: {job.error}"
+        return freed
 
     def after_schedule(self) -> None:
         """Start the pulls of requests whose blocks the scheduler just reserved."""

@@ -18,7 +18,7 @@ from baton_engine.router.discovery import (
     static_endpoints,
 )
 from baton_engine.router.endpoints import EndpointRegistry
-from baton_engine.router.policy import ROUTINGS
+from baton_engine.router.policy import ROUTINGS, PrefillWeights
 from baton_engine.router.settings import MODES, RouterSettings
 
 if TYPE_CHECKING:
@@ -43,7 +43,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--routing",
         choices=ROUTINGS,
         default="prefix",
-        help="prefix: longest cached prefix, then load; round-robin: a baseline for comparisons",
+        help="prefix: prefill pods by a weighted score of cached prompt tokens and load (see "
+        "--prefix-weight, --load-weight), decode pods by KV usage; round-robin: a baseline",
+    )
+    p.add_argument(
+        "--prefix-weight",
+        type=float,
+        default=PrefillWeights.prefix,
+        help="prefill score per prompt token the pod has cached (default %(default)s)",
+    )
+    p.add_argument(
+        "--load-weight",
+        type=float,
+        default=PrefillWeights.load,
+        help="prefill score subtracted per request waiting or running on the pod, in the same units: "
+        "with the defaults one queued request outweighs 256 cached prompt tokens (default %(default)s)",
     )
     p.add_argument("--block-size", type=int, default=16, help="KV block size of the engines, in tokens")
     p.add_argument(
@@ -209,6 +223,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             mode=args.mode,
             routing=args.routing,
             block_size=args.block_size,
+            prefix_weight=args.prefix_weight,
+            load_weight=args.load_weight,
             model=args.model,
             api_key=api_key,
             prefill_timeout_s=args.prefill_timeout,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter as Tally
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,6 +39,8 @@ class RouterCore:
         self.scorer = scorer
         self.metrics = metrics
         self.in_flight: Tally[str] = Tally()
+        self.background: set[asyncio.Future[None]] = set()  # fire-and-forget calls (lease releases)
+        self._prefill_weights = settings.prefill_weights
         self._turns: Tally[str] = Tally()
         registry.subscribe(self._on_endpoint)
 
@@ -82,7 +85,10 @@ class RouterCore:
         endpoints = self._usable(role)
         prefix = self.scorer.matched_blocks(api, body, endpoints) if self.settings.routing == "prefix" else {}
         chosen = policy.choose_prefill(
-            self._candidates(endpoints, prefix), self.settings.routing, self._turn(role)
+            self._candidates(endpoints, prefix),
+            self.settings.routing,
+            self._turn(role),
+            self._prefill_weights,
         )
         hit_tokens = chosen.prefix_blocks * self.settings.block_size
         if hit_tokens:

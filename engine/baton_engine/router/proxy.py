@@ -23,6 +23,7 @@ import aiohttp
 from starlette.background import BackgroundTasks
 from starlette.responses import Response
 
+from baton_engine import contract
 from baton_engine.router import errors
 from baton_engine.router.core import NoEndpoint, RouterCore
 from baton_engine.router.endpoints import Endpoint
@@ -39,6 +40,7 @@ REQUEST_ID_HEADER = "x-request-id"
 #: Upstream response headers passed to the client; the rest are hop-by-hop or server-specific.
 _PASSED_HEADERS = frozenset({"content-type", "content-length", "content-encoding", "cache-control"})
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+_RELEASE_TIMEOUT_S = 5.0
 
 
 class _Fallback(Exception):
@@ -73,6 +75,8 @@ class ProxyResponse(Response):
         self.mode = core.settings.mode
         self._started = False  # response headers sent
         self._outcome = "success"
+        # The prefill pod and the params it leased blocks under, until the decode leg succeeds.
+        self._lease: tuple[Endpoint, dict[str, Any]] | None = None
         self.background: BackgroundTasks | None = None
 
     # ------------------------------------------------------------------ ASGI entry
@@ -97,6 +101,8 @@ class ProxyResponse(Response):
                 raise
             finally:
                 self.core.metrics.requests.labels(outcome=self._outcome, mode=self.mode).inc()
+                if self._lease is not None and self._outcome != "success":
+                    self._release_lease(*self._lease)
 
     async def _run(self, send: Send) -> None:
         try:
@@ -118,6 +124,7 @@ class ProxyResponse(Response):
                 return
             if params is None:  # the prefill pod refused the request; its answer was relayed
                 return
+            self._lease = (self._prefill_endpoint, params)
             decode_body = json.dumps({**self.request_json, "kv_transfer_params": params}).encode()
             await self._relay(self.core.decode_order(), decode_body, "decode", send)
         except NoEndpoint as exc:
@@ -134,6 +141,7 @@ class ProxyResponse(Response):
             endpoint, _ = self.core.choose_first_leg(self.api, self.request_json)
         except NoEndpoint as exc:
             raise _Fallback("no_prefill_pod", str(exc)) from None
+        self._prefill_endpoint = endpoint
         leg = dict(self.request_json)
         leg.pop("stream_options", None)  # only valid with stream: true
         leg.update(kv_transfer_params={"do_remote_decode": True}, max_tokens=1, stream=False)
@@ -239,6 +247,14 @@ class ProxyResponse(Response):
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    def _release_lease(self, endpoint: Endpoint, params: dict[str, Any]) -> None:
+        """The decode leg did not complete (client gone, no decode pod, decode refused or broke):
+        ask the prefill pod to free the blocks it leased for it now, not at lease expiry. A
+        consumer that did pull or release them already makes this a no-op."""
+        task = asyncio.ensure_future(_post_release(self.client, endpoint, params, self.request_id))
+        self.core.background.add(task)
+        task.add_done_callback(self.core.background.discard)
+
     # ------------------------------------------------------------------ responses
 
     async def _start(self, send: Send, status: int, headers: Mapping[str, str]) -> None:
@@ -265,6 +281,23 @@ class ProxyResponse(Response):
             {"content-type": "application/json"},
             errors.error_bytes(message, type_, code=status),
         )
+
+
+async def _post_release(
+    client: aiohttp.ClientSession, endpoint: Endpoint, params: dict[str, Any], request_id: str
+) -> None:
+    url = endpoint.url + contract.PATH_KV_TRANSFER_RELEASE
+    try:
+        async with client.post(
+            url,
+            json={"kv_transfer_params": params},
+            headers={REQUEST_ID_HEADER: request_id},
+            timeout=aiohttp.ClientTimeout(total=_RELEASE_TIMEOUT_S),
+        ) as response:
+            answer = await response.read()
+        log.info("request %s: lease release on %s: %d %r", request_id, endpoint.url, response.status, answer)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.warning("request %s: lease release on %s failed: %r", request_id, endpoint.url, exc)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from baton_engine import contract
-from baton_engine.router.policy import ROUTINGS, Routing
+from baton_engine.router.policy import ROUTINGS, PrefillWeights, Routing
 
 Mode = Literal["disaggregated", "aggregated"]
 MODES: tuple[str, ...] = ("disaggregated", "aggregated")
@@ -17,6 +17,8 @@ class RouterSettings:
     mode: Mode = "disaggregated"
     routing: Routing = "prefix"
     block_size: int = 16
+    prefix_weight: float = PrefillWeights.prefix  # prefill score per cached prompt token
+    load_weight: float = PrefillWeights.load  # prefill score subtracted per outstanding request
     model: str | None = None  # served model name, used for /v1/models when no upstream answers
     api_key: str | None = None  # None: no client authentication
     prefill_timeout_s: float = 60.0  # whole prefill leg
@@ -35,6 +37,7 @@ class RouterSettings:
             raise ValueError(f"routing: {self.routing!r} is not one of {', '.join(ROUTINGS)}")
         if self.block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {self.block_size}")
+        _ = self.prefill_weights  # validates the weights
         for name in ("prefill_timeout_s", "connect_timeout_s", "read_timeout_s", "scrape_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
@@ -42,6 +45,10 @@ class RouterSettings:
             raise ValueError("max_connections, decode_attempts and scrape_concurrency must be positive")
         if self.api_key == "":
             raise ValueError("api_key: empty; leave it unset to disable authentication")
+
+    @property
+    def prefill_weights(self) -> PrefillWeights:
+        return PrefillWeights(prefix=self.prefix_weight, load=self.load_weight, block_size=self.block_size)
 
     @property
     def roles(self) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -89,6 +89,28 @@ def build_app(state: ServerState) -> FastAPI:
         stats = await client.call("stats")
         return JSONResponse({**stats, "core_pid": client.info["pid"], "in_flight": state.in_flight})
 
+    @app.post(contract.PATH_KV_TRANSFER_RELEASE)
+    async def kv_transfer_release(request: Request) -> JSONResponse:
+        """End the lease of signed params nobody will pull (their client went away). The
+        signature proves the caller got the params from this deployment."""
+        from baton_engine.contract import KVTransferParamsError
+        from baton_engine.kv_transfer.params import load_key, verify_params
+
+        body = decode_body(await request.body())
+        if state.config.kv_role not in ("producer", "both"):
+            raise bad_request(
+                f"kv_transfer_params: this engine's kv_role is {state.config.kv_role!r}, not producer",
+                param="kv_transfer_params",
+            )
+        try:
+            params = verify_params(body.get("kv_transfer_params"), load_key())
+        except KVTransferParamsError as exc:
+            raise bad_request(str(exc), param="kv_transfer_params") from exc
+        client = _require_ready(state)
+        released = await client.call("release_transfer", params.engine_id, params.transfer_id)
+        log.info("kv transfer %s: release requested, released=%s", params.transfer_id, released)
+        return JSONResponse({"transfer_id": params.transfer_id, "released": bool(released)})
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         request_id = _request_id(request, "cmpl")
@@ -104,7 +126,7 @@ def build_app(state: ServerState) -> FastAPI:
         )  # fmt: skip
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return _sse(state, request_id, _completion_stream(state, gen, request_id, include_usage))
+            return _sse(state, gen, request_id, _completion_stream(state, gen, request_id, include_usage))
         return await _collect(state, request, gen, request_id, "text_completion")
 
     @app.post("/v1/chat/completions")
@@ -127,7 +149,7 @@ def build_app(state: ServerState) -> FastAPI:
         log.info("request %s: chat, %d prompt tokens, stream=%s", request_id, len(prompt), req.stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return _sse(state, request_id, _chat_stream(state, gen, request_id, include_usage))
+            return _sse(state, gen, request_id, _chat_stream(state, gen, request_id, include_usage))
         return await _collect(state, request, gen, request_id, "chat.completion")
 
     return app
@@ -304,15 +326,22 @@ def _error_event(exc: APIError) -> str:
     return f"data: {json.dumps(exc.body())}\n\n"
 
 
-def _sse(state: ServerState, request_id: str, events: AsyncIterator[str]) -> StreamingResponse:
+def _sse(
+    state: ServerState, gen: Generation, request_id: str, events: AsyncGenerator[str, None]
+) -> StreamingResponse:
     state.in_flight += 1
 
     async def body() -> AsyncIterator[str]:
+        delivered = False
         try:
-            async for event in events:
-                yield event
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield event
+            delivered = True  # the last event was sent: the response asked for the next one
         finally:
             state.in_flight -= 1
+            if not delivered:
+                gen.release_transfer()  # a P/D producer leg whose params never got out
             log.info("request %s: stream closed", request_id)
 
     return StreamingResponse(
@@ -460,12 +489,18 @@ async def _collect(
             done, _ = await asyncio.wait({task}, timeout=0.25)
             if done:
                 task.result()
+                if gen.kv_transfer_params_out is not None and await request.is_disconnected():
+                    # nobody will pass these params on to a consumer: free the lease now
+                    log.info("request %s: client gone before its kv_transfer_params; releasing", request_id)
+                    gen.release_transfer()
+                    return Response(status_code=499)
                 break
             if await request.is_disconnected():
                 log.info("request %s: client disconnected; aborting", request_id)
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+                gen.release_transfer()  # the prefill may have finished meanwhile (lease held)
                 return Response(status_code=499)
     finally:
         if not task.done():

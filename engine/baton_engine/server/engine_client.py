@@ -152,6 +152,12 @@ class EngineClient:
         if live and self.dead is None and not self._closed:
             self._input.send(ipc.encode(ipc.ABORT, [live, message]))
 
+    def release_transfer(self, request_ids: list[str]) -> None:
+        """P/D producer: the response carrying these finished requests' kv_transfer_params was
+        not delivered; an abort of a finished request makes the core release its lease."""
+        if request_ids and self.dead is None and not self._closed:
+            self._input.send(ipc.encode(ipc.ABORT, [request_ids, "kv_transfer_params not delivered"]))
+
     async def call(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
         if self.dead is not None:
             raise EngineDeadError(self.dead)

@@ -150,6 +150,12 @@ class Generation:
             if unfinished:
                 self.client.abort(unfinished, "client gone or request cancelled")
 
+    def release_transfer(self) -> None:
+        """The response carrying `kv_transfer_params_out` will not reach the client (it went
+        away): let the core release the producer's lease now instead of at its expiry."""
+        if self.kv_transfer_params_out is not None:
+            self.client.release_transfer([c.engine_id for c in self._choices.values()])
+
     async def _next(self, deadline: float | None) -> RequestOutput | EngineDeadError:
         if deadline is None:
             return await self._queue.get()
