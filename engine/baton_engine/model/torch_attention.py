@@ -36,11 +36,10 @@ class _DecodeGroup:
     out_flat: torch.Tensor | None  # their positions in the flattened [rows * max_q] result; None: [:, 0]
     _mask: torch.Tensor | None = None
 
-    def mask(self, heads_per_kv: int, dtype: torch.dtype) -> torch.Tensor:
-        """The additive SDPA mask [rows, 1, heads_per_kv * max_q, len], built once per step."""
+    def mask(self, heads_per_kv: int) -> torch.Tensor:
+        """The SDPA mask [rows, 1, heads_per_kv * max_q or 1, len], True = attend; built once per step."""
         if self._mask is None:
-            mask = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
-            mask.masked_fill_(~self.allowed, float("-inf"))
+            mask = self.allowed
             if self.max_q > 1:  # query row g * max_q + i is head g of the KV head, query i
                 mask = mask.unsqueeze(1).expand(self.rows, heads_per_kv, self.max_q, mask.shape[-1])
                 mask = mask.reshape(self.rows, heads_per_kv * self.max_q, -1)
@@ -179,7 +178,7 @@ class TorchAttentionBackend:
             # repeated: [rows, kv_heads, heads_per_kv * max_q, dim], head h = kv_head * g + i.
             queries = q[group.query_index].view(rows, max_q, kv_heads, heads_per_kv, head_dim)
             queries = queries.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, heads_per_kv * max_q, head_dim)
-            mask = group.mask(heads_per_kv, q.dtype)
+            mask = group.mask(heads_per_kv)
             result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
             result = result.view(rows, kv_heads, heads_per_kv, max_q, head_dim).permute(0, 3, 1, 2, 4)
             if group.out_flat is None:
