@@ -130,7 +130,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="16 prompts, 32-64 output tokens (development)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both sides")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size for transformers")
+    # 32 was the fastest of 16, 32 and 64 for transformers on this workload (bench/RESULTS.md,
+    # 2026-11-30): 16 re-reads the weights for few rows, 64 pads all prompts to the longest.
+    parser.add_argument("--hf-batch-size", type=int, default=32, help="static batch size for transformers")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="Baton's running-batch limit")
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=1024, help="Baton's per-step token budget"

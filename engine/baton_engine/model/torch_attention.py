@@ -1,8 +1,10 @@
 """Reference attention in plain PyTorch: runs on CPU and on any torch device.
 
-Decode rows are batched into one SDPA call over their gathered cache (padded to the longest row,
-masked); each prefill chunk gets its own SDPA call — straight over its new K/V when it starts
-at position 0, over its gathered cache (prefix hits, earlier chunks) otherwise.
+Decode rows read their cache through the block tables: per layer, one gather of whole blocks
+into a reusable buffer, then one SDPA call. Rows are sorted by length and cut into groups so that
+short rows are not padded to the longest one (padding is gathered, attended and masked: pure
+waste). Each prefill chunk gets its own SDPA call — straight over its new K/V when it starts at
+position 0, over its gathered cache (prefix hits, earlier chunks) otherwise.
 """
 
 from __future__ import annotations
@@ -10,20 +12,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
 from baton_engine.model.attention_batch import AttentionBatch
 
+GROUP_COST_IN_BLOCKS = 8
+"""What one more decode group (one more gather and SDPA call per layer) costs, in gathered
+blocks. On CPU a call's fixed cost is tens of microseconds; gathering and attending one block of
+16 tokens costs a few."""
+
+
+@dataclass
+class _DecodeGroup:
+    rows: int
+    max_q: int
+    blocks_per_row: int
+    block_index: torch.Tensor  # [rows * blocks_per_row] cache blocks (padding repeats a real one)
+    query_index: torch.Tensor  # [rows, max_q] token indices (padding repeats a valid one)
+    allowed: torch.Tensor  # [rows, max_q, blocks_per_row * block_size] True = attend
+    out_tokens: torch.Tensor  # token indices receiving the group's real (non-padding) outputs
+    out_flat: torch.Tensor | None  # their positions in the flattened [rows * max_q] result; None: [:, 0]
+    _mask: torch.Tensor | None = None
+
+    def mask(self, heads_per_kv: int) -> torch.Tensor:
+        """The SDPA mask [rows, 1, heads_per_kv * max_q or 1, len], True = attend; built once per step."""
+        if self._mask is None:
+            mask = self.allowed
+            if self.max_q > 1:  # query row g * max_q + i is head g of the KV head, query i
+                mask = mask.unsqueeze(1).expand(self.rows, heads_per_kv, self.max_q, mask.shape[-1])
+                mask = mask.reshape(self.rows, heads_per_kv * self.max_q, -1)
+            self._mask = mask.unsqueeze(1)
+        return self._mask
+
 
 @dataclass
 class _DecodePlan:
-    query_index: torch.Tensor  # [rows, max_q] token indices (padding repeats a valid one)
-    key_slots: torch.Tensor  # [rows, max_len] cache slots (padding repeats slot of position 0)
-    mask: torch.Tensor | None  # [rows, 1, max_q, max_len] True = attend; None when nothing to mask
-    single_token: bool  # every row has exactly one query token: outputs are tokens [0, rows)
-    valid_tokens: torch.Tensor | None  # token indices of the real (non-padding) queries
-    valid_flat: torch.Tensor | None  # their positions in the flattened [rows * max_q] output
+    groups: list[_DecodeGroup]
+    buffer_blocks: int  # the largest group's gathered blocks (the buffer is reused group by group)
 
 
 @dataclass
@@ -45,6 +72,7 @@ class TorchAttentionBackend:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._buffer: torch.Tensor | None = None
 
     def prepare(self, batch: AttentionBatch) -> _Plan:
         decode = self._plan_decode(batch) if batch.num_decode_rows else None
@@ -53,36 +81,47 @@ class TorchAttentionBackend:
 
     def _plan_decode(self, batch: AttentionBatch) -> _DecodePlan:
         rows = batch.num_decode_rows
-        starts = batch.query_start_loc[:rows]
-        qlens = batch.query_start_loc[1 : rows + 1] - starts
+        bs = batch.block_size
         seq_lens = batch.seq_lens[:rows]
+        num_blocks = (seq_lens + bs - 1) // bs
+        order = np.argsort(num_blocks, kind="stable")
+        groups = [
+            self._plan_decode_group(batch, members)
+            for members in np.split(order, _group_cuts(num_blocks[order]))
+        ]
+        return _DecodePlan(groups, max(g.rows * g.blocks_per_row for g in groups))
+
+    def _plan_decode_group(self, batch: AttentionBatch, members: npt.NDArray[np.int64]) -> _DecodeGroup:
+        bs = batch.block_size
+        starts = batch.query_start_loc[members]
+        qlens = batch.query_start_loc[members + 1] - starts
+        seq_lens = batch.seq_lens[members]
         max_q = int(qlens.max())
-        max_len = int(seq_lens.max())
-        # Positions past a row's length read its position 0 (written, finite) and are masked.
-        key_pos = np.arange(max_len)[None, :]
-        key_pos = np.where(key_pos < seq_lens[:, None], key_pos, 0)
-        blocks = np.take_along_axis(batch.block_tables_host[:rows], key_pos // batch.block_size, axis=1)
-        key_slots = blocks * batch.block_size + key_pos % batch.block_size
+        nb = int(((seq_lens + bs - 1) // bs).max())
+        # Blocks past a row's own go back to its first block (written, finite); they are masked.
+        block_pos = np.arange(nb)[None, :]
+        own = block_pos < ((seq_lens + bs - 1) // bs)[:, None]
+        blocks = np.where(own, batch.block_tables_host[members, :nb], batch.block_tables_host[members, :1])
         offsets = np.minimum(np.arange(max_q)[None, :], qlens[:, None] - 1)
         query_index = starts[:, None] + offsets
         query_pos = batch.positions_host[query_index]
-        keys = np.arange(max_len)[None, None, :]
-        mask_np = keys <= query_pos[:, :, None]
-        single = max_q == 1
-        need_mask = not (single and bool((seq_lens == max_len).all()))
-        mask = torch.from_numpy(mask_np[:, None]).to(self.device) if need_mask else None
-        valid_tokens = valid_flat = None
-        if not single:
+        allowed = np.arange(nb * bs)[None, None, :] <= query_pos[:, :, None]  # [rows, max_q, len]
+        out_flat = None
+        if max_q == 1:
+            out_tokens = starts
+        else:
             valid = np.arange(max_q)[None, :] < qlens[:, None]
-            valid_flat = torch.from_numpy(np.flatnonzero(valid)).to(self.device)
-            valid_tokens = torch.from_numpy(query_index[valid]).to(self.device)
-        return _DecodePlan(
+            out_flat = torch.from_numpy(np.flatnonzero(valid)).to(self.device)
+            out_tokens = query_index[valid]
+        return _DecodeGroup(
+            rows=len(members),
+            max_q=max_q,
+            blocks_per_row=nb,
+            block_index=torch.from_numpy(np.ascontiguousarray(blocks).reshape(-1)).to(self.device),
             query_index=torch.from_numpy(query_index).to(self.device),
-            key_slots=torch.from_numpy(key_slots).to(self.device),
-            mask=mask,
-            single_token=single,
-            valid_tokens=valid_tokens,
-            valid_flat=valid_flat,
+            allowed=torch.from_numpy(allowed).to(self.device),
+            out_tokens=torch.from_numpy(np.ascontiguousarray(out_tokens)).to(self.device),
+            out_flat=out_flat,
         )
 
     def _plan_prefill(self, batch: AttentionBatch, row: int) -> _PrefillRow:
@@ -119,38 +158,45 @@ class TorchAttentionBackend:
             out[row.start : row.end] = self._prefill(q, k, v, k_cache, v_cache, row, scale)
         return out
 
-    @staticmethod
     def _decode(
-        q: torch.Tensor, layer_cache: torch.Tensor, plan: _DecodePlan, scale: float, out: torch.Tensor
+        self, q: torch.Tensor, layer_cache: torch.Tensor, plan: _DecodePlan, scale: float, out: torch.Tensor
     ) -> None:
-        rows, max_q = plan.query_index.shape
-        max_len = plan.key_slots.shape[1]
-        kv_heads, head_dim = layer_cache.shape[-2], layer_cache.shape[-1]
-        group = q.shape[1] // kv_heads
-        # One gather for K and V: [2, rows * max_len, kv_heads, dim].
-        kv = layer_cache.view(2, -1, kv_heads, head_dim).index_select(1, plan.key_slots.view(-1))
-        keys = kv[0].view(rows, max_len, kv_heads, head_dim).transpose(1, 2)
-        values = kv[1].view(rows, max_len, kv_heads, head_dim).transpose(1, 2)
-        # The query heads sharing a KV head become extra query rows of it, so K/V are never
-        # repeated: [rows, kv_heads, group * max_q, dim], head h = kv_head * group + g.
-        queries = q[plan.query_index].view(rows, max_q, kv_heads, group, head_dim)
-        queries = queries.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, group * max_q, head_dim)
-        mask = plan.mask
-        if mask is not None and max_q > 1:
-            mask = (
-                mask.unsqueeze(2)
-                .expand(rows, 1, group, max_q, max_len)
-                .reshape(rows, 1, group * max_q, max_len)
-            )
-        result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
-        result = result.view(rows, kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-        result = result.reshape(rows, max_q, kv_heads * group, head_dim)
-        if plan.single_token:
-            out[:rows] = result[:, 0]
-        else:
-            assert plan.valid_tokens is not None and plan.valid_flat is not None
-            flat = result.reshape(rows * max_q, kv_heads * group, head_dim)
-            out[plan.valid_tokens] = flat[plan.valid_flat]
+        _, num_blocks, block_size, kv_heads, head_dim = layer_cache.shape
+        heads_per_kv = q.shape[1] // kv_heads
+        blocks = layer_cache.view(2, num_blocks, block_size * kv_heads * head_dim)
+        buffer = self._gather_buffer(2 * plan.buffer_blocks * blocks.shape[-1], layer_cache)
+        for group in plan.groups:
+            rows, max_q = group.rows, group.max_q
+            length = group.blocks_per_row * block_size
+            # One gather of whole blocks for K and V, into the reused buffer (a fresh tensor of
+            # this size per layer would cost page faults and zeroing every time).
+            kv = buffer[: 2 * group.block_index.numel() * blocks.shape[-1]].view(2, -1, blocks.shape[-1])
+            torch.index_select(blocks, 1, group.block_index, out=kv)
+            keys = kv[0].view(rows, length, kv_heads, head_dim).transpose(1, 2)
+            values = kv[1].view(rows, length, kv_heads, head_dim).transpose(1, 2)
+            # The query heads sharing a KV head become extra query rows of it, so K/V are never
+            # repeated: [rows, kv_heads, heads_per_kv * max_q, dim], head h = kv_head * g + i.
+            queries = q[group.query_index].view(rows, max_q, kv_heads, heads_per_kv, head_dim)
+            queries = queries.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, heads_per_kv * max_q, head_dim)
+            mask = group.mask(heads_per_kv)
+            result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+            result = result.view(rows, kv_heads, heads_per_kv, max_q, head_dim).permute(0, 3, 1, 2, 4)
+            if group.out_flat is None:
+                out.index_copy_(0, group.out_tokens, result[:, 0].reshape(rows, -1, head_dim))
+            else:
+                flat = result.reshape(rows * max_q, kv_heads * heads_per_kv, head_dim)
+                out.index_copy_(0, group.out_tokens, flat[group.out_flat])
+
+    def _gather_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffer
+        if (
+            buffer is None
+            or buffer.numel() < numel
+            or buffer.dtype != like.dtype
+            or buffer.device != like.device
+        ):
+            buffer = self._buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buffer
 
     @staticmethod
     def _prefill(
@@ -176,3 +222,24 @@ class TorchAttentionBackend:
                 queries, keys, values, attn_mask=row.mask, scale=scale, enable_gqa=True
             )
         return result[0].transpose(0, 1)
+
+
+def _group_cuts(sorted_blocks: npt.NDArray[np.int64]) -> list[int]:
+    """Where to cut rows sorted by length (in blocks) into groups, minimising gathered blocks plus
+    `GROUP_COST_IN_BLOCKS` per group. A group is padded to its last (longest) row."""
+    n = len(sorted_blocks)
+    best = np.zeros(n + 1)  # best[j]: cost of the first j rows
+    cut = np.zeros(n + 1, dtype=np.int64)
+    for j in range(1, n + 1):
+        # the last group is rows [i, j): cost best[i] + (j - i) * sorted_blocks[j - 1]
+        starts = np.arange(j)
+        costs = best[:j] + (j - starts) * sorted_blocks[j - 1] + GROUP_COST_IN_BLOCKS
+        i = int(costs.argmin())
+        best[j], cut[j] = costs[i], i
+    cuts: list[int] = []
+    j = n
+    while j > 0:
+        j = int(cut[j])
+        if j > 0:
+            cuts.append(j)
+    return cuts[::-1]

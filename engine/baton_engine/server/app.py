@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -366,17 +366,16 @@ async def _guarded(gen: Generation) -> AsyncIterator[list[ChoiceDelta]]:
             raise APIError(500, str(exc), type="internal_error", code="engine_dead") from exc
 
 
-async def _completion_stream(
-    state: ServerState, gen: Generation, request_id: str, include_usage: bool
-) -> AsyncIterator[str]:
+def _chunk_writer(
+    state: ServerState, request_id: str, kind: str, include_usage: bool
+) -> Callable[[list[dict[str, Any]], dict[str, Any] | None], str]:
+    """Formats one SSE chunk of OpenAI's streaming shape (`kind` is its ``object`` field)."""
     created = now()
-    token_text = TokenText(state.tokenizer) if state.tokenizer is not None else None
-    offsets: dict[int, int] = {}
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         body: dict[str, Any] = {
             "id": request_id,
-            "object": "text_completion",
+            "object": kind,
             "created": created,
             "model": state.model_name,
             "choices": choices,
@@ -385,18 +384,22 @@ async def _completion_stream(
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
+    return chunk
+
+
+async def _finish_stream(
+    gen: Generation,
+    request_id: str,
+    include_usage: bool,
+    chunk: Callable[[list[dict[str, Any]], dict[str, Any] | None], str],
+    events: AsyncGenerator[str, None],
+) -> AsyncGenerator[str, None]:
+    """`events`, then the usage chunk and the KV-transfer chunk, or the error event if the
+    generation failed; always ends with ``[DONE]``."""
     try:
-        async for batch in _guarded(gen):
-            choices = []
-            for d in batch:
-                logprobs = None
-                if d.logprobs is not None and token_text is not None:
-                    logprobs = completion_logprobs(d.logprobs, token_text, offsets.get(d.index, 0))
-                offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
-                choices.append(
-                    {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
-                )
-            yield chunk(choices)
+        async with contextlib.aclosing(events) as body:
+            async for event in body:
+                yield event
     except APIError as exc:
         yield _error_event(exc)
     else:
@@ -408,37 +411,41 @@ async def _completion_stream(
     yield "data: [DONE]\n\n"
 
 
-async def _chat_stream(
+def _completion_stream(
     state: ServerState, gen: Generation, request_id: str, include_usage: bool
-) -> AsyncIterator[str]:
-    created = now()
+) -> AsyncGenerator[str, None]:
+    chunk = _chunk_writer(state, request_id, "text_completion", include_usage)
     token_text = TokenText(state.tokenizer) if state.tokenizer is not None else None
+    offsets: dict[int, int] = {}
 
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-        body: dict[str, Any] = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": state.model_name,
-            "choices": choices,
-        }
-        if include_usage:
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n"
+    async def events() -> AsyncGenerator[str, None]:
+        async for batch in _guarded(gen):
+            choices = []
+            for d in batch:
+                logprobs = None
+                if d.logprobs is not None and token_text is not None:
+                    logprobs = completion_logprobs(d.logprobs, token_text, offsets.get(d.index, 0))
+                offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
+                choices.append(
+                    {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+                )
+            yield chunk(choices, None)
 
+    return _finish_stream(gen, request_id, include_usage, chunk, events())
+
+
+def _chat_stream(
+    state: ServerState, gen: Generation, request_id: str, include_usage: bool
+) -> AsyncGenerator[str, None]:
+    chunk = _chunk_writer(state, request_id, "chat.completion.chunk", include_usage)
+    token_text = TokenText(state.tokenizer) if state.tokenizer is not None else None
     n = len(gen.prompts) * gen.params.n
-    yield chunk(
-        [
-            {
-                "index": i,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            for i in range(n)
-        ]
-    )
-    try:
+
+    async def events() -> AsyncGenerator[str, None]:
+        first = {"role": "assistant", "content": ""}
+        yield chunk(
+            [{"index": i, "delta": first, "logprobs": None, "finish_reason": None} for i in range(n)], None
+        )
         async for batch in _guarded(gen):
             choices = []
             for d in batch:
@@ -452,16 +459,9 @@ async def _chat_stream(
                     {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
                 )
             if choices:
-                yield chunk(choices)
-    except APIError as exc:
-        yield _error_event(exc)
-    else:
-        if include_usage:
-            yield chunk([], gen.usage.to_dict())
-        if gen.kv_transfer_params_out is not None:
-            kv_chunk = {"id": request_id, "kv_transfer_params": gen.kv_transfer_params_out}
-            yield f"data: {json.dumps(kv_chunk)}\n\n"
-    yield "data: [DONE]\n\n"
+                yield chunk(choices, None)
+
+    return _finish_stream(gen, request_id, include_usage, chunk, events())
 
 
 async def _collect(
