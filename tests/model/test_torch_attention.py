@@ -84,7 +84,18 @@ def test_mixed_step_matches_per_row_attention() -> None:
     layer_cache = cache.clone()
     out = backend.forward(q, k, v, layer_cache, batch, plan, scale=DIM**-0.5)
 
+    # blocks whose position-0 slot this step writes are zeroed first; nothing else outside the
+    # written slots changes
+    fresh = sorted(
+        int(tables[row, pos // BLOCK])
+        for row, (c, ql) in enumerate(zip(context, query_lens, strict=True))
+        for pos in range(c, c + ql)
+        if pos % BLOCK == 0
+    )
+    assert plan.fresh_blocks is not None
+    assert plan.fresh_blocks.tolist() == fresh
     written = cache.clone()
+    written[:, fresh] = 0.0
     written[0].view(-1, KV_HEADS, DIM)[batch.slot_mapping] = k
     written[1].view(-1, KV_HEADS, DIM)[batch.slot_mapping] = v
     assert torch.equal(layer_cache, written)
@@ -103,3 +114,24 @@ def test_rows_are_grouped_only_when_padding_costs_more_than_a_group() -> None:
     lengths = np.array([1] * 3 + [1 + GROUP_COST_IN_BLOCKS] * 2)
     # cutting saves 3 * GROUP_COST_IN_BLOCKS blocks for one group more: worth it
     assert _group_cuts(lengths) == [3]
+
+
+def test_unwritten_slots_holding_nan_do_not_reach_the_output() -> None:
+    """An uninitialised cache may hold NaN or inf where a block was never written; decode gathers
+    whole blocks, so the fresh block of each row is zeroed before its first slot is written."""
+    gen = np.random.default_rng(5)
+    context, query_lens = [0, 0], [1, 1]
+    tables = np.array([[2], [5]], dtype=np.int64)
+    batch = _batch(context, query_lens, 2, tables)
+    cache = torch.full((2, NUM_BLOCKS, BLOCK, KV_HEADS, DIM), float("nan"), dtype=torch.float64)
+    q = torch.from_numpy(gen.standard_normal((2, KV_HEADS * HEADS_PER_KV, DIM)))
+    k = torch.from_numpy(gen.standard_normal((2, KV_HEADS, DIM)))
+    v = torch.from_numpy(gen.standard_normal((2, KV_HEADS, DIM)))
+    backend = TorchAttentionBackend(torch.device("cpu"))
+    plan = backend.prepare(batch)
+    assert plan.fresh_blocks is not None and plan.fresh_blocks.tolist() == [2, 5]
+    out = backend.forward(q, k, v, cache, batch, plan, scale=DIM**-0.5)
+    # one key each: attention returns the row's own value, repeated over the KV head's query heads
+    torch.testing.assert_close(out, v.repeat_interleave(HEADS_PER_KV, dim=1), rtol=1e-12, atol=1e-12)
+    assert int(torch.isnan(cache[:, [2, 5]]).sum()) == 0
+    assert bool(torch.isnan(cache[:, 3]).all())

@@ -36,10 +36,11 @@ class _DecodeGroup:
     out_flat: torch.Tensor | None  # their positions in the flattened [rows * max_q] result; None: [:, 0]
     _mask: torch.Tensor | None = None
 
-    def mask(self, heads_per_kv: int) -> torch.Tensor:
-        """The SDPA mask [rows, 1, heads_per_kv * max_q or 1, len], True = attend; built once per step."""
+    def mask(self, heads_per_kv: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive SDPA mask [rows, 1, heads_per_kv * max_q or 1, len], built once per step."""
         if self._mask is None:
-            mask = self.allowed
+            mask = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
+            mask.masked_fill_(~self.allowed, float("-inf"))
             if self.max_q > 1:  # query row g * max_q + i is head g of the KV head, query i
                 mask = mask.unsqueeze(1).expand(self.rows, heads_per_kv, self.max_q, mask.shape[-1])
                 mask = mask.reshape(self.rows, heads_per_kv * self.max_q, -1)
@@ -65,6 +66,20 @@ class _PrefillRow:
 class _Plan:
     decode: _DecodePlan | None
     prefills: list[_PrefillRow]
+    fresh_blocks: torch.Tensor | None  # blocks whose first slot is written this step
+
+
+def _fresh_blocks(batch: AttentionBatch) -> npt.NDArray[np.int64]:
+    """Blocks that receive their position-0 slot this step.
+
+    Decode gathers whole blocks, so a row's last block is read past its last written slot. Those
+    slots are masked, but an additive mask does not neutralise NaN or inf, and an uninitialised
+    cache can hold either: such blocks are zeroed before their first write.
+    """
+    qlens = np.diff(batch.query_start_loc)
+    rows = np.repeat(np.arange(batch.num_rows), qlens)
+    starts = batch.positions_host % batch.block_size == 0
+    return np.unique(batch.block_tables_host[rows[starts], batch.positions_host[starts] // batch.block_size])
 
 
 class TorchAttentionBackend:
@@ -77,7 +92,9 @@ class TorchAttentionBackend:
     def prepare(self, batch: AttentionBatch) -> _Plan:
         decode = self._plan_decode(batch) if batch.num_decode_rows else None
         prefills = [self._plan_prefill(batch, row) for row in range(batch.num_decode_rows, batch.num_rows)]
-        return _Plan(decode=decode, prefills=prefills)
+        fresh = _fresh_blocks(batch)
+        fresh_blocks = torch.from_numpy(fresh).to(self.device) if len(fresh) else None
+        return _Plan(decode=decode, prefills=prefills, fresh_blocks=fresh_blocks)
 
     def _plan_decode(self, batch: AttentionBatch) -> _DecodePlan:
         rows = batch.num_decode_rows
@@ -149,6 +166,8 @@ class TorchAttentionBackend:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache = layer_cache[0].view(-1, num_kv_heads, head_dim)
         v_cache = layer_cache[1].view(-1, num_kv_heads, head_dim)
+        if plan.fresh_blocks is not None:
+            layer_cache.index_fill_(1, plan.fresh_blocks, 0.0)
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
         out = torch.empty_like(q)
@@ -178,7 +197,7 @@ class TorchAttentionBackend:
             # repeated: [rows, kv_heads, heads_per_kv * max_q, dim], head h = kv_head * g + i.
             queries = q[group.query_index].view(rows, max_q, kv_heads, heads_per_kv, head_dim)
             queries = queries.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, heads_per_kv * max_q, head_dim)
-            mask = group.mask(heads_per_kv)
+            mask = group.mask(heads_per_kv, q.dtype)
             result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
             result = result.view(rows, kv_heads, heads_per_kv, max_q, head_dim).permute(0, 3, 1, 2, 4)
             if group.out_flat is None:
