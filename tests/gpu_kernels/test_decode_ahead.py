@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from baton_engine.decode_ahead import match_rows, plan_next_decode
-from baton_engine.scheduler_output import SamplingBatch, SchedulerOutput
+from baton_engine.scheduler_output import SchedulerOutput
+from tests.gpu_kernels.verify_steps import verify_step
 
 BS = 4
 
@@ -13,36 +16,9 @@ BS = 4
 def _decode_step(
     seq_ids: list[int], inputs: list[int], seq_lens: list[int], tables: list[list[int]]
 ) -> SchedulerOutput:
-    rows = len(seq_ids)
-    lens = np.asarray(seq_lens, dtype=np.int32)
-    table = np.asarray(tables, dtype=np.int32)
-    pos = lens.astype(np.int64) - 1
-    ones = np.ones(rows, dtype=np.int32)
-    return SchedulerOutput(
-        step_id=0,
-        seq_ids=seq_ids,
-        num_decode_rows=rows,
-        query_lens=ones,
-        query_start_loc=np.arange(rows + 1, dtype=np.int32),
-        num_computed_tokens=lens - 1,
-        seq_lens=lens,
-        input_ids=np.asarray(inputs, dtype=np.int64),
-        positions=pos,
-        slot_mapping=table[np.arange(rows), pos // BS].astype(np.int64) * BS + pos % BS,
-        block_tables=table,
-        logits_indices=np.arange(rows, dtype=np.int64),
-        sample_rows=np.arange(rows, dtype=np.int32),
-        num_draft_tokens=np.zeros(rows, dtype=np.int32),
-        sampling=SamplingBatch(
-            temperature=np.zeros(rows, np.float32),
-            top_p=np.ones(rows, np.float32),
-            top_k=np.full(rows, -1, np.int32),
-            seeds=np.full(rows, -1, np.int64),
-            output_positions=np.zeros(rows, np.int32),
-            num_logprobs=np.full(rows, -1, np.int32),
-            all_greedy=True,
-        ),
-    )
+    """A plain decode step: a verify step without drafts, with these sequences and input ids."""
+    step = verify_step(seq_lens, [0] * len(seq_ids), tables, BS)
+    return dataclasses.replace(step, seq_ids=seq_ids, input_ids=np.asarray(inputs, dtype=np.int64))
 
 
 TABLES = [[7, 2, 0], [3, 9, 5], [4, 0, 0]]
