@@ -7,7 +7,6 @@ processes' own /metrics, KV events from the engines' replay sockets.
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +18,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from baton_engine import contract
 from baton_engine.kv_events_wire import WireBlockStored, decode_batch, decode_sequence, encode_sequence
-from tests.server.server_process import ServerProcess, child_pids, free_port, pid_alive, wait_for
+from tests.server.server_process import (
+    LoopbackProcess,
+    ServerProcess,
+    child_pids,
+    free_port,
+    pid_alive,
+    wait_for,
+)
 
 BATON_ROUTER = str(Path(sys.executable).with_name("baton-router"))
 MODEL = "builtin:smollm2-135m-instruct"
@@ -46,48 +52,17 @@ def metric(url: str, name: str, *, absent: float | None = None, **labels: str) -
     return float(sum(found))
 
 
-class RouterProcess:
+class RouterProcess(LoopbackProcess):
+    label = "router"
+
     def __init__(self, *args: str, log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            [BATON_ROUTER, "--host", "127.0.0.1", "--port", str(self.port), "--model", NAME, *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        self.http = httpx.Client(base_url=self.url, timeout=120.0)
-        try:
-            wait_for(self._ready, 60, f"{self.url}/ready", interval=0.1)
-        except BaseException:
-            self.stop()
-            raise
+        port = free_port()
+        argv = [BATON_ROUTER, "--host", "127.0.0.1", "--port", str(port), "--model", NAME, *args]
+        super().__init__(argv, port, log_path, http_timeout=120.0, env=env)
+        self.wait_ready(60, interval=0.1, stop_signal=signal.SIGTERM)
 
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"router exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
-        try:
-            return self.http.get("/ready").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def log_text(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.http.close()
-        self._log.close()
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        return super().stop(sig, timeout)
 
 
 def start_engine(*args: str, log_path: Path) -> ServerProcess:

@@ -57,39 +57,81 @@ def wait_for(condition: Any, timeout: float, what: str, interval: float = 0.05) 
         time.sleep(interval)
 
 
-class ServerProcess:
+class LoopbackProcess:
+    """A command serving HTTP on 127.0.0.1:`port`, its output in `log_path`, stopped by pid."""
+
+    label = "process"
+
     def __init__(
-        self, model: str, *args: str, log_path: Path, ready_timeout: float = 300.0, wait_ready: bool = True
+        self,
+        argv: list[str],
+        port: int,
+        log_path: Path,
+        http_timeout: float,
+        env: dict[str, str] | None = None,
     ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            [BATON_ENGINE, "serve", "--model", model, "--host", "127.0.0.1", "--port", str(self.port), *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        self.http = httpx.Client(base_url=self.url, timeout=60.0)
-        self.ready_timeout = ready_timeout
-        if wait_ready:
-            self.wait_ready()
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.http = httpx.Client(base_url=self.url, timeout=http_timeout)
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, timeout: float, interval: float, stop_signal: int) -> None:
+        """Wait for /ready to answer 200; on failure stop the process with `stop_signal` first."""
         try:
-            wait_for(self._ready, self.ready_timeout, f"{self.url}/ready", interval=0.2)
+            wait_for(lambda: self.answers("/ready") == 200, timeout, f"{self.url}/ready", interval=interval)
         except BaseException:
-            self.stop(signal.SIGKILL)
+            self.stop(stop_signal)
             raise
 
     def answers(self, path: str) -> int | None:
         """The status of GET `path`, or None while nothing listens yet."""
         if self.proc.poll() is not None:
-            raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
+            raise AssertionError(
+                f"{self.label} exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}"
+            )
         try:
             return self.http.get(path).status_code
         except httpx.TransportError:
             return None
+
+    def log_text(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """Signal the process by pid and wait for it; returns its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.http.close()
+        self._log.close()
+        return self.proc.returncode
+
+
+class ServerProcess(LoopbackProcess):
+    label = "server"
+
+    def __init__(
+        self, model: str, *args: str, log_path: Path, ready_timeout: float = 300.0, wait_ready: bool = True
+    ) -> None:
+        port = free_port()
+        argv = [BATON_ENGINE, "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port), *args]
+        super().__init__(argv, port, log_path, http_timeout=60.0)
+        self.ready_timeout = ready_timeout
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(
+        self, timeout: float | None = None, interval: float = 0.2, stop_signal: int = signal.SIGKILL
+    ) -> None:
+        super().wait_ready(self.ready_timeout if timeout is None else timeout, interval, stop_signal)
 
     @property
     def pid(self) -> int:
@@ -102,19 +144,6 @@ class ServerProcess:
             return None
         children = child_pids(self.proc.pid)
         return children[0] if children else None
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
-        try:
-            return self.http.get("/ready").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def log_text(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
 
     def stats(self) -> dict[str, Any]:
         response = self.http.get("/debug/stats")
@@ -134,16 +163,3 @@ class ServerProcess:
 
         result: dict[str, Any] = wait_for(idle, timeout, "the engine to go idle with every KV block free")
         return result
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        """Signal the server by pid and wait for it; returns its exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.http.close()
-        self._log.close()
-        return self.proc.returncode
