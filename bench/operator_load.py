@@ -197,7 +197,9 @@ def run(sequential: int, burst: int, kwok_nodes: int, kwok_gpus: int) -> dict[st
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.operator",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--sequential", type=int, default=50)
