@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from baton_dev.testing import DevCluster, condition, is_ready, wait_for
+from tests.devcluster.pods import run_to_completion
 
 pytestmark = pytest.mark.k8s
 SERVER = str(Path(__file__).parent / "data" / "podserver.py")
@@ -219,32 +220,16 @@ def test_delete_of_cooperative_process_needs_no_sigkill(dev_cluster: DevCluster,
     assert {("Started", "polite"), ("Killing", "polite")} <= reasons
 
 
-def _finished(dev_cluster: DevCluster, ns: str, name: str) -> dict[str, Any]:
-    def done() -> dict[str, Any] | None:
-        pod = dev_cluster.pod(ns, name)
-        return pod if pod["status"].get("phase") in ("Succeeded", "Failed") else None
-
-    return wait_for(f"{name} to finish", done, timeout_s=30)
-
-
 def test_init_container_then_console_script(dev_cluster: DevCluster, k8s_namespace: str) -> None:
     ns = k8s_namespace
-    dev_cluster.admin.post(
-        f"/api/v1/namespaces/{ns}/pods",
-        {
-            "metadata": {"name": "job"},
-            "spec": {
-                "nodeSelector": {"type": "process"},
-                "restartPolicy": "Never",
-                "initContainers": [
-                    {"name": "prepare", "image": "x", "command": ["python", "-c", "print('prepared')"]}
-                ],
-                # A console script of the agent's Python environment, found through PATH.
-                "containers": [{"name": "main", "image": "x", "command": ["baton-dev", "cluster", "--help"]}],
-            },
-        },
+    pod = run_to_completion(
+        dev_cluster,
+        ns,
+        "job",
+        # A console script of the agent's Python environment, found through PATH.
+        [{"name": "main", "image": "x", "command": ["baton-dev", "cluster", "--help"]}],
+        init_containers=[{"name": "prepare", "image": "x", "command": ["python", "-c", "print('prepared')"]}],
     )
-    pod = _finished(dev_cluster, ns, "job")
     assert pod["status"]["phase"] == "Succeeded"
     assert condition(pod, "Initialized")["status"] == "True"  # type: ignore[index]
     init = pod["status"]["initContainerStatuses"][0]["state"]["terminated"]
@@ -262,19 +247,13 @@ def test_init_container_then_console_script(dev_cluster: DevCluster, k8s_namespa
 
 def test_failed_init_container_fails_a_never_restart_pod(dev_cluster: DevCluster, k8s_namespace: str) -> None:
     ns = k8s_namespace
-    dev_cluster.admin.post(
-        f"/api/v1/namespaces/{ns}/pods",
-        {
-            "metadata": {"name": "broken"},
-            "spec": {
-                "nodeSelector": {"type": "process"},
-                "restartPolicy": "Never",
-                "initContainers": [{"name": "prepare", "image": "x", "command": ["python", "-c", "exit(3)"]}],
-                "containers": [{"name": "main", "image": "x", "command": ["python", "-c", "pass"]}],
-            },
-        },
+    pod = run_to_completion(
+        dev_cluster,
+        ns,
+        "broken",
+        [{"name": "main", "image": "x", "command": ["python", "-c", "pass"]}],
+        init_containers=[{"name": "prepare", "image": "x", "command": ["python", "-c", "exit(3)"]}],
     )
-    pod = _finished(dev_cluster, ns, "broken")
     assert pod["status"]["phase"] == "Failed"
     assert condition(pod, "Initialized")["reason"] == "ContainersNotInitialized"  # type: ignore[index]
     assert pod["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 3
@@ -341,18 +320,8 @@ def test_container_exit_ends_its_child_processes(dev_cluster: DevCluster, k8s_na
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
         "print(child.pid, flush=True)"
     )
-    dev_cluster.admin.post(
-        f"/api/v1/namespaces/{ns}/pods",
-        {
-            "metadata": {"name": "parent"},
-            "spec": {
-                "nodeSelector": {"type": "process"},
-                "restartPolicy": "Never",
-                "containers": [{"name": "main", "image": "x", "command": ["python", "-c", script]}],
-            },
-        },
-    )
-    pod = _finished(dev_cluster, ns, "parent")
+    main = {"name": "main", "image": "x", "command": ["python", "-c", script]}
+    pod = run_to_completion(dev_cluster, ns, "parent", [main])
     assert pod["status"]["phase"] == "Succeeded"
     child = int(dev_cluster.pod_log(ns, "parent", "main").strip())
     wait_for("the orphaned child to be gone", lambda: not Path(f"/proc/{child}").exists() or _zombie(child))

@@ -14,7 +14,7 @@ from baton_dev.testing import wait_for
 from baton_operator.kube import FIELD_MANAGER, Kube, KubeError, collection_path
 from baton_operator.reconcile import Caches, Event, OperatorConfig, reconcile, refresh_status
 from tests.operator_tests.apiserver import ApiServer
-from tests.operator_tests.cases import VALID_SPEC, merged
+from tests.operator_tests.cases import DEMO_APPLIED_CHILDREN, VALID_SPEC, merged
 from tests.operator_tests.kube_helpers import (
     Rest,
     async_kube,
@@ -37,22 +37,7 @@ KINDS = [
     ("apps/v1", "Deployment"),
     ("v1", "Secret"),
 ]
-EXPECTED = {
-    ("ServiceAccount", "demo-router"),
-    ("Role", "demo-router"),
-    ("RoleBinding", "demo-router"),
-    ("Service", "demo-prefill"),
-    ("Service", "demo-decode"),
-    ("Service", "demo-router"),
-    ("PodDisruptionBudget", "demo-prefill"),
-    ("PodDisruptionBudget", "demo-decode"),
-    ("PodDisruptionBudget", "demo-router"),
-    ("NetworkPolicy", "demo-engines"),
-    ("Deployment", "demo-prefill"),
-    ("Deployment", "demo-decode"),
-    ("Deployment", "demo-router"),
-    ("Secret", "demo-kv-transfer"),
-}
+EXPECTED = {*DEMO_APPLIED_CHILDREN, ("Secret", "demo-kv-transfer")}
 _namespaces = itertools.count()
 
 
