@@ -3,6 +3,7 @@ restart back-off and graceful termination, all reported through the pod's status
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from baton_dev.node_agent.pod_range import FIRST_OCTET, claim_pod_range
 from baton_dev.testing import DevCluster, condition, is_ready, wait_for
 from tests.devcluster.pods import run_to_completion
 
@@ -76,7 +78,8 @@ def test_env_and_service_account_kubeconfig(dev_cluster: DevCluster, k8s_namespa
         ),
     )
     ip = _running_ip(dev_cluster, ns, "env")
-    assert ip.startswith("127.2.0.")
+    node = api.get(f"/api/v1/nodes/{dev_cluster.pod(ns, 'env')['spec']['nodeName']}")
+    assert ipaddress.ip_address(ip) in ipaddress.ip_network(node["spec"]["podCIDR"])
     seen = httpx.get(f"http://{ip}:8080/env").json()
     assert {
         k: seen[k] for k in ("POD_IP", "POD_NAME", "POD_NAMESPACE", "MODE", "SECRET", "URL", "CFG_mode")
@@ -332,3 +335,12 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_another_cluster_gets_another_pod_range(dev_cluster: DevCluster) -> None:
+    """The range a second cluster's agent would claim now, beside this running one."""
+    node = dev_cluster.admin.get("/api/v1/nodes", labelSelector="type=process")["items"][0]
+    running = ipaddress.ip_network(node["spec"]["podCIDR"])
+    assert running.prefixlen == 24 and running.network_address.packed[1] >= FIRST_OCTET
+    with claim_pod_range() as second:
+        assert not second.network.overlaps(running)
