@@ -9,7 +9,7 @@ from pathlib import Path
 GPU_RESOURCE = "amd.com/gpu"
 NODE_TYPE_LABEL = "type"  # type=kwok | type=process; tests opt in with a nodeSelector on it
 KWOK_POD_CIDR = "127.1.0.0/16"  # kwok nodes get 127.1.<n>.0/24
-PROCESS_POD_CIDR_PREFIX = "127.2"  # process node n gets 127.2.<n>.0/24
+# Process node n gets 127.<k>.<n>.0/24, k claimed per running cluster (node_agent/pod_range.py).
 SERVICE_CIDR = "198.19.0.0/24"
 ADMIN_USER = "admin"
 RESTRICTED_USER = "restricted"

@@ -59,9 +59,13 @@ async def autoscaler_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logg
     kube: Kube = memo["kube"]
     client: httpx.AsyncClient = memo["scrape_client"]
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+
+    def post(reason: str, message: str) -> None:
+        kopf.event(body, type="Normal", reason=reason, message=message[:1024])
+
     try:
         result = await autoscale_once(
-            kube, body, state.history, client=client, scrape_timeout_s=SCRAPE_TIMEOUT_S
+            kube, body, state.history, client=client, scrape_timeout_s=SCRAPE_TIMEOUT_S, on_event=post
         )
     except (KubeError, ValueError) as exc:
         metrics.AUTOSCALER_TICKS.labels("error").inc()
@@ -75,8 +79,6 @@ async def autoscaler_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logg
     state.ticks += 1
     metrics.AUTOSCALER_TICKS.labels("ok").inc()
     metrics.AUTOSCALER.record(namespace, name, result.decision, result.samples)
-    for reason, message in result.events:
-        kopf.event(body, type="Normal", reason=reason, message=message[:1024])
     if result.patched:
         logger.info("autoscaler: %s", result.decision.reason)
     return TICK_SECONDS

@@ -19,7 +19,14 @@ from baton_engine import contract
 from baton_operator import autoscale_handler, metrics, models
 from baton_operator.coalesce import Coalescer
 from baton_operator.kube import Kube, KubeError
-from baton_operator.reconcile import Caches, InvalidSpec, OperatorConfig, reconcile, refresh_status
+from baton_operator.reconcile import (
+    Caches,
+    Event,
+    InvalidSpec,
+    OperatorConfig,
+    reconcile,
+    refresh_status,
+)
 
 RETRY_DELAY_S = 10.0
 #: Reconciles running at once. The API server sets the pace of a burst anyway; past this, more
@@ -53,9 +60,13 @@ async def _reconcile(trigger: str, body: kopf.Body, memo: kopf.Memo, logger: log
     slots: asyncio.Semaphore = memo["reconcile_slots"]
     started = time.perf_counter()
     result = "ok"
+
+    def post(event: Event) -> None:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+
     try:
         async with slots:
-            outcome = await reconcile(kube, body, cfg, caches=memo["caches"])
+            outcome = await reconcile(kube, body, cfg, caches=memo["caches"], on_event=post)
     except InvalidSpec as exc:
         result = "invalid"
         metrics.RECONCILE_ERRORS.labels("InvalidSpec").inc()
@@ -70,8 +81,6 @@ async def _reconcile(trigger: str, body: kopf.Body, memo: kopf.Memo, logger: log
         metrics.RECONCILES.labels(trigger, result).inc()
         metrics.RECONCILE_SECONDS.labels(trigger).observe(time.perf_counter() - started)
     metrics.CHILDREN_APPLIED.inc(outcome.applied)
-    for event in outcome.events:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
     if trigger in ("create", "update"):
         message = f"applied {outcome.applied} children ({trigger})"
         kopf.event(body, type="Normal", reason="Reconciled", message=message)

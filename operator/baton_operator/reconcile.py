@@ -51,6 +51,9 @@ class InvalidSpec(ValueError):
 
 #: Called before each child write with its index; tests use it to stop a reconcile part-way.
 BeforeWrite = Callable[[int, Mapping[str, Any]], Awaitable[None]]
+#: Called with each Event the moment what it reports has happened, so that a reconcile that
+#: fails later still reports it (and a retry, which finds it done, does not report it again).
+EventSink = Callable[[Event], None]
 
 
 def now_rfc3339() -> str:
@@ -134,8 +137,10 @@ async def reconcile(
     cfg: OperatorConfig,
     before_write: BeforeWrite = _no_hook,
     caches: Caches | None = None,
+    on_event: EventSink | None = None,
 ) -> Outcome:
     """Bring the children to the spec, then report status. Raises on API errors (status first).
+    Events go to `on_event` as they happen, and into the outcome.
 
     Independent children go first, several at once (the signing key, the ServiceAccount, the
     Role, Services, policies), then those that need them (DEPENDENT_KINDS)."""
@@ -149,10 +154,15 @@ async def reconcile(
     independent = [m for m in children.applied if m["kind"] not in DEPENDENT_KINDS]
     outcome = Outcome()
 
+    def emit(event: Event) -> None:
+        outcome.events.append(event)
+        if on_event is not None:
+            on_event(event)
+
     async def create_once(manifest: Mapping[str, Any]) -> None:
         if await kube.create_if_absent(manifest):
             name = manifest["metadata"]["name"]
-            outcome.events.append(Event("Normal", "SigningKeyCreated", f"created Secret {name}"))
+            emit(Event("Normal", "SigningKeyCreated", f"created Secret {name}"))
 
     async def apply(manifest: Mapping[str, Any]) -> dict[str, Any]:
         # Only the Deployments' answers are read (their status feeds the status computation).
@@ -177,7 +187,7 @@ async def reconcile(
                 outcome.applied += 1
         for api_version, kind, name in children.removed:
             if await kube.delete_if_present(api_version, kind, owner.namespace, name):
-                outcome.events.append(Event("Normal", "ChildRemoved", f"deleted {kind} {name}"))
+                emit(Event("Normal", "ChildRemoved", f"deleted {kind} {name}"))
     except Exception as exc:
         # Report Degraded if the API still answers; the original error is what propagates.
         with contextlib.suppress(KubeError):

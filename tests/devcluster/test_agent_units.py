@@ -8,6 +8,7 @@ import pytest
 
 from baton_dev.node_agent.env import ConfigError, expand, field_value, resource_value
 from baton_dev.node_agent.node import PodIpPool
+from baton_dev.node_agent.pod_range import FIRST_OCTET, LAST_OCTET, claim_pod_range
 from baton_dev.processes import ProcessRecord, is_alive, spawn, stop
 from baton_dev.spec import ClusterSpec
 
@@ -66,3 +67,27 @@ def test_stop_never_signals_a_reused_pid(tmp_path: Path) -> None:
     assert is_alive(record)
     assert stop(record) is True
     assert not is_alive(record)
+
+
+def test_two_clusters_claim_disjoint_pod_ranges(tmp_path: Path) -> None:
+    with claim_pod_range(tmp_path) as first, claim_pod_range(tmp_path) as second:
+        assert (first.octet, second.octet) == (FIRST_OCTET, FIRST_OCTET + 1)
+        assert not first.network.overlaps(second.network)
+        assert (first.node_cidr(0), second.node_cidr(0)) == ("127.3.0.0/24", "127.4.0.0/24")
+        assert second.node_cidr(249) == "127.4.249.0/24"
+        with pytest.raises(ValueError, match="process node index 256: must be between 0 and 255"):
+            second.node_cidr(256)
+        first.close()  # that cluster stopped: the next one started gets its range
+        with claim_pod_range(tmp_path) as third:
+            assert third.octet == FIRST_OCTET
+
+
+def test_every_pod_range_held_is_a_clear_error(tmp_path: Path) -> None:
+    held = [claim_pod_range(tmp_path) for _ in range(FIRST_OCTET, LAST_OCTET + 1)]
+    try:
+        assert [r.octet for r in held] == list(range(3, 255))
+        with pytest.raises(RuntimeError, match=r"no free pod IP range: 127\.3-254\.0\.0/16 are all held"):
+            claim_pod_range(tmp_path)
+    finally:
+        for pod_range in held:
+            pod_range.close()

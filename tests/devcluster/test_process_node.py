@@ -3,6 +3,7 @@ restart back-off and graceful termination, all reported through the pod's status
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -12,7 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
+from baton_dev.node_agent.pod_range import FIRST_OCTET, claim_pod_range
 from baton_dev.testing import DevCluster, condition, is_ready, wait_for
+from tests.devcluster.pods import run_to_completion
 
 pytestmark = pytest.mark.k8s
 SERVER = str(Path(__file__).parent / "data" / "podserver.py")
@@ -75,7 +78,8 @@ def test_env_and_service_account_kubeconfig(dev_cluster: DevCluster, k8s_namespa
         ),
     )
     ip = _running_ip(dev_cluster, ns, "env")
-    assert ip.startswith("127.2.0.")
+    node = api.get(f"/api/v1/nodes/{dev_cluster.pod(ns, 'env')['spec']['nodeName']}")
+    assert ipaddress.ip_address(ip) in ipaddress.ip_network(node["spec"]["podCIDR"])
     seen = httpx.get(f"http://{ip}:8080/env").json()
     assert {
         k: seen[k] for k in ("POD_IP", "POD_NAME", "POD_NAMESPACE", "MODE", "SECRET", "URL", "CFG_mode")
@@ -219,32 +223,16 @@ def test_delete_of_cooperative_process_needs_no_sigkill(dev_cluster: DevCluster,
     assert {("Started", "polite"), ("Killing", "polite")} <= reasons
 
 
-def _finished(dev_cluster: DevCluster, ns: str, name: str) -> dict[str, Any]:
-    def done() -> dict[str, Any] | None:
-        pod = dev_cluster.pod(ns, name)
-        return pod if pod["status"].get("phase") in ("Succeeded", "Failed") else None
-
-    return wait_for(f"{name} to finish", done, timeout_s=30)
-
-
 def test_init_container_then_console_script(dev_cluster: DevCluster, k8s_namespace: str) -> None:
     ns = k8s_namespace
-    dev_cluster.admin.post(
-        f"/api/v1/namespaces/{ns}/pods",
-        {
-            "metadata": {"name": "job"},
-            "spec": {
-                "nodeSelector": {"type": "process"},
-                "restartPolicy": "Never",
-                "initContainers": [
-                    {"name": "prepare", "image": "x", "command": ["python", "-c", "print('prepared')"]}
-                ],
-                # A console script of the agent's Python environment, found through PATH.
-                "containers": [{"name": "main", "image": "x", "command": ["baton-dev", "cluster", "--help"]}],
-            },
-        },
+    pod = run_to_completion(
+        dev_cluster,
+        ns,
+        "job",
+        # A console script of the agent's Python environment, found through PATH.
+        [{"name": "main", "image": "x", "command": ["baton-dev", "cluster", "--help"]}],
+        init_containers=[{"name": "prepare", "image": "x", "command": ["python", "-c", "print('prepared')"]}],
     )
-    pod = _finished(dev_cluster, ns, "job")
     assert pod["status"]["phase"] == "Succeeded"
     assert condition(pod, "Initialized")["status"] == "True"  # type: ignore[index]
     init = pod["status"]["initContainerStatuses"][0]["state"]["terminated"]
@@ -262,19 +250,13 @@ def test_init_container_then_console_script(dev_cluster: DevCluster, k8s_namespa
 
 def test_failed_init_container_fails_a_never_restart_pod(dev_cluster: DevCluster, k8s_namespace: str) -> None:
     ns = k8s_namespace
-    dev_cluster.admin.post(
-        f"/api/v1/namespaces/{ns}/pods",
-        {
-            "metadata": {"name": "broken"},
-            "spec": {
-                "nodeSelector": {"type": "process"},
-                "restartPolicy": "Never",
-                "initContainers": [{"name": "prepare", "image": "x", "command": ["python", "-c", "exit(3)"]}],
-                "containers": [{"name": "main", "image": "x", "command": ["python", "-c", "pass"]}],
-            },
-        },
+    pod = run_to_completion(
+        dev_cluster,
+        ns,
+        "broken",
+        [{"name": "main", "image": "x", "command": ["python", "-c", "pass"]}],
+        init_containers=[{"name": "prepare", "image": "x", "command": ["python", "-c", "exit(3)"]}],
     )
-    pod = _finished(dev_cluster, ns, "broken")
     assert pod["status"]["phase"] == "Failed"
     assert condition(pod, "Initialized")["reason"] == "ContainersNotInitialized"  # type: ignore[index]
     assert pod["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 3
@@ -341,18 +323,8 @@ def test_container_exit_ends_its_child_processes(dev_cluster: DevCluster, k8s_na
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
         "print(child.pid, flush=True)"
     )
-    dev_cluster.admin.post(
-        f"/api/v1/namespaces/{ns}/pods",
-        {
-            "metadata": {"name": "parent"},
-            "spec": {
-                "nodeSelector": {"type": "process"},
-                "restartPolicy": "Never",
-                "containers": [{"name": "main", "image": "x", "command": ["python", "-c", script]}],
-            },
-        },
-    )
-    pod = _finished(dev_cluster, ns, "parent")
+    main = {"name": "main", "image": "x", "command": ["python", "-c", script]}
+    pod = run_to_completion(dev_cluster, ns, "parent", [main])
     assert pod["status"]["phase"] == "Succeeded"
     child = int(dev_cluster.pod_log(ns, "parent", "main").strip())
     wait_for("the orphaned child to be gone", lambda: not Path(f"/proc/{child}").exists() or _zombie(child))
@@ -363,3 +335,12 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_another_cluster_gets_another_pod_range(dev_cluster: DevCluster) -> None:
+    """The range a second cluster's agent would claim now, beside this running one."""
+    node = dev_cluster.admin.get("/api/v1/nodes", labelSelector="type=process")["items"][0]
+    running = ipaddress.ip_network(node["spec"]["podCIDR"])
+    assert running.prefixlen == 24 and running.network_address.packed[1] >= FIRST_OCTET
+    with claim_pod_range() as second:
+        assert not second.network.overlaps(running)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from baton_dev.kubeapi import ApiError
-from baton_dev.testing import DevCluster, wait_for
+from baton_dev.testing import DevCluster
+from tests.devcluster.pods import run_to_completion
 
 pytestmark = pytest.mark.k8s
 DATA = Path(__file__).parent / "data"
@@ -67,38 +68,15 @@ def test_pod_service_account_token_carries_its_role(dev_cluster: DevCluster, k8s
     ns = k8s_namespace
     dev_cluster.admin.post(f"/api/v1/namespaces/{ns}/serviceaccounts", {"metadata": {"name": "reader"}})
     _pod_reader_role(dev_cluster, ns, {"kind": "ServiceAccount", "name": "reader", "namespace": ns})
-    dev_cluster.admin.post(
-        f"/api/v1/namespaces/{ns}/pods",
-        {
-            "metadata": {"name": "rbac-check"},
-            "spec": {
-                "nodeSelector": {"type": "process"},
-                "serviceAccountName": "reader",
-                "restartPolicy": "Never",
-                "containers": [
-                    {
-                        "name": "check",
-                        "image": "python:3.11",
-                        "command": ["python", str(DATA / "rbac_check.py")],
-                        "env": [
-                            {
-                                "name": "POD_NAMESPACE",
-                                "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
-                            }
-                        ],
-                    }
-                ],
-            },
-        },
-    )
-
-    def finished() -> dict[str, object] | None:
-        pod = dev_cluster.pod(ns, "rbac-check")
-        return pod if pod["status"].get("phase") in ("Succeeded", "Failed") else None
-
-    pod = wait_for("the pod to finish", finished, timeout_s=60)
+    check = {
+        "name": "check",
+        "image": "python:3.11",
+        "command": ["python", str(DATA / "rbac_check.py")],
+        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+    }
+    pod = run_to_completion(dev_cluster, ns, "rbac-check", [check], timeout_s=60, serviceAccountName="reader")
     log = dev_cluster.pod_log(ns, "rbac-check", "check")
     assert pod["status"]["phase"] == "Succeeded", log
     assert log.splitlines() == ["pods: allowed, 1 listed", "secrets: status 403"]
-    terminated = pod["status"]["containerStatuses"][0]["state"]["terminated"]  # type: ignore[index]
+    terminated = pod["status"]["containerStatuses"][0]["state"]["terminated"]
     assert (terminated["exitCode"], terminated["reason"]) == (0, "Completed")

@@ -1,4 +1,5 @@
-"""Invalid InferenceDeployments, shared by the pydantic tests and the real API-server tests.
+"""A valid InferenceDeployment, the children it gets, and invalid ones; shared by the pydantic
+tests, the builder tests and the real API-server tests.
 
 Each case patches a valid resource; `field` is the path the API server must name, `detail` a
 fragment of its message. The pydantic models must refuse the same spec and name the same field.
@@ -15,6 +16,24 @@ DELETE = object()
 VALID_SPEC: dict[str, Any] = {
     "model": {"name": "smollm2", "source": "builtin:smollm2-135m-instruct"},
 }
+
+#: (kind, name) of the applied children of VALID_SPEC named `demo`, in apply order (the signing
+#: key Secret is created apart; the PodMonitor only where its CRD exists).
+DEMO_APPLIED_CHILDREN: list[tuple[str, str]] = [
+    ("ServiceAccount", "demo-router"),
+    ("Role", "demo-router"),
+    ("RoleBinding", "demo-router"),
+    ("Service", "demo-prefill"),
+    ("Service", "demo-decode"),
+    ("Service", "demo-router"),
+    ("PodDisruptionBudget", "demo-prefill"),
+    ("PodDisruptionBudget", "demo-decode"),
+    ("PodDisruptionBudget", "demo-router"),
+    ("NetworkPolicy", "demo-engines"),
+    ("Deployment", "demo-prefill"),
+    ("Deployment", "demo-decode"),
+    ("Deployment", "demo-router"),
+]
 
 
 def merged(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:

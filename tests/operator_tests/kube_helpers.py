@@ -86,3 +86,24 @@ def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.
             return value
         time.sleep(interval_s)
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def create_foreign_deployment(rest: Rest, namespace: str, name: str) -> None:
+    """A Deployment someone else created under a name Baton wants, with another selector: the
+    selector is immutable, so Baton's apply of that Deployment is refused (422)."""
+    labels = {"app": "someone-else"}
+    body = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+            },
+        },
+    }
+    path = f"/apis/apps/v1/namespaces/{namespace}/deployments?fieldManager=someone-else"
+    status, answer = rest.call("POST", path, body)
+    assert status == 201, answer

@@ -9,7 +9,7 @@ import pytest
 
 from baton_operator.builders import BuildContext, Children, Owner, desired_children, router_endpoint
 from baton_operator.models import InferenceDeploymentSpec
-from tests.operator_tests.cases import VALID_SPEC, merged
+from tests.operator_tests.cases import DEMO_APPLIED_CHILDREN, VALID_SPEC, merged
 
 OWNER = Owner(name="demo", namespace="llm", uid="0f1e-uid")
 KEY = "ab" * 32
@@ -38,21 +38,7 @@ def flag(args: list[str], name: str) -> str:
 def test_children_of_a_disaggregated_deployment() -> None:
     children = build()
     names = [(m["kind"], m["metadata"]["name"]) for m in children.applied]
-    assert names == [
-        ("ServiceAccount", "demo-router"),
-        ("Role", "demo-router"),
-        ("RoleBinding", "demo-router"),
-        ("Service", "demo-prefill"),
-        ("Service", "demo-decode"),
-        ("Service", "demo-router"),
-        ("PodDisruptionBudget", "demo-prefill"),
-        ("PodDisruptionBudget", "demo-decode"),
-        ("PodDisruptionBudget", "demo-router"),
-        ("NetworkPolicy", "demo-engines"),
-        ("Deployment", "demo-prefill"),
-        ("Deployment", "demo-decode"),
-        ("Deployment", "demo-router"),
-    ]
+    assert names == DEMO_APPLIED_CHILDREN
     assert [(m["kind"], m["metadata"]["name"]) for m in children.created_once] == [
         ("Secret", "demo-kv-transfer")
     ]

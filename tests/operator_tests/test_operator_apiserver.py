@@ -15,7 +15,14 @@ import pytest
 from baton_operator.kube import FIELD_MANAGER, collection_path
 from tests.operator_tests.apiserver import ApiServer
 from tests.operator_tests.cases import VALID_SPEC
-from tests.operator_tests.kube_helpers import Rest, create_infd, create_namespace, get_infd, wait_for
+from tests.operator_tests.kube_helpers import (
+    Rest,
+    create_foreign_deployment,
+    create_infd,
+    create_namespace,
+    get_infd,
+    wait_for,
+)
 from tests.operator_tests.operator_process import OperatorProcess, operator_process
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -223,3 +230,39 @@ def test_child_readiness_reaches_status_and_printer_columns(
     assert (cells["Name"], cells["Model"], cells["Mode"]) == ("demo", "smollm2", "disaggregated")
     assert (cells["Prefill"], cells["Decode"], cells["Ready"]) == ("1/1", "1/1", "True")
     assert cells["Endpoint"] == "http://demo-router.op.svc:80"
+
+
+def test_events_of_a_failing_reconcile_are_posted_once(
+    reconciled: dict[str, Any], own_apiserver: ApiServer, own_kube: Any
+) -> None:
+    # Last in the module: the resource's eventual successful create would count in the metrics
+    # asserted above.
+    rest = Rest(own_apiserver)
+    create_namespace(own_kube, "failing")
+    create_foreign_deployment(rest, "failing", "broken-decode")
+    create_infd(own_kube, "failing", "broken", VALID_SPEC)
+
+    def posted(reason: str) -> list[str]:
+        events = rest.get("/api/v1/namespaces/failing/events")["items"]
+        return [
+            e["message"] for e in events if e["reason"] == reason and e["involvedObject"]["name"] == "broken"
+        ]
+
+    # The Secret is created, then the decode Deployment is refused; the retries (the create
+    # handler's and the 2 s resync's) fail the same way and find the Secret already there.
+    failures = wait_for(lambda: (f := posted("ReconcileFailed")) and len(f) >= 3 and f, 30, "3 failures")
+    assert 'Deployment.apps "broken-decode" is invalid' in failures[0]
+    assert posted("SigningKeyCreated") == ["created Secret broken-kv-transfer"]
+
+    status, answer = rest.call(
+        "DELETE", collection_path("apps/v1", "Deployment", "failing") + "/broken-decode"
+    )
+    assert status == 200, answer
+    wait_for(
+        lambda: get_infd(own_kube, "failing", "broken").get("status", {}).get("observedGeneration") == 1,
+        30,
+        "a reconcile to succeed once the foreign Deployment is gone",
+    )
+    assert posted("SigningKeyCreated") == ["created Secret broken-kv-transfer"]
+    status, answer = rest.call("DELETE", INFD.format(ns="failing", name="broken"))
+    assert status == 200, answer

@@ -11,11 +11,18 @@ import pytest
 from prometheus_client import REGISTRY
 
 from baton_dev.testing import wait_for
-from baton_operator.kube import FIELD_MANAGER, Kube, collection_path
-from baton_operator.reconcile import Caches, OperatorConfig, reconcile, refresh_status
+from baton_operator.kube import FIELD_MANAGER, Kube, KubeError, collection_path
+from baton_operator.reconcile import Caches, Event, OperatorConfig, reconcile, refresh_status
 from tests.operator_tests.apiserver import ApiServer
-from tests.operator_tests.cases import VALID_SPEC, merged
-from tests.operator_tests.kube_helpers import Rest, async_kube, create_infd, create_namespace, get_infd
+from tests.operator_tests.cases import DEMO_APPLIED_CHILDREN, VALID_SPEC, merged
+from tests.operator_tests.kube_helpers import (
+    Rest,
+    async_kube,
+    create_foreign_deployment,
+    create_infd,
+    create_namespace,
+    get_infd,
+)
 
 pytestmark = pytest.mark.k8s
 
@@ -30,22 +37,7 @@ KINDS = [
     ("apps/v1", "Deployment"),
     ("v1", "Secret"),
 ]
-EXPECTED = {
-    ("ServiceAccount", "demo-router"),
-    ("Role", "demo-router"),
-    ("RoleBinding", "demo-router"),
-    ("Service", "demo-prefill"),
-    ("Service", "demo-decode"),
-    ("Service", "demo-router"),
-    ("PodDisruptionBudget", "demo-prefill"),
-    ("PodDisruptionBudget", "demo-decode"),
-    ("PodDisruptionBudget", "demo-router"),
-    ("NetworkPolicy", "demo-engines"),
-    ("Deployment", "demo-prefill"),
-    ("Deployment", "demo-decode"),
-    ("Deployment", "demo-router"),
-    ("Secret", "demo-kv-transfer"),
-}
+EXPECTED = {*DEMO_APPLIED_CHILDREN, ("Secret", "demo-kv-transfer")}
 _namespaces = itertools.count()
 
 
@@ -167,6 +159,25 @@ async def test_signing_key_is_created_once(kube: Any, akube: Kube, rest: Rest, n
     await reconcile(akube, body, CFG)
     assert rest.get(path)["data"] == first
     assert len(first["kv-transfer-key"]) == 88  # base64 of 64 hex characters
+
+
+async def test_events_of_a_failed_reconcile_are_reported_once(
+    kube: Any, akube: Kube, rest: Rest, namespace: str
+) -> None:
+    create_foreign_deployment(rest, namespace, "demo-decode")
+    body = create_infd(kube, namespace, "demo", VALID_SPEC)
+    reported: list[Event] = []
+    with pytest.raises(KubeError) as failed:
+        await reconcile(akube, body, CFG, on_event=reported.append)
+    assert failed.value.status == 422
+    assert 'Deployment.apps "demo-decode" is invalid' in str(failed.value)
+    assert "spec.selector" in str(failed.value)
+    assert reported == [Event("Normal", "SigningKeyCreated", "created Secret demo-kv-transfer")]
+
+    reported.clear()
+    with pytest.raises(KubeError):  # the retry: the key exists, so nothing new to report
+        await reconcile(akube, get_infd(kube, namespace, "demo"), CFG, on_event=reported.append)
+    assert reported == []
 
 
 class Crash(Exception):

@@ -11,7 +11,8 @@ from pathlib import Path
 from baton_dev.kubeapi import ApiAccess, AsyncKubeApi
 from baton_dev.node_agent.context import AgentContext
 from baton_dev.node_agent.node import ProcessNode
-from baton_dev.spec import PROCESS_POD_CIDR_PREFIX, process_node_name
+from baton_dev.node_agent.pod_range import PodRange, claim_pod_range
+from baton_dev.spec import process_node_name
 
 SHUTDOWN_GRACE_CAP_S = 5.0
 
@@ -28,14 +29,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def run(args: argparse.Namespace) -> None:
+    with claim_pod_range() as pod_range:
+        await _run(args, pod_range)
+
+
+async def _run(args: argparse.Namespace, pod_range: PodRange) -> None:
     access = ApiAccess.from_kubeconfig(args.kubeconfig)
     api = AsyncKubeApi(access)
     ctx = AgentContext(api, access, args.state_dir, args.backoff_initial, args.backoff_max, args.gpus)
     ctx.pods_dir.mkdir(parents=True, exist_ok=True)
     ctx.pids_dir.mkdir(parents=True, exist_ok=True)
     nodes = [
-        ProcessNode(ctx, process_node_name(i), f"{PROCESS_POD_CIDR_PREFIX}.{i}.0/24", args.gpus)
-        for i in range(args.nodes)
+        ProcessNode(ctx, process_node_name(i), pod_range.node_cidr(i), args.gpus) for i in range(args.nodes)
     ]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

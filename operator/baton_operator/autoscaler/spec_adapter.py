@@ -71,41 +71,22 @@ def policy_from_spec(autoscaling: Mapping[str, Any], mode: Mode = "disaggregated
     kv = _number(decode, "targetKVUsage", where_d)
     running = _number(decode, "targetRunningRequests", where_d, required=False)
 
+    def pool(role: str, bounds: Mapping[str, Any], where: str, **targets: float | None) -> PoolPolicy:
+        """A pool sized between the min/max replicas of `bounds` by the given targets."""
+        low, high = _int(bounds, "minReplicas", where), _int(bounds, "maxReplicas", where)
+        return PoolPolicy(role, low, high, up, down, **targets)
+
+    queue_targets = {"target_queue_depth": queue, "target_queued_tokens": tokens}
+    kv_targets = {"target_kv_usage": kv, "target_running_requests": running}
     if mode == "aggregated":
         pools: tuple[PoolPolicy, ...] = (
-            PoolPolicy(
-                ROLE_AGGREGATED,
-                _int(decode, "minReplicas", where_d),
-                _int(decode, "maxReplicas", where_d),
-                up,
-                down,
-                target_queue_depth=queue,
-                target_queued_tokens=tokens,
-                target_kv_usage=kv,
-                target_running_requests=running,
-            ),
+            pool(ROLE_AGGREGATED, decode, where_d, **queue_targets, **kv_targets),
         )
         ratio = None
     elif mode == "disaggregated":
         pools = (
-            PoolPolicy(
-                ROLE_PREFILL,
-                _int(prefill, "minReplicas", where_p),
-                _int(prefill, "maxReplicas", where_p),
-                up,
-                down,
-                target_queue_depth=queue,
-                target_queued_tokens=tokens,
-            ),
-            PoolPolicy(
-                ROLE_DECODE,
-                _int(decode, "minReplicas", where_d),
-                _int(decode, "maxReplicas", where_d),
-                up,
-                down,
-                target_kv_usage=kv,
-                target_running_requests=running,
-            ),
+            pool(ROLE_PREFILL, prefill, where_p, **queue_targets),
+            pool(ROLE_DECODE, decode, where_d, **kv_targets),
         )
         ratio = None
         if spec.get("ratio") is not None:

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from .policy_types import Decision, PodSample
+from .policy_types import Decision, PodSample, RoleDecision
 
 M_SCALE_ACTIONS = "baton_autoscaler_scale_actions_total"
 M_DECISIONS = "baton_autoscaler_decisions_total"
@@ -74,10 +74,8 @@ class AutoscalerMetrics:
                     pass
 
 
-def scale_events(decision: Decision) -> list[tuple[str, str]]:
-    """(reason, message) of the Kubernetes Event for each pool that was resized."""
-    return [
-        (EVENT_REASONS[r.action], f"{r.role}: {r.reason}")
-        for r in decision.roles
-        if r.action in EVENT_REASONS
-    ]
+def scale_event(role: RoleDecision) -> tuple[str, str] | None:
+    """(reason, message) of the Kubernetes Event for a pool's resize; None when it holds."""
+    if role.action not in EVENT_REASONS:
+        return None
+    return EVENT_REASONS[role.action], f"{role.role}: {role.reason}"

@@ -23,7 +23,7 @@ from .policy import decide
 from .policy_types import Decision, History, PodSample
 from .spec_adapter import policy_from_spec
 from .status import history_from_dict, history_to_dict, rfc3339, status_summary
-from .telemetry import scale_events
+from .telemetry import scale_event
 
 FIELD_MANAGER = "baton-autoscaler"
 #: History older than the longest window plus this margin is dropped before it is stored.
@@ -75,9 +75,11 @@ async def autoscale_once(
     client: httpx.AsyncClient | None = None,
     scrape_timeout_s: float = 2.0,
     clock: Callable[[], float] = time.time,
+    on_event: Callable[[str, str], None] | None = None,
 ) -> TickResult | None:
     """Decide and apply once. None when the deployment is not in builtin mode or a role
-    Deployment does not exist yet (the reconcile creates it)."""
+    Deployment does not exist yet (the reconcile creates it). Each resize's Event (reason,
+    message) goes to `on_event` as soon as its write succeeded, and into the result."""
     spec = body.get("spec") or {}
     autoscaling = spec.get("autoscaling") or {}
     if autoscaling.get("mode") != "builtin":
@@ -110,7 +112,12 @@ async def autoscale_once(
             }
             await kube.apply(manifest, field_manager=FIELD_MANAGER)
             result.patched[r.role] = r.desired
-    result.events = scale_events(decision)
+            # Reported at once: if a later write fails, this resize still gets its Event (and the
+            # next tick, finding it done, does not report it again).
+            if (event := scale_event(r)) is not None:
+                result.events.append(event)
+                if on_event is not None:
+                    on_event(*event)
 
     longest = max(
         max(p.scale_up.stabilization_window_s, p.scale_down.stabilization_window_s) for p in policy.pools

@@ -11,16 +11,14 @@ from baton_operator.builders.common import (
     child_name,
     container_security_context,
     http_probe,
-    labels,
     metadata,
-    placement,
     pod_identity_env,
-    pod_security_context,
-    quantity,
     secret_name,
 )
 from baton_operator.builders.model_volume import model_mount
-from baton_operator.models import EngineSpec, RoleSpec
+from baton_operator.builders.workload import container_resources, deployment, pod_spec
+from baton_operator.models import EngineSpec
+from baton_operator.models.pods import Resources
 
 ENGINE_CONTAINER = "engine"
 CACHE_MOUNT = "/var/cache/baton"
@@ -87,22 +85,9 @@ def engine_ports(ctx: BuildContext, role: str, engine: EngineSpec) -> list[tuple
     return ports
 
 
-def _resources(role_spec: RoleSpec) -> Manifest:
-    res = role_spec.resources
-    requests: dict[str, str] = {}
-    limits: dict[str, str] = {}
-    if res.cpu is not None:
-        requests["cpu"] = quantity(res.cpu)
-    if res.memory is not None:
-        requests["memory"] = limits["memory"] = quantity(res.memory)
-    if res.gpus > 0:
-        limits[res.gpu_resource] = str(res.gpus)
-    out: Manifest = {}
-    if requests:
-        out["requests"] = requests
-    if limits:
-        out["limits"] = limits
-    return out
+def _resources(res: Resources) -> Manifest:
+    gpus = {res.gpu_resource: str(res.gpus)} if res.gpus > 0 else {}
+    return container_resources(res.cpu, res.memory, gpus)
 
 
 def _env(ctx: BuildContext, engine: EngineSpec) -> list[Manifest]:
@@ -135,7 +120,7 @@ def engine_deployment(ctx: BuildContext, role: str) -> Manifest:
             for port_name, port in engine_ports(ctx, role, engine)
         ],
         "env": _env(ctx, engine),
-        "resources": _resources(role_spec),
+        "resources": _resources(role_spec.resources),
         "startupProbe": http_probe(contract.PATH_HEALTH, STARTUP_PERIOD_S, startup_failures),
         "readinessProbe": http_probe(contract.PATH_READY, 5, 3),
         "livenessProbe": http_probe(contract.PATH_HEALTH, 10, 6, timeout=5),
@@ -146,45 +131,27 @@ def engine_deployment(ctx: BuildContext, role: str) -> Manifest:
             *model.mounts,
         ],
     }
-    pod_spec: Manifest = {
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "securityContext": pod_security_context(),
-        "terminationGracePeriodSeconds": role_spec.termination_grace_period_seconds,
-        **placement(role_spec),
-        "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}, *model.volumes],
-    }
-    if model.init_containers:
-        pod_spec["initContainers"] = model.init_containers
-    uses_gpus = role_spec.resources.gpus > 0
-    deployment_spec: Manifest = {
-        "selector": {"matchLabels": contract.pod_selector(ctx.owner.name, role)},
-        # With accelerators a rollout must not need a spare one; without, keep serving during it.
-        "strategy": {
-            "type": "RollingUpdate",
-            "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}
-            if uses_gpus
-            else {"maxSurge": 1, "maxUnavailable": 0},
-        },
-        "revisionHistoryLimit": 3,
-        "progressDeadlineSeconds": role_spec.startup_timeout_seconds + 300,
-        "template": {
-            "metadata": {
-                "labels": labels(ctx.owner, role),
-                "annotations": {"kubectl.kubernetes.io/default-container": ENGINE_CONTAINER},
-            },
-            "spec": pod_spec,
-        },
-    }
-    if ctx.replicas_owned:
-        deployment_spec = {"replicas": role_spec.replicas, **deployment_spec}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": metadata(ctx.owner, name, role),
-        "spec": deployment_spec,
-    }
+    pod = pod_spec(
+        role_spec,
+        container,
+        volumes=[{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}, *model.volumes],
+        init_containers=model.init_containers,
+        termination_grace_s=role_spec.termination_grace_period_seconds,
+    )
+    # With accelerators a rollout must not need a spare one; without, keep serving during it.
+    if role_spec.resources.gpus > 0:
+        rolling_update = {"maxSurge": 0, "maxUnavailable": 1}
+    else:
+        rolling_update = {"maxSurge": 1, "maxUnavailable": 0}
+    return deployment(
+        ctx,
+        name,
+        role,
+        pod,
+        rolling_update,
+        replicas=role_spec.replicas if ctx.replicas_owned else None,
+        progressDeadlineSeconds=role_spec.startup_timeout_seconds + 300,
+    )
 
 
 def engine_service(ctx: BuildContext, role: str) -> Manifest:

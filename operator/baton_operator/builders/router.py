@@ -9,14 +9,11 @@ from baton_operator.builders.common import (
     child_name,
     container_security_context,
     http_probe,
-    labels,
     metadata,
-    placement,
     pod_identity_env,
-    pod_security_context,
-    quantity,
 )
 from baton_operator.builders.model_volume import model_mount
+from baton_operator.builders.workload import container_resources, deployment, pod_spec
 
 ROUTER_CONTAINER = "router"
 
@@ -60,13 +57,6 @@ def router_args(ctx: BuildContext, tokenizer: str) -> list[str]:
 def router_deployment(ctx: BuildContext) -> Manifest:
     router = ctx.spec.router
     model = model_mount(ctx.spec.model, router.image, router.image_pull_policy, tokenizer_only=True)
-    resources: Manifest = {}
-    if router.resources.cpu is not None:
-        resources.setdefault("requests", {})["cpu"] = quantity(router.resources.cpu)
-    if router.resources.memory is not None:
-        memory = quantity(router.resources.memory)
-        resources.setdefault("requests", {})["memory"] = memory
-        resources["limits"] = {"memory": memory}
     container: Manifest = {
         "name": ROUTER_CONTAINER,
         "image": router.image,
@@ -75,42 +65,28 @@ def router_deployment(ctx: BuildContext) -> Manifest:
         "args": router_args(ctx, model.reference),
         "ports": [{"name": contract.PORT_HTTP, "containerPort": router.port, "protocol": "TCP"}],
         "env": [*pod_identity_env(), {"name": "HOME", "value": "/tmp"}],
-        "resources": resources,
+        "resources": container_resources(router.resources.cpu, router.resources.memory),
         "readinessProbe": http_probe(contract.PATH_READY, 5, 3),
         "livenessProbe": http_probe(contract.PATH_HEALTH, 10, 6, timeout=5),
         "securityContext": container_security_context(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *model.mounts],
     }
-    pod_spec: Manifest = {
-        "serviceAccountName": router_name(ctx),
-        "automountServiceAccountToken": True,  # it watches Pods
-        "enableServiceLinks": False,
-        "securityContext": pod_security_context(),
-        "terminationGracePeriodSeconds": 30,
-        **placement(router),
-        "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}, *model.volumes],
-    }
-    if model.init_containers:
-        pod_spec["initContainers"] = model.init_containers
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": metadata(ctx.owner, router_name(ctx), contract.ROLE_ROUTER),
-        "spec": {
-            "replicas": router.replicas,
-            "selector": {"matchLabels": contract.pod_selector(ctx.owner.name, contract.ROLE_ROUTER)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "revisionHistoryLimit": 3,
-            "template": {
-                "metadata": {
-                    "labels": labels(ctx.owner, contract.ROLE_ROUTER),
-                    "annotations": {"kubectl.kubernetes.io/default-container": ROUTER_CONTAINER},
-                },
-                "spec": pod_spec,
-            },
-        },
-    }
+    pod = pod_spec(
+        router,
+        container,
+        volumes=[{"name": "tmp", "emptyDir": {}}, *model.volumes],
+        init_containers=model.init_containers,
+        termination_grace_s=30,
+        service_account=router_name(ctx),  # it watches Pods
+    )
+    return deployment(
+        ctx,
+        router_name(ctx),
+        contract.ROLE_ROUTER,
+        pod,
+        {"maxSurge": 1, "maxUnavailable": 0},
+        replicas=router.replicas,
+    )
 
 
 def router_service(ctx: BuildContext) -> Manifest:

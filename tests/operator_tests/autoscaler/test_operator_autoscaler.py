@@ -4,7 +4,8 @@ real HTTP servers that answer /metrics with the load the test sets.
 
 Covers: scale-up under baton-autoscaler's field manager, the operator's own reconciles not
 reverting it, status.autoscaling, ScaledUp/ScaledDown Events, the scale-action metric, scale-down
-one step per stabilization window, and `external` mode never writing replicas."""
+one step per stabilization window, `external` mode never writing replicas, and a resize's Event
+posted once even when the other pool's write is refused (by an admission policy)."""
 
 from __future__ import annotations
 
@@ -229,3 +230,80 @@ def test_external_mode_never_writes_replicas(
     managers = {m["manager"] for m in rest.get(deployment_path("ext-prefill"))["metadata"]["managedFields"]}
     assert AUTOSCALER_MANAGER not in managers
     assert "autoscaling" not in (get_infd(kube, NS, "ext").get("status") or {})
+
+
+def cap_decode_replicas(rest: Rest, deployment: str, most: int) -> None:
+    """An admission policy the API server enforces: `deployment` may have at most `most` replicas.
+    Returns once a dry-run write above the cap is refused (policies take effect asynchronously)."""
+    name = f"cap-{deployment}"
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": name},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {
+                "resourceRules": [
+                    {
+                        "apiGroups": ["apps"],
+                        "apiVersions": ["v1"],
+                        "operations": ["UPDATE"],
+                        "resources": ["deployments"],
+                    }
+                ]
+            },
+            "matchConditions": [
+                {"name": "this-one", "expression": f"object.metadata.name == '{deployment}'"}
+            ],
+            "validations": [
+                {"expression": f"object.spec.replicas <= {most}", "message": f"at most {most} replicas"}
+            ],
+        },
+    }
+    binding = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": name},
+        "spec": {"policyName": name, "validationActions": ["Deny"]},
+    }
+    base = "/apis/admissionregistration.k8s.io/v1"
+    for path, body in (
+        (f"{base}/validatingadmissionpolicies", policy),
+        (f"{base}/validatingadmissionpolicybindings", binding),
+    ):
+        status, answer = rest.call("POST", path, body)
+        assert status == 201, answer
+    over = {"spec": {"replicas": most + 1}}
+
+    def refused() -> bool:
+        status, _ = rest.call(
+            "PATCH", deployment_path(deployment) + "?dryRun=All", over, "application/merge-patch+json"
+        )
+        return status == 422
+
+    wait_for(refused, 30, f"the API server to enforce the cap on {deployment}")
+
+
+def test_a_resize_is_reported_even_when_another_pool_fails_to_resize(
+    own_apiserver: ApiServer, own_kube: Any, operator: OperatorProcess, loads: dict[str, Load]
+) -> None:
+    rest = Rest(own_apiserver)
+    create_infd(own_kube, NS, "capped", SPEC)
+    wait_for(lambda: rest.call("GET", deployment_path("capped-decode"))[0] == 200, 30, "the role Deployments")
+    cap_decode_replicas(rest, "capped-decode", 1)
+    for role, load in loads.items():
+        add_ready_pod(rest, "capped", role, load.port)
+
+    def posted(reason: str) -> list[str]:
+        events = rest.get(f"/api/v1/namespaces/{NS}/events")["items"]
+        return [
+            e["message"] for e in events if e["involvedObject"]["name"] == "capped" and e["reason"] == reason
+        ]
+
+    # Both pools want to grow: prefill (written first) to 3, decode to 2, which the cap refuses.
+    loads["prefill"].waiting, loads["decode"].kv = 6, 0.9
+    wait_for(lambda: replicas(rest, "capped-prefill") == 3, 30, "prefill scaled to 3")
+    failures = wait_for(lambda: (f := posted("AutoscalerFailed")) and len(f) >= 3 and f, 30, "3 failed ticks")
+    assert "at most 1 replicas" in failures[0]
+    assert replicas(rest, "capped-decode") == 1
+    assert posted("ScaledUp") == ["prefill: scale up 1 -> 3: recommend 3 (queue depth 6 / target 2 -> 3)"]

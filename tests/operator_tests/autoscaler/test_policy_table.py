@@ -75,6 +75,9 @@ AGGREGATED = AutoscalingPolicy(
     )
 )
 SLOW_UP = policy(prefill_pool(scale_up=StepPolicy(2, 30)))
+#: The load of the two up-window cases, which differ only in the history before it.
+QUEUE_OF_12_ON_1 = observe({"prefill": 1}, sample("p0", waiting=12))
+RECOMMEND_3 = "recommend 3 (queue depth 12 / target 4 -> 3)"
 BIG_DOWN = policy(prefill_pool(scale_down=StepPolicy(3, 60)))
 TOKENS = policy(prefill_pool(target_queued_tokens=2048))
 BOTH = policy(prefill_pool(), decode_pool())
@@ -238,28 +241,16 @@ CASES = [
     Case(
         "an up-window ignores a short spike",
         SLOW_UP,
-        observe({"prefill": 1}, sample("p0", waiting=12)),
+        QUEUE_OF_12_ON_1,
         history(recs("prefill", (20, 1), (10, 3))),
-        {
-            "prefill": (
-                1,
-                "hold",
-                "hold at 1: recommend 3 (queue depth 12 / target 4 -> 3); lowest in the last 30s: 1",
-            )
-        },
+        {"prefill": (1, "hold", f"hold at 1: {RECOMMEND_3}; lowest in the last 30s: 1")},
     ),
     Case(
         "an up-window follows a sustained rise to its lowest value",
         SLOW_UP,
-        observe({"prefill": 1}, sample("p0", waiting=12)),
+        QUEUE_OF_12_ON_1,
         history(recs("prefill", (20, 2), (10, 3))),
-        {
-            "prefill": (
-                2,
-                "up",
-                "scale up 1 -> 2: recommend 3 (queue depth 12 / target 4 -> 3); lowest in the last 30s: 2",
-            )
-        },
+        {"prefill": (2, "up", f"scale up 1 -> 2: {RECOMMEND_3}; lowest in the last 30s: 2")},
     ),
     Case(
         "a pod Pending for lack of GPUs blocks scale-up",

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from baton_operator.autoscaler.policy import decide
 from baton_operator.autoscaler.policy_types import Decision, History, PodSample
-from baton_operator.autoscaler.telemetry import AutoscalerMetrics, scale_events
+from baton_operator.autoscaler.telemetry import AutoscalerMetrics, scale_event
 
 from .factories import GPU_REASON, NOW, decode_pool, observe, pending, policy, prefill_pool, sample, unknown
 
@@ -53,7 +53,8 @@ def test_record_and_forget() -> None:
 
 def test_scale_events_only_for_resized_pools() -> None:
     decision, _ = _decision()
-    assert scale_events(decision) == [
-        ("ScaledUp", "prefill: scale up 1 -> 3: recommend 3 (queue depth 12 / target 4 -> 3)")
+    assert [scale_event(r) for r in decision.roles] == [
+        ("ScaledUp", "prefill: scale up 1 -> 3: recommend 3 (queue depth 12 / target 4 -> 3)"),
+        None,
     ]
     assert decision.role("decode").reason.endswith(f"1 pod Pending ({GPU_REASON})")
