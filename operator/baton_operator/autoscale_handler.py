@@ -21,6 +21,7 @@ import kopf
 from baton_operator import metrics, models
 from baton_operator.autoscaler.policy_types import History
 from baton_operator.autoscaler.tick import autoscale_once, stored_history
+from baton_operator.events import Event
 from baton_operator.kube import Kube, KubeError
 
 TICK_SECONDS = 0.25
@@ -44,7 +45,11 @@ def _interval(spec: Any) -> float:
 
 
 async def autoscaler_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | Any) -> float:
-    """Decide if the resource's interval has passed; returns the seconds until the next check."""
+    """Decide if the resource's interval has passed; returns the seconds until the next check.
+
+    Raises kopf.TemporaryError, once the decision's history and metrics are kept, when a pool's
+    replicas or the status were not written: Kopf logs it and runs the daemon again when the
+    next decision is due."""
     mode = (body.get("spec", {}).get("autoscaling") or {}).get("mode")
     state: AutoscalerState = memo.setdefault("autoscaler", AutoscalerState())
     if mode != "builtin":
@@ -60,8 +65,8 @@ async def autoscaler_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logg
     client: httpx.AsyncClient = memo["scrape_client"]
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
 
-    def post(reason: str, message: str) -> None:
-        kopf.event(body, type="Normal", reason=reason, message=message[:1024])
+    def post(event: Event) -> None:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message[:1024])
 
     try:
         result = await autoscale_once(
@@ -77,10 +82,22 @@ async def autoscaler_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logg
         return TICK_SECONDS
     state.history = result.history
     state.ticks += 1
-    metrics.AUTOSCALER_TICKS.labels("ok").inc()
-    metrics.AUTOSCALER.record(namespace, name, result.decision, result.samples)
-    if result.patched:
+    settled = result.settled
+    metrics.AUTOSCALER.record(
+        namespace,
+        name,
+        result.decision,
+        result.samples,
+        scaled=settled.scale_actions,
+        refused=settled.scale_failures,
+    )
+    if settled.written:
         logger.info("autoscaler: %s", result.decision.reason)
+    if result.failures:
+        metrics.AUTOSCALER_TICKS.labels("error").inc()
+        delay = max(state.next_at - time.monotonic(), TICK_SECONDS)
+        raise kopf.TemporaryError("autoscaler: " + "; ".join(result.failures), delay=delay)
+    metrics.AUTOSCALER_TICKS.labels("ok").inc()
     return TICK_SECONDS
 
 

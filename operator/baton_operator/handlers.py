@@ -18,10 +18,10 @@ import kopf
 from baton_engine import contract
 from baton_operator import autoscale_handler, metrics, models
 from baton_operator.coalesce import Coalescer
+from baton_operator.events import Event
 from baton_operator.kube import Kube, KubeError
 from baton_operator.reconcile import (
     Caches,
-    Event,
     InvalidSpec,
     OperatorConfig,
     reconcile,

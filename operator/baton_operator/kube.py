@@ -43,19 +43,27 @@ PLURALS: dict[tuple[str, str], str] = {
 }
 
 
-def _message(text: str) -> str:
+def _status_fields(text: str) -> tuple[str, str]:
+    """(message, reason) of an error answer: a Kubernetes Status object, or any text."""
     try:
-        return str(json.loads(text).get("message", text))
-    except (ValueError, AttributeError):
-        return text
+        answer = json.loads(text)
+    except ValueError:
+        return text, ""
+    if not isinstance(answer, dict):
+        return text, ""
+    reason = answer.get("reason")
+    return str(answer.get("message", text)), reason if isinstance(reason, str) else ""
 
 
 class KubeError(Exception):
-    """An API call failed; `status` is the HTTP status (0 when no response came)."""
+    """An API call failed; `status` is the HTTP status (0 when no response came), `reason` the
+    answer's Status reason (``Invalid``, ``Forbidden``, ``Conflict``; empty when it had none)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, reason: str = "") -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
+        self.message = message
+        self.reason = reason
 
 
 def collection_path(api_version: str, kind: str, namespace: str) -> str:
@@ -189,7 +197,8 @@ class Kube:
                             self._login()  # re-read the (possibly rotated) credentials once
                         continue
                     if resp.status >= 400:
-                        raise KubeError(resp.status, _message(await resp.text()))
+                        message, reason = _status_fields(await resp.text())
+                        raise KubeError(resp.status, message, reason)
                     if not answer:
                         await resp.read()
                         return {}

@@ -19,6 +19,7 @@ from baton_operator import metrics, models
 from baton_operator.builders import BuildContext, Owner, desired_children, router_endpoint
 from baton_operator.builders.common import child_name
 from baton_operator.builders.extras import new_signing_key
+from baton_operator.events import Event, EventSink
 from baton_operator.kube import Kube, KubeError
 from baton_operator.models import InferenceDeploymentSpec
 from baton_operator.object_cache import ObjectCache, deployment_view, owner_view
@@ -29,13 +30,6 @@ from baton_operator.status import Observed, compute_status, status_changed, stor
 class OperatorConfig:
     operator_namespace: str = ""
     monitoring_namespace: str = ""
-
-
-@dataclass(frozen=True)
-class Event:
-    type: str  # Normal | Warning
-    reason: str
-    message: str
 
 
 @dataclass
@@ -51,9 +45,6 @@ class InvalidSpec(ValueError):
 
 #: Called before each child write with its index; tests use it to stop a reconcile part-way.
 BeforeWrite = Callable[[int, Mapping[str, Any]], Awaitable[None]]
-#: Called with each Event the moment what it reports has happened, so that a reconcile that
-#: fails later still reports it (and a retry, which finds it done, does not report it again).
-EventSink = Callable[[Event], None]
 
 
 def now_rfc3339() -> str:

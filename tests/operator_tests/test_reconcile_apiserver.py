@@ -11,8 +11,9 @@ import pytest
 from prometheus_client import REGISTRY
 
 from baton_dev.testing import wait_for
+from baton_operator.events import Event
 from baton_operator.kube import FIELD_MANAGER, Kube, KubeError, collection_path
-from baton_operator.reconcile import Caches, Event, OperatorConfig, reconcile, refresh_status
+from baton_operator.reconcile import Caches, OperatorConfig, reconcile, refresh_status
 from tests.operator_tests.apiserver import ApiServer
 from tests.operator_tests.cases import DEMO_APPLIED_CHILDREN, VALID_SPEC, merged
 from tests.operator_tests.kube_helpers import (

@@ -13,6 +13,7 @@ M_DECISIONS = "baton_autoscaler_decisions_total"
 M_DESIRED = "baton_autoscaler_desired_replicas"
 M_CURRENT = "baton_autoscaler_current_replicas"
 M_SCRAPE_FAILURES = "baton_autoscaler_scrape_failures_total"
+M_SCALE_FAILURES = "baton_autoscaler_scale_failures_total"
 
 _KEY = ["namespace", "deployment"]
 
@@ -25,7 +26,13 @@ class AutoscalerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.scale_actions = Counter(
             M_SCALE_ACTIONS.removesuffix("_total"),
-            "Scale actions taken by the built-in autoscaler.",
+            "Scale actions taken by the built-in autoscaler (replicas written).",
+            [*_KEY, "role", "direction"],
+            registry=registry,
+        )
+        self.scale_failures = Counter(
+            M_SCALE_FAILURES.removesuffix("_total"),
+            "Scale actions decided but not written (the API server refused or did not answer).",
             [*_KEY, "role", "direction"],
             registry=registry,
         )
@@ -50,16 +57,27 @@ class AutoscalerMetrics:
         self._roles: dict[tuple[str, str], set[str]] = {}
 
     def record(
-        self, namespace: str, deployment: str, decision: Decision, samples: Iterable[PodSample] = ()
+        self,
+        namespace: str,
+        deployment: str,
+        decision: Decision,
+        samples: Iterable[PodSample] = (),
+        *,
+        scaled: Iterable[tuple[str, str]],
+        refused: Iterable[tuple[str, str]] = (),
     ) -> None:
+        """One decision; `scaled` and `refused` are the (role, direction) of the resizes written
+        and of those the API server refused (see ``settle``)."""
         self.decisions.labels(namespace, deployment, decision.action).inc()
         roles = self._roles.setdefault((namespace, deployment), set())
         for r in decision.roles:
             roles.add(r.role)
             self.desired.labels(namespace, deployment, r.role).set(r.desired)
             self.current.labels(namespace, deployment, r.role).set(r.current)
-            if r.action != "hold":
-                self.scale_actions.labels(namespace, deployment, r.role, r.action).inc()
+        for role, direction in scaled:
+            self.scale_actions.labels(namespace, deployment, role, direction).inc()
+        for role, direction in refused:
+            self.scale_failures.labels(namespace, deployment, role, direction).inc()
         for s in samples:
             if s.load is None:
                 self.scrape_failures.labels(namespace, deployment, s.role).inc()

@@ -16,14 +16,15 @@ from typing import Any
 import httpx
 
 from baton_engine import contract
-from baton_operator.kube import Kube
+from baton_operator.events import EventSink
+from baton_operator.kube import Kube, KubeError
 
 from .collect import collect
 from .policy import decide
 from .policy_types import Decision, History, PodSample
+from .settle import Settled, WriteFailure, resized, settle
 from .spec_adapter import policy_from_spec
 from .status import history_from_dict, history_to_dict, rfc3339, status_summary
-from .telemetry import scale_event
 
 FIELD_MANAGER = "baton-autoscaler"
 #: History older than the longest window plus this margin is dropped before it is stored.
@@ -33,11 +34,12 @@ HISTORY_MARGIN_S = 60.0
 @dataclass
 class TickResult:
     decision: Decision
-    history: History
+    history: History  # to pass to the next tick: holds exactly the scale actions written
     samples: tuple[PodSample, ...]
-    patched: dict[str, int] = field(default_factory=dict)  # role -> replicas written
-    events: list[tuple[str, str]] = field(default_factory=list)  # (reason, message)
+    settled: Settled
     status: dict[str, Any] = field(default_factory=dict)
+    #: What was not done (refused pool writes, status not saved), for the caller to raise.
+    failures: list[str] = field(default_factory=list)
 
 
 def stored_history(body: Mapping[str, Any]) -> History:
@@ -67,6 +69,20 @@ def _replicas(deployment: Mapping[str, Any] | None) -> int:
     return int(value) if isinstance(value, int) else 1  # the API's default
 
 
+async def _write_replicas(kube: Kube, namespace: str, name: str, replicas: int) -> WriteFailure | None:
+    manifest = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"replicas": replicas},
+    }
+    try:
+        await kube.apply(manifest, field_manager=FIELD_MANAGER)
+    except KubeError as exc:
+        return WriteFailure(exc.status, exc.reason, exc.message)
+    return None
+
+
 async def autoscale_once(
     kube: Kube,
     body: Mapping[str, Any],
@@ -75,11 +91,16 @@ async def autoscale_once(
     client: httpx.AsyncClient | None = None,
     scrape_timeout_s: float = 2.0,
     clock: Callable[[], float] = time.time,
-    on_event: Callable[[str, str], None] | None = None,
+    on_event: EventSink | None = None,
 ) -> TickResult | None:
     """Decide and apply once. None when the deployment is not in builtin mode or a role
-    Deployment does not exist yet (the reconcile creates it). Each resize's Event (reason,
-    message) goes to `on_event` as soon as its write succeeded, and into the result."""
+    Deployment does not exist yet (the reconcile creates it); raises KubeError when reading
+    fails (nothing written then).
+
+    Every resized pool's write is attempted, whatever another's did. The history (returned and
+    saved in status) keeps the actions written; each pool's Event (resized or refused) goes to
+    `on_event` once all writes are done, before status is saved. What was not done is listed
+    in ``failures``: the result comes back regardless, so the caller keeps the history."""
     spec = body.get("spec") or {}
     autoscaling = spec.get("autoscaling") or {}
     if autoscaling.get("mode") != "builtin":
@@ -101,28 +122,22 @@ async def autoscale_once(
     now = clock()
     decision, new_history = decide(policy, observations, history, now)
 
-    result = TickResult(decision, new_history, observations.samples)
-    for r in decision.roles:
-        if r.desired != r.current:
-            manifest = {
-                "apiVersion": "apps/v1",
-                "kind": "Deployment",
-                "metadata": {"name": f"{name}-{r.role}", "namespace": namespace},
-                "spec": {"replicas": r.desired},
-            }
-            await kube.apply(manifest, field_manager=FIELD_MANAGER)
-            result.patched[r.role] = r.desired
-            # Reported at once: if a later write fails, this resize still gets its Event (and the
-            # next tick, finding it done, does not report it again).
-            if (event := scale_event(r)) is not None:
-                result.events.append(event)
-                if on_event is not None:
-                    on_event(*event)
-
+    writes = {
+        r.role: await _write_replicas(kube, namespace, f"{name}-{r.role}", r.desired)
+        for r in resized(decision)
+    }
+    settled = settle(decision, new_history, writes)
+    if on_event is not None:
+        for event in settled.events:
+            on_event(event)
     longest = max(
         max(p.scale_up.stabilization_window_s, p.scale_down.stabilization_window_s) for p in policy.pools
     )
-    result.history = _trim(new_history, longest + HISTORY_MARGIN_S, now)
+    result = TickResult(
+        decision, _trim(settled.history, longest + HISTORY_MARGIN_S, now), observations.samples, settled
+    )
+    if settled.failed:
+        result.failures.append(f"replicas not written: {settled.failure_summary()}")
     scraped = [s.scraped_at for s in observations.samples if s.load is not None]
     result.status = {
         **status_summary(decision),
@@ -135,5 +150,8 @@ async def autoscale_once(
     previous = ((body.get("status") or {}).get("autoscaling") or {}).get("metrics") or {}
     metrics_patch: dict[str, Any] = {key: None for key in previous}
     metrics_patch.update(result.status["metrics"])
-    await kube.patch_status(namespace, name, {"autoscaling": {**result.status, "metrics": metrics_patch}})
+    try:
+        await kube.patch_status(namespace, name, {"autoscaling": {**result.status, "metrics": metrics_patch}})
+    except KubeError as exc:
+        result.failures.append(f"status not saved: {exc}")
     return result

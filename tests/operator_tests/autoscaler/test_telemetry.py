@@ -35,7 +35,7 @@ def test_record_and_forget() -> None:
     registry = CollectorRegistry()
     metrics = AutoscalerMetrics(registry)
     decision, samples = _decision()
-    metrics.record("ns", "demo", decision, samples)
+    metrics.record("ns", "demo", decision, samples, scaled=(("prefill", "up"),))
     key = 'deployment="demo",namespace="ns"'
     assert _lines(registry) == {
         'baton_autoscaler_scale_actions_total{deployment="demo",direction="up",namespace="ns",'
@@ -49,6 +49,19 @@ def test_record_and_forget() -> None:
     }
     metrics.forget("ns", "demo")
     assert not any("replicas" in line for line in _lines(registry))
+
+
+def test_a_refused_resize_is_counted_as_a_failure_not_an_action() -> None:
+    registry = CollectorRegistry()
+    metrics = AutoscalerMetrics(registry)
+    decision, _ = _decision()
+    metrics.record("ns", "demo", decision, scaled=(), refused=(("prefill", "up"),))
+    counted = {line for line in _lines(registry) if "_total" in line}
+    assert counted == {
+        'baton_autoscaler_scale_failures_total{deployment="demo",direction="up",namespace="ns",'
+        'role="prefill"} 1.0',
+        'baton_autoscaler_decisions_total{action="up",deployment="demo",namespace="ns"} 1.0',
+    }
 
 
 def test_scale_events_only_for_resized_pools() -> None:
