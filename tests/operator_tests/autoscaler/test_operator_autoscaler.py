@@ -4,14 +4,15 @@ real HTTP servers that answer /metrics with the load the test sets.
 
 Covers: scale-up under baton-autoscaler's field manager, the operator's own reconciles not
 reverting it, status.autoscaling, ScaledUp/ScaledDown Events, the scale-action metric, scale-down
-one step per stabilization window, `external` mode never writing replicas, and a resize's Event
-posted once even when the other pool's write is refused (by an admission policy)."""
+one step per stabilization window, `external` mode never writing replicas, and a pool whose
+replica write is refused (by an admission policy): the other pool's resize recorded once (status
+history, Event, metric), its down-window honoured, the refusal reported per tick."""
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -232,7 +233,10 @@ def test_external_mode_never_writes_replicas(
     assert "autoscaling" not in (get_infd(kube, NS, "ext").get("status") or {})
 
 
-def cap_decode_replicas(rest: Rest, deployment: str, most: int) -> None:
+ADMISSION = "/apis/admissionregistration.k8s.io/v1"
+
+
+def cap_replicas(rest: Rest, deployment: str, most: int) -> None:
     """An admission policy the API server enforces: `deployment` may have at most `most` replicas.
     Returns once a dry-run write above the cap is refused (policies take effect asynchronously)."""
     name = f"cap-{deployment}"
@@ -266,10 +270,9 @@ def cap_decode_replicas(rest: Rest, deployment: str, most: int) -> None:
         "metadata": {"name": name},
         "spec": {"policyName": name, "validationActions": ["Deny"]},
     }
-    base = "/apis/admissionregistration.k8s.io/v1"
     for path, body in (
-        (f"{base}/validatingadmissionpolicies", policy),
-        (f"{base}/validatingadmissionpolicybindings", binding),
+        (f"{ADMISSION}/validatingadmissionpolicies", policy),
+        (f"{ADMISSION}/validatingadmissionpolicybindings", binding),
     ):
         status, answer = rest.call("POST", path, body)
         assert status == 201, answer
@@ -284,13 +287,45 @@ def cap_decode_replicas(rest: Rest, deployment: str, most: int) -> None:
     wait_for(refused, 30, f"the API server to enforce the cap on {deployment}")
 
 
-def test_a_resize_is_reported_even_when_another_pool_fails_to_resize(
-    own_apiserver: ApiServer, own_kube: Any, operator: OperatorProcess, loads: dict[str, Load]
+@pytest.fixture
+def caps(own_apiserver: ApiServer) -> Iterator[Callable[[str, int], None]]:
+    """`cap_replicas` on this test's API server; the policies go when the test ends."""
+    rest = Rest(own_apiserver)
+    capped: list[str] = []
+
+    def cap(deployment: str, most: int) -> None:
+        capped.append(deployment)
+        cap_replicas(rest, deployment, most)
+
+    yield cap
+    for deployment in capped:
+        for plural in ("validatingadmissionpolicybindings", "validatingadmissionpolicies"):
+            status, answer = rest.call("DELETE", f"{ADMISSION}/{plural}/cap-{deployment}")
+            assert status == 200, answer
+
+
+#: A down-window longer than the test: a second prefill action inside it would be the bug.
+CAPPED_WINDOW_S = 120
+CAPPED_SPEC: dict[str, Any] = {
+    **SPEC,
+    "autoscaling": {
+        **SPEC["autoscaling"],
+        "scaleDown": {"stabilizationWindowSeconds": CAPPED_WINDOW_S, "maxStep": 1},
+    },
+}
+
+
+def test_a_refused_pool_write_keeps_the_other_pools_action_recorded_once(
+    own_apiserver: ApiServer,
+    own_kube: Any,
+    operator: OperatorProcess,
+    loads: dict[str, Load],
+    caps: Callable[[str, int], None],
 ) -> None:
     rest = Rest(own_apiserver)
-    create_infd(own_kube, NS, "capped", SPEC)
+    create_infd(own_kube, NS, "capped", CAPPED_SPEC)
     wait_for(lambda: rest.call("GET", deployment_path("capped-decode"))[0] == 200, 30, "the role Deployments")
-    cap_decode_replicas(rest, "capped-decode", 1)
+    caps("capped-decode", 1)
     for role, load in loads.items():
         add_ready_pod(rest, "capped", role, load.port)
 
@@ -300,10 +335,81 @@ def test_a_resize_is_reported_even_when_another_pool_fails_to_resize(
             e["message"] for e in events if e["involvedObject"]["name"] == "capped" and e["reason"] == reason
         ]
 
-    # Both pools want to grow: prefill (written first) to 3, decode to 2, which the cap refuses.
+    def autoscaling() -> dict[str, Any]:
+        return dict(get_infd(own_kube, NS, "capped").get("status", {}).get("autoscaling") or {})
+
+    def actions() -> list[list[Any]]:
+        return list(json.loads(autoscaling().get("history") or "{}").get("actions", []))
+
+    # Both pools want to grow: prefill to 3, decode to 2, which the cap refuses every tick.
     loads["prefill"].waiting, loads["decode"].kv = 6, 0.9
     wait_for(lambda: replicas(rest, "capped-prefill") == 3, 30, "prefill scaled to 3")
-    failures = wait_for(lambda: (f := posted("AutoscalerFailed")) and len(f) >= 3 and f, 30, "3 failed ticks")
-    assert "at most 1 replicas" in failures[0]
-    assert replicas(rest, "capped-decode") == 1
+    wait_for(lambda: actions(), 30, "the prefill scale-up in status.autoscaling.history")
+
+    # Prefill's load goes; decode's writes keep failing. Prefill holds for the down-window: the
+    # recommendations of the failed ticks are in the history too.
+    loads["prefill"].waiting = 0
+    holding = (
+        "prefill: hold at 3: recommend 1 (queue depth 0 / target 2 -> 0, raised to minReplicas 1); "
+        f"highest in the last {CAPPED_WINDOW_S}s: 3"
+    )
+    wait_for(lambda: holding in autoscaling().get("reason", ""), 30, "prefill holding at 3 with no load")
+    seen = len(posted("ScaleFailed"))
+    wait_for(lambda: len(posted("ScaleFailed")) >= seen + 3, 30, "3 more refused decode writes")
+
+    assert (replicas(rest, "capped-prefill"), replicas(rest, "capped-decode")) == (3, 1)
+    assert [a[1:] for a in actions()] == [["prefill", 1, 3]]
     assert posted("ScaledUp") == ["prefill: scale up 1 -> 3: recommend 3 (queue depth 6 / target 2 -> 3)"]
+    assert posted("ScaledDown") == []
+    refusal = (
+        "decode: scale up 1 -> 2 not written: Invalid (HTTP 422): "
+        'deployments.apps "capped-decode" is forbidden: ValidatingAdmissionPolicy '
+        "'cap-capped-decode' with binding 'cap-capped-decode' denied request: at most 1 replicas"
+    )
+    assert set(posted("ScaleFailed")) == {refusal}
+    text = operator.metrics()
+    action = "baton_autoscaler_scale_actions_total"
+    assert counter(text, action, deployment="capped", role="prefill", direction="up") == 1.0
+    assert counter(text, action, deployment="capped") == 1.0
+    failed = "baton_autoscaler_scale_failures_total"
+    assert counter(text, failed, deployment="capped", role="decode", direction="up") >= seen + 3
+    assert counter(text, failed, deployment="capped", role="prefill") == 0.0
+    # Kopf logs the failed tick and retries the daemon (no AutoscalerFailed: nothing else failed).
+    assert "replicas not written: decode: Invalid (HTTP 422)" in operator.log_text()
+    assert posted("AutoscalerFailed") == []
+
+
+def test_a_refused_first_write_does_not_stop_the_second_pools(
+    own_apiserver: ApiServer,
+    own_kube: Any,
+    operator: OperatorProcess,
+    loads: dict[str, Load],
+    caps: Callable[[str, int], None],
+) -> None:
+    rest = Rest(own_apiserver)
+    create_infd(own_kube, NS, "first", CAPPED_SPEC)
+    wait_for(lambda: rest.call("GET", deployment_path("first-decode"))[0] == 200, 30, "the role Deployments")
+    caps("first-prefill", 1)  # prefill is written first
+    for role, load in loads.items():
+        add_ready_pod(rest, "first", role, load.port)
+
+    def posted(reason: str) -> list[str]:
+        events = rest.get(f"/api/v1/namespaces/{NS}/events")["items"]
+        return [
+            e["message"] for e in events if e["involvedObject"]["name"] == "first" and e["reason"] == reason
+        ]
+
+    loads["prefill"].waiting, loads["decode"].kv = 6, 0.9
+    wait_for(lambda: replicas(rest, "first-decode") == 2, 30, "decode scaled to 2")
+    wait_for(lambda: len(posted("ScaleFailed")) >= 2, 30, "2 refused prefill writes")
+    assert replicas(rest, "first-prefill") == 1
+    assert posted("ScaledUp") == [
+        "decode: scale up 1 -> 2: recommend 2 (KV usage 0.90 x 1 pod / target 0.50 -> 2)"
+    ]
+    assert set(posted("ScaleFailed")) == {
+        "prefill: scale up 1 -> 3 not written: Invalid (HTTP 422): "
+        'deployments.apps "first-prefill" is forbidden: ValidatingAdmissionPolicy '
+        "'cap-first-prefill' with binding 'cap-first-prefill' denied request: at most 1 replicas"
+    }
+    history = json.loads(get_infd(own_kube, NS, "first")["status"]["autoscaling"]["history"])
+    assert [a[1:] for a in history["actions"]] == [["decode", 1, 2]]
