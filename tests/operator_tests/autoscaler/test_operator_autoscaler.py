@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from baton_engine import contract
 from baton_operator.autoscaler.tick import FIELD_MANAGER as AUTOSCALER_MANAGER
-from baton_operator.kube import FIELD_MANAGER, collection_path
+from baton_operator.kube import FIELD_MANAGER
 from tests.operator_tests.apiserver import ApiServer
-from tests.operator_tests.autoscaler.metrics_servers import MetricsServer, answer
+from tests.operator_tests.autoscaler.admission import Refusal, refused, replicas_cap
+from tests.operator_tests.autoscaler.fake_engines import Load, add_ready_pod, deployment_path, replicas
 from tests.operator_tests.kube_helpers import Rest, create_infd, create_namespace, get_infd, wait_for
 from tests.operator_tests.operator_process import OperatorProcess, operator_process
 
@@ -42,26 +42,6 @@ SPEC: dict[str, Any] = {
 }
 
 
-class Load:
-    """One engine's /metrics, settable by the test."""
-
-    def __init__(self) -> None:
-        self.waiting, self.kv = 0, 0.1
-        self.server = MetricsServer(self._answer)
-
-    def _answer(self, server: MetricsServer, handler: Any) -> None:
-        text = (
-            f'{contract.M_REQUESTS_WAITING}{{model_name="smollm2"}} {self.waiting}\n'
-            f'{contract.M_REQUESTS_RUNNING}{{model_name="smollm2"}} 0\n'
-            f'{contract.M_KV_USAGE}{{model_name="smollm2"}} {self.kv}\n'
-        )
-        answer(200, text)(server, handler)
-
-    @property
-    def port(self) -> int:
-        return int(self.server.httpd.server_address[1])
-
-
 @pytest.fixture(scope="module")
 def operator(own_apiserver: ApiServer, own_kube: Any, chart_installed: Any) -> Iterator[OperatorProcess]:
     kubeconfig, _ = chart_installed
@@ -78,47 +58,6 @@ def loads() -> Iterator[dict[str, Load]]:
         load.server.stop()
 
 
-def deployment_path(name: str) -> str:
-    return collection_path("apps/v1", "Deployment", NS) + f"/{name}"
-
-
-def add_ready_pod(rest: Rest, deployment: str, role: str, port: int) -> None:
-    """A Running, Ready engine pod as a kubelet would report it, serving /metrics on `port`."""
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": f"{deployment}-{role}-0",
-            "labels": contract.pod_selector(deployment, role),
-        },
-        "spec": {
-            "containers": [
-                {
-                    "name": "engine",
-                    "image": "baton",
-                    "ports": [{"name": contract.PORT_HTTP, "containerPort": port}],
-                }
-            ]
-        },
-    }
-    status, body = rest.call("POST", collection_path("v1", "Pod", NS), pod)
-    assert status == 201, body
-    ready = {
-        "status": {
-            "phase": "Running",
-            "podIP": "127.0.0.1",
-            "conditions": [{"type": "Ready", "status": "True"}, {"type": "PodScheduled", "status": "True"}],
-        }
-    }
-    path = collection_path("v1", "Pod", NS) + f"/{pod['metadata']['name']}/status"
-    status, body = rest.call("PATCH", path, ready, "application/merge-patch+json")
-    assert status == 200, body
-
-
-def replicas(rest: Rest, name: str) -> int:
-    return int(rest.get(deployment_path(name))["spec"]["replicas"])
-
-
 def counter(text: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():
@@ -133,9 +72,11 @@ def test_builtin_scales_up_then_down_one_step_per_window(
     rest = Rest(own_apiserver)
     kube = own_kube
     create_infd(kube, NS, "grow", SPEC)
-    wait_for(lambda: rest.call("GET", deployment_path("grow-decode"))[0] == 200, 30, "the role Deployments")
+    wait_for(
+        lambda: rest.call("GET", deployment_path(NS, "grow-decode"))[0] == 200, 30, "the role Deployments"
+    )
     for role, load in loads.items():
-        add_ready_pod(rest, "grow", role, load.port)
+        add_ready_pod(rest, NS, "grow", role, load.port)
 
     # Idle: the autoscaler decides "hold" and says so in status.
     def held() -> dict[str, Any] | None:
@@ -147,8 +88,8 @@ def test_builtin_scales_up_then_down_one_step_per_window(
     assert status["currentReplicas"] == {"prefill": 1, "decode": 1}
 
     loads["prefill"].waiting = 6  # 6 waiting / target 2 -> 3 prefill pods
-    wait_for(lambda: replicas(rest, "grow-prefill") == 3, 30, "prefill scaled to 3")
-    deployment = rest.get(deployment_path("grow-prefill"))
+    wait_for(lambda: replicas(rest, NS, "grow-prefill") == 3, 30, "prefill scaled to 3")
+    deployment = rest.get(deployment_path(NS, "grow-prefill"))
     owners = {
         m["manager"]: json.dumps(m.get("fieldsV1", {})) for m in deployment["metadata"]["managedFields"]
     }
@@ -168,12 +109,12 @@ def test_builtin_scales_up_then_down_one_step_per_window(
 
     start = timer_reconciles()
     wait_for(lambda: timer_reconciles() >= start + 3, 30, "three more timer reconciles")
-    assert replicas(rest, "grow-prefill") == 3
+    assert replicas(rest, NS, "grow-prefill") == 3
 
     # Load stops: one step down per window, to the minimum.
     loads["prefill"].waiting = 0
-    wait_for(lambda: replicas(rest, "grow-prefill") == 1, 60, "prefill back to 1")
-    assert replicas(rest, "grow-decode") == 1
+    wait_for(lambda: replicas(rest, NS, "grow-prefill") == 1, 60, "prefill back to 1")
+    assert replicas(rest, NS, "grow-decode") == 1
 
     events = rest.get(f"/api/v1/namespaces/{NS}/events")["items"]
     scaled = sorted(
@@ -211,10 +152,15 @@ def test_external_mode_never_writes_replicas(
     kube = own_kube
     spec = {**SPEC, "autoscaling": {**SPEC["autoscaling"], "mode": "external"}}
     create_infd(kube, NS, "ext", spec)
-    wait_for(lambda: rest.call("GET", deployment_path("ext-prefill"))[0] == 200, 30, "the role Deployments")
+    wait_for(
+        lambda: rest.call("GET", deployment_path(NS, "ext-prefill"))[0] == 200, 30, "the role Deployments"
+    )
     patch = {"spec": {"replicas": 4}}
     status, body = rest.call(
-        "PATCH", deployment_path("ext-prefill") + "?fieldManager=hpa", patch, "application/merge-patch+json"
+        "PATCH",
+        deployment_path(NS, "ext-prefill") + "?fieldManager=hpa",
+        patch,
+        "application/merge-patch+json",
     )
     assert status == 200, body
 
@@ -227,81 +173,12 @@ def test_external_mode_never_writes_replicas(
     # Every resource is resynced each second; wait for several periods of both resources.
     start = timer_reconciles()
     wait_for(lambda: timer_reconciles() >= start + 8, 40, "eight more timer reconciles")
-    assert replicas(rest, "ext-prefill") == 4
-    managers = {m["manager"] for m in rest.get(deployment_path("ext-prefill"))["metadata"]["managedFields"]}
+    assert replicas(rest, NS, "ext-prefill") == 4
+    managers = {
+        m["manager"] for m in rest.get(deployment_path(NS, "ext-prefill"))["metadata"]["managedFields"]
+    }
     assert AUTOSCALER_MANAGER not in managers
     assert "autoscaling" not in (get_infd(kube, NS, "ext").get("status") or {})
-
-
-ADMISSION = "/apis/admissionregistration.k8s.io/v1"
-
-
-def cap_replicas(rest: Rest, deployment: str, most: int) -> None:
-    """An admission policy the API server enforces: `deployment` may have at most `most` replicas.
-    Returns once a dry-run write above the cap is refused (policies take effect asynchronously)."""
-    name = f"cap-{deployment}"
-    policy = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": name},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {
-                "resourceRules": [
-                    {
-                        "apiGroups": ["apps"],
-                        "apiVersions": ["v1"],
-                        "operations": ["UPDATE"],
-                        "resources": ["deployments"],
-                    }
-                ]
-            },
-            "matchConditions": [
-                {"name": "this-one", "expression": f"object.metadata.name == '{deployment}'"}
-            ],
-            "validations": [
-                {"expression": f"object.spec.replicas <= {most}", "message": f"at most {most} replicas"}
-            ],
-        },
-    }
-    binding = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": name},
-        "spec": {"policyName": name, "validationActions": ["Deny"]},
-    }
-    for path, body in (
-        (f"{ADMISSION}/validatingadmissionpolicies", policy),
-        (f"{ADMISSION}/validatingadmissionpolicybindings", binding),
-    ):
-        status, answer = rest.call("POST", path, body)
-        assert status == 201, answer
-    over = {"spec": {"replicas": most + 1}}
-
-    def refused() -> bool:
-        status, _ = rest.call(
-            "PATCH", deployment_path(deployment) + "?dryRun=All", over, "application/merge-patch+json"
-        )
-        return status == 422
-
-    wait_for(refused, 30, f"the API server to enforce the cap on {deployment}")
-
-
-@pytest.fixture
-def caps(own_apiserver: ApiServer) -> Iterator[Callable[[str, int], None]]:
-    """`cap_replicas` on this test's API server; the policies go when the test ends."""
-    rest = Rest(own_apiserver)
-    capped: list[str] = []
-
-    def cap(deployment: str, most: int) -> None:
-        capped.append(deployment)
-        cap_replicas(rest, deployment, most)
-
-    yield cap
-    for deployment in capped:
-        for plural in ("validatingadmissionpolicybindings", "validatingadmissionpolicies"):
-            status, answer = rest.call("DELETE", f"{ADMISSION}/{plural}/cap-{deployment}")
-            assert status == 200, answer
 
 
 #: A down-window longer than the test: a second prefill action inside it would be the bug.
@@ -315,25 +192,29 @@ CAPPED_SPEC: dict[str, Any] = {
 }
 
 
+def posted(rest: Rest, name: str, reason: str) -> list[str]:
+    """Messages of the Events about InferenceDeployment `name` with `reason`."""
+    events = rest.get(f"/api/v1/namespaces/{NS}/events")["items"]
+    return [e["message"] for e in events if e["involvedObject"]["name"] == name and e["reason"] == reason]
+
+
+def start_capped(rest: Rest, kube: Any, loads: dict[str, Load], name: str, capped_role: str) -> Refusal:
+    """InferenceDeployment `name` with its engine pods; the cap on `capped_role` (at most 1) to enter."""
+    create_infd(kube, NS, name, CAPPED_SPEC)
+    wait_for(
+        lambda: rest.call("GET", deployment_path(NS, f"{name}-decode"))[0] == 200, 30, "the role Deployments"
+    )
+    for role, load in loads.items():
+        add_ready_pod(rest, NS, name, role, load.port)
+    deployment = f"{name}-{capped_role}"
+    return replicas_cap(deployment_path(NS, deployment), deployment, 1)
+
+
 def test_a_refused_pool_write_keeps_the_other_pools_action_recorded_once(
-    own_apiserver: ApiServer,
-    own_kube: Any,
-    operator: OperatorProcess,
-    loads: dict[str, Load],
-    caps: Callable[[str, int], None],
+    own_apiserver: ApiServer, own_kube: Any, operator: OperatorProcess, loads: dict[str, Load]
 ) -> None:
     rest = Rest(own_apiserver)
-    create_infd(own_kube, NS, "capped", CAPPED_SPEC)
-    wait_for(lambda: rest.call("GET", deployment_path("capped-decode"))[0] == 200, 30, "the role Deployments")
-    caps("capped-decode", 1)
-    for role, load in loads.items():
-        add_ready_pod(rest, "capped", role, load.port)
-
-    def posted(reason: str) -> list[str]:
-        events = rest.get(f"/api/v1/namespaces/{NS}/events")["items"]
-        return [
-            e["message"] for e in events if e["involvedObject"]["name"] == "capped" and e["reason"] == reason
-        ]
+    cap = start_capped(rest, own_kube, loads, "capped", "decode")
 
     def autoscaling() -> dict[str, Any]:
         return dict(get_infd(own_kube, NS, "capped").get("status", {}).get("autoscaling") or {})
@@ -341,33 +222,37 @@ def test_a_refused_pool_write_keeps_the_other_pools_action_recorded_once(
     def actions() -> list[list[Any]]:
         return list(json.loads(autoscaling().get("history") or "{}").get("actions", []))
 
-    # Both pools want to grow: prefill to 3, decode to 2, which the cap refuses every tick.
-    loads["prefill"].waiting, loads["decode"].kv = 6, 0.9
-    wait_for(lambda: replicas(rest, "capped-prefill") == 3, 30, "prefill scaled to 3")
-    wait_for(lambda: actions(), 30, "the prefill scale-up in status.autoscaling.history")
+    with refused(rest, cap):
+        # Both pools want to grow: prefill to 3, decode to 2, which the cap refuses every tick.
+        loads["prefill"].waiting, loads["decode"].kv = 6, 0.9
+        wait_for(lambda: replicas(rest, NS, "capped-prefill") == 3, 30, "prefill scaled to 3")
+        wait_for(lambda: actions(), 30, "the prefill scale-up in status.autoscaling.history")
 
-    # Prefill's load goes; decode's writes keep failing. Prefill holds for the down-window: the
-    # recommendations of the failed ticks are in the history too.
-    loads["prefill"].waiting = 0
-    holding = (
-        "prefill: hold at 3: recommend 1 (queue depth 0 / target 2 -> 0, raised to minReplicas 1); "
-        f"highest in the last {CAPPED_WINDOW_S}s: 3"
-    )
-    wait_for(lambda: holding in autoscaling().get("reason", ""), 30, "prefill holding at 3 with no load")
-    seen = len(posted("ScaleFailed"))
-    wait_for(lambda: len(posted("ScaleFailed")) >= seen + 3, 30, "3 more refused decode writes")
+        # Prefill's load goes; decode's writes keep failing. Prefill holds for the down-window:
+        # the recommendations of the failed ticks are in the history too.
+        loads["prefill"].waiting = 0
+        holding = (
+            "prefill: hold at 3: recommend 1 (queue depth 0 / target 2 -> 0, raised to minReplicas 1); "
+            f"highest in the last {CAPPED_WINDOW_S}s: 3"
+        )
+        wait_for(lambda: holding in autoscaling().get("reason", ""), 30, "prefill holding at 3 with no load")
+        seen = len(posted(rest, "capped", "ScaleFailed"))
+        wait_for(
+            lambda: len(posted(rest, "capped", "ScaleFailed")) >= seen + 3, 30, "3 more refused decode writes"
+        )
 
-    assert (replicas(rest, "capped-prefill"), replicas(rest, "capped-decode")) == (3, 1)
-    assert [a[1:] for a in actions()] == [["prefill", 1, 3]]
-    assert posted("ScaledUp") == ["prefill: scale up 1 -> 3: recommend 3 (queue depth 6 / target 2 -> 3)"]
-    assert posted("ScaledDown") == []
-    refusal = (
-        "decode: scale up 1 -> 2 not written: Invalid (HTTP 422): "
-        'deployments.apps "capped-decode" is forbidden: ValidatingAdmissionPolicy '
-        "'cap-capped-decode' with binding 'cap-capped-decode' denied request: at most 1 replicas"
-    )
-    assert set(posted("ScaleFailed")) == {refusal}
-    text = operator.metrics()
+        assert (replicas(rest, NS, "capped-prefill"), replicas(rest, NS, "capped-decode")) == (3, 1)
+        assert [a[1:] for a in actions()] == [["prefill", 1, 3]]
+        assert posted(rest, "capped", "ScaledUp") == [
+            "prefill: scale up 1 -> 3: recommend 3 (queue depth 6 / target 2 -> 3)"
+        ]
+        assert posted(rest, "capped", "ScaledDown") == []
+        assert set(posted(rest, "capped", "ScaleFailed")) == {
+            "decode: scale up 1 -> 2 not written: Invalid (HTTP 422): "
+            'deployments.apps "capped-decode" is forbidden: ValidatingAdmissionPolicy '
+            "'cap-capped-decode' with binding 'cap-capped-decode' denied request: at most 1 replicas"
+        }
+        text = operator.metrics()
     action = "baton_autoscaler_scale_actions_total"
     assert counter(text, action, deployment="capped", role="prefill", direction="up") == 1.0
     assert counter(text, action, deployment="capped") == 1.0
@@ -376,40 +261,26 @@ def test_a_refused_pool_write_keeps_the_other_pools_action_recorded_once(
     assert counter(text, failed, deployment="capped", role="prefill") == 0.0
     # Kopf logs the failed tick and retries the daemon (no AutoscalerFailed: nothing else failed).
     assert "replicas not written: decode: Invalid (HTTP 422)" in operator.log_text()
-    assert posted("AutoscalerFailed") == []
+    assert posted(rest, "capped", "AutoscalerFailed") == []
 
 
 def test_a_refused_first_write_does_not_stop_the_second_pools(
-    own_apiserver: ApiServer,
-    own_kube: Any,
-    operator: OperatorProcess,
-    loads: dict[str, Load],
-    caps: Callable[[str, int], None],
+    own_apiserver: ApiServer, own_kube: Any, operator: OperatorProcess, loads: dict[str, Load]
 ) -> None:
     rest = Rest(own_apiserver)
-    create_infd(own_kube, NS, "first", CAPPED_SPEC)
-    wait_for(lambda: rest.call("GET", deployment_path("first-decode"))[0] == 200, 30, "the role Deployments")
-    caps("first-prefill", 1)  # prefill is written first
-    for role, load in loads.items():
-        add_ready_pod(rest, "first", role, load.port)
-
-    def posted(reason: str) -> list[str]:
-        events = rest.get(f"/api/v1/namespaces/{NS}/events")["items"]
-        return [
-            e["message"] for e in events if e["involvedObject"]["name"] == "first" and e["reason"] == reason
+    cap = start_capped(rest, own_kube, loads, "first", "prefill")  # prefill is written first
+    with refused(rest, cap):
+        loads["prefill"].waiting, loads["decode"].kv = 6, 0.9
+        wait_for(lambda: replicas(rest, NS, "first-decode") == 2, 30, "decode scaled to 2")
+        wait_for(lambda: len(posted(rest, "first", "ScaleFailed")) >= 2, 30, "2 refused prefill writes")
+        assert replicas(rest, NS, "first-prefill") == 1
+        assert posted(rest, "first", "ScaledUp") == [
+            "decode: scale up 1 -> 2: recommend 2 (KV usage 0.90 x 1 pod / target 0.50 -> 2)"
         ]
-
-    loads["prefill"].waiting, loads["decode"].kv = 6, 0.9
-    wait_for(lambda: replicas(rest, "first-decode") == 2, 30, "decode scaled to 2")
-    wait_for(lambda: len(posted("ScaleFailed")) >= 2, 30, "2 refused prefill writes")
-    assert replicas(rest, "first-prefill") == 1
-    assert posted("ScaledUp") == [
-        "decode: scale up 1 -> 2: recommend 2 (KV usage 0.90 x 1 pod / target 0.50 -> 2)"
-    ]
-    assert set(posted("ScaleFailed")) == {
-        "prefill: scale up 1 -> 3 not written: Invalid (HTTP 422): "
-        'deployments.apps "first-prefill" is forbidden: ValidatingAdmissionPolicy '
-        "'cap-first-prefill' with binding 'cap-first-prefill' denied request: at most 1 replicas"
-    }
-    history = json.loads(get_infd(own_kube, NS, "first")["status"]["autoscaling"]["history"])
-    assert [a[1:] for a in history["actions"]] == [["decode", 1, 2]]
+        assert set(posted(rest, "first", "ScaleFailed")) == {
+            "prefill: scale up 1 -> 3 not written: Invalid (HTTP 422): "
+            'deployments.apps "first-prefill" is forbidden: ValidatingAdmissionPolicy '
+            "'cap-first-prefill' with binding 'cap-first-prefill' denied request: at most 1 replicas"
+        }
+        history = json.loads(get_infd(own_kube, NS, "first")["status"]["autoscaling"]["history"])
+        assert [a[1:] for a in history["actions"]] == [["decode", 1, 2]]

@@ -1,0 +1,128 @@
+"""One autoscaler tick against a real API server whose admission policy refuses the resource's
+status writes: the replicas written are still in the returned history (the handler keeps it), the
+failure is in the result, and the next tick honours the window the failed one began."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from baton_operator import models
+from baton_operator.autoscaler.policy_types import History, ScaleAction
+from baton_operator.autoscaler.tick import autoscale_once
+from baton_operator.events import Event
+from baton_operator.kube import Kube, collection_path, object_path
+from tests.operator_tests.apiserver import ApiServer
+from tests.operator_tests.autoscaler.admission import Refusal, refused
+from tests.operator_tests.autoscaler.fake_engines import Load, add_ready_pod, replicas
+from tests.operator_tests.kube_helpers import Rest, async_kube, create_infd, create_namespace, get_infd
+
+pytestmark = pytest.mark.k8s
+
+NS = "tick-status"
+NAME = "tick-nostatus"
+WINDOW_S = 120
+SPEC: dict[str, Any] = {
+    "model": {"name": "smollm2", "source": "builtin:smollm2-135m-instruct"},
+    "autoscaling": {
+        "mode": "builtin",
+        "intervalSeconds": 1,
+        "prefill": {"minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 2},
+        "decode": {"minReplicas": 1, "maxReplicas": 2, "targetKVUsage": 0.5},
+        "scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 2},
+        "scaleDown": {"stabilizationWindowSeconds": WINDOW_S, "maxStep": 1},
+    },
+}
+
+
+@pytest.fixture
+async def akube(apiserver: ApiServer) -> AsyncIterator[Kube]:
+    kube = async_kube(apiserver)
+    yield kube
+    await kube.close()
+
+
+@pytest.fixture
+def loads() -> Iterator[dict[str, Load]]:
+    made = {"prefill": Load(), "decode": Load()}
+    yield made
+    for load in made.values():
+        load.server.stop()
+
+
+def create_role_deployment(rest: Rest, name: str) -> None:
+    """What the reconcile would have created, as far as the autoscaler reads it: one replica."""
+    labels = {"app": name}
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [{"name": "engine", "image": "baton"}]},
+            },
+        },
+    }
+    status, answer = rest.call("POST", collection_path("apps/v1", "Deployment", NS), deployment)
+    assert status == 201, answer
+
+
+async def test_a_status_not_saved_keeps_the_written_action_in_the_returned_history(
+    apiserver: ApiServer, kube: Any, akube: Kube, loads: dict[str, Load]
+) -> None:
+    rest = Rest(apiserver)
+    create_namespace(kube, NS)
+    create_infd(kube, NS, NAME, SPEC)
+    for role, load in loads.items():
+        create_role_deployment(rest, f"{NAME}-{role}")
+        add_ready_pod(rest, NS, NAME, role, load.port)
+    no_status = Refusal(
+        "refuse-tick-status",
+        models.GROUP,
+        f"{models.PLURAL}/status",
+        NAME,
+        "false",
+        "status writes refused",
+        object_path(models.API_VERSION, models.KIND, NS, NAME) + "/status",
+        {"status": {"autoscaling": {"reason": "probe"}}},
+    )
+    events: list[Event] = []
+    loads["prefill"].waiting = 6
+    async with httpx.AsyncClient() as client:
+        with refused(rest, no_status):
+            first = await autoscale_once(
+                akube, get_infd(kube, NS, NAME), History(), client=client, on_event=events.append
+            )
+        assert first is not None
+        assert first.failures == [
+            f'status not saved: HTTP 422: {models.PLURAL}.{models.GROUP} "{NAME}" is forbidden: '
+            "ValidatingAdmissionPolicy 'refuse-tick-status' with binding 'refuse-tick-status' denied "
+            "request: status writes refused"
+        ]
+        assert first.history.actions == (ScaleAction(first.decision.at, "prefill", 1, 3),)
+        assert events == [
+            Event(
+                "Normal", "ScaledUp", "prefill: scale up 1 -> 3: recommend 3 (queue depth 6 / target 2 -> 3)"
+            )
+        ]
+        assert (replicas(rest, NS, f"{NAME}-prefill"), replicas(rest, NS, f"{NAME}-decode")) == (3, 1)
+        assert "autoscaling" not in (get_infd(kube, NS, NAME).get("status") or {})
+
+        # Next tick, from the history the failed one returned: no load, and prefill holds.
+        loads["prefill"].waiting = 0
+        second = await autoscale_once(akube, get_infd(kube, NS, NAME), first.history, client=client)
+    assert second is not None
+    assert second.failures == []
+    assert second.decision.role("prefill").reason == (
+        "hold at 3: recommend 1 (queue depth 0 / target 2 -> 0, raised to minReplicas 1); "
+        f"highest in the last {WINDOW_S}s: 3"
+    )
+    saved = json.loads(get_infd(kube, NS, NAME)["status"]["autoscaling"]["history"])
+    assert saved["actions"] == [[round(first.decision.at, 3), "prefill", 1, 3]]
