@@ -36,11 +36,15 @@ def subscriber() -> Iterator[KVEventSubscriber]:
 
 
 class ScriptedPublisher:
-    """A raw PUB + ROUTER pair that sends chosen sequence numbers and replays chosen batches."""
+    """A raw XPUB + ROUTER pair that sends chosen sequence numbers and replays chosen batches.
+
+    XPUB rather than PUB: it reports the subscription, so a test can send batch 0 exactly once,
+    after the subscription is live (a repeated 0 would read as a publisher restart).
+    """
 
     def __init__(self) -> None:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind("tcp://127.0.0.1:*")
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -56,6 +60,10 @@ class ScriptedPublisher:
         if buffer:
             self.buffer[seq] = payload
         self.pub.send_multipart([b"kv@scripted@m", encode_sequence(seq), payload])
+
+    def wait_for_subscription(self, timeout_ms: int = 30_000) -> None:
+        assert self.pub.poll(timeout_ms), "no subscription arrived"
+        assert self.pub.recv()[:1] == b"\x01"
 
     def serve_one_replay(self, timeout_ms: int = 5000) -> None:
         assert self.router.poll(timeout_ms), "no replay request arrived"
@@ -113,7 +121,9 @@ def test_late_subscriber_replays_history_from_zero(
     wait_until(lambda: pub._queue.empty(), what="sent")
     subscriber.add_pod("p1", pub.endpoint, pub.replay_endpoint)
     make_live(pub, subscriber, "p1")
-    assert subscriber.longest_prefix_match(hashes(0, 4)) == {"p1": 4}
+    # The replay applies batch 0 and batch 1 one after the other: "something applied" can be
+    # seen between the two.
+    wait_until(lambda: subscriber.longest_prefix_match(hashes(0, 4)) == {"p1": 4}, what="history")
     stats = subscriber.stats("p1")
     assert stats.batches_replayed >= 2 and stats.gaps_lost == 0
 
@@ -122,16 +132,9 @@ def test_gap_is_filled_from_the_replay_socket(
     scripted: ScriptedPublisher, subscriber: KVEventSubscriber
 ) -> None:
     subscriber.add_pod("p", scripted.endpoint, scripted.replay_endpoint)
-
-    # Seq 0 until it arrives (the subscription needs a moment); the subscriber replays from 0
-    # if it first sees a later one, so repeat 0 only while nothing arrived.
-    def first_arrived() -> bool:
-        scripted.send(0, [chain(0, 1)])
-        if scripted.router.poll(0):
-            scripted.serve_one_replay()
-        return subscriber.stats("p").next_seq == 1
-
-    wait_until(first_arrived, what="seq 0 applied")
+    scripted.wait_for_subscription()
+    scripted.send(0, [chain(0, 1)])
+    wait_until(lambda: subscriber.stats("p").next_seq == 1, what="seq 0 applied")
     scripted.send(1, [chain(1, 1)], buffer=True)
     wait_until(lambda: subscriber.stats("p").next_seq == 2, what="seq 1")
     scripted.buffer[2] = encode_batch([chain(2, 1)], ts=2.0)  # published but lost on the way
@@ -150,14 +153,9 @@ def test_unrecoverable_gap_drops_the_pod_index(
     scripted: ScriptedPublisher, subscriber: KVEventSubscriber
 ) -> None:
     subscriber.add_pod("p", scripted.endpoint, scripted.replay_endpoint)
-
-    def first_arrived() -> bool:
-        scripted.send(0, [chain(0, 2)])
-        if scripted.router.poll(0):
-            scripted.serve_one_replay()
-        return subscriber.stats("p").next_seq == 1
-
-    wait_until(first_arrived, what="seq 0 applied")
+    scripted.wait_for_subscription()
+    scripted.send(0, [chain(0, 2)])
+    wait_until(lambda: subscriber.stats("p").next_seq == 1, what="seq 0 applied")
     assert subscriber.longest_prefix_match(hashes(0, 2)) == {"p": 2}
     scripted.buffer.clear()  # batches 1..4 fell out of the replay buffer
     scripted.send(5, [chain(10, 1)])
