@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import yaml
 from baton_operator.kube import collection_path
 from tests.operator_tests.apiserver import ApiServer, write_kubeconfig
 from tests.operator_tests.kube_helpers import Rest
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts/baton"
@@ -93,13 +93,6 @@ def service_account_token(rest: Rest, namespace: str, name: str) -> str:
     status, body = rest.call("POST", path, request)
     assert status == 201, body
     return str(body["status"]["token"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,20 +11,15 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.ports import free_port
 from tests.router.servers import wait_for
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
 def router_process(start_engine) -> Iterator[tuple[str, object]]:
     _, prefill_url = start_engine("p0")
     decode, decode_url = start_engine("d0")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "BATON_ROUTER_API_KEY": "k1"}
     process = subprocess.Popen(
         [

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Iterator
 
@@ -11,6 +10,7 @@ import pytest
 from baton_engine import contract
 from baton_operator.autoscaler.metrics import ScrapeTarget, scrape_pods
 from baton_operator.autoscaler.policy_types import EngineLoad
+from tests.ports import free_port
 
 from .exposition import engine_exposition
 from .metrics_servers import Behaviour, MetricsServer, answer, hang, held, trickle
@@ -33,10 +33,7 @@ def start_server() -> Iterator[StartServer]:
 
 
 def closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/metrics"
+    return f"http://127.0.0.1:{free_port()}/metrics"
 
 
 HEALTHY_LOAD = EngineLoad(waiting=3, running=5, kv_usage=0.42, kv_blocks=1024, preemptions_total=7)
