@@ -103,7 +103,7 @@ class OperatorProcess:
     log: Path
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
+        with urllib.request.urlopen(self.metrics_url, timeout=30) as resp:
             return str(resp.read().decode())
 
     def log_text(self) -> str:
