@@ -30,7 +30,7 @@ def hashes(first: int, n: int) -> list[int]:
 
 @pytest.fixture
 def subscriber() -> Iterator[KVEventSubscriber]:
-    sub = KVEventSubscriber(replay_timeout_s=2.0)
+    sub = KVEventSubscriber(replay_timeout_s=10.0)
     yield sub
     sub.close()
 
