@@ -99,7 +99,8 @@ class Deployment:
         return RouterProcess(
             "--prefill", *self.prefill_urls(), "--decode", decode_url or self.consumer.url,
             "--tokenizer", MODEL, "--prefix-hash", "fast", "--block-size", str(BLOCK_SIZE),
-            "--scrape-interval", "0.5", *args,
+            # A timed-out scrape ranks a producer last (unknown load): allow a loaded engine 5 s.
+            "--scrape-interval", "0.5", "--scrape-timeout", "5", *args,
             log_path=self.log_dir / f"router-{name}.log",
         )  # fmt: skip
 
