@@ -176,10 +176,11 @@ def test_restart_is_detected_and_the_old_index_dropped(
     subscriber.add_pod("p", endpoint, replay_endpoint)
     make_live(first, subscriber, "p")
     first.publish([chain(0, 3)])
-    # Run the old stream's numbers well past what the new stream reaches while we reconnect.
-    for i in range(300):
+    # Run the old stream's numbers well past what the new stream reaches while we reconnect (a
+    # probe every few ms; a loaded machine can take a second or more to reconnect).
+    for i in range(3000):
         first.publish([BlocksRemoved((2**61 + i,))])
-    wait_until(lambda: (subscriber.stats("p").next_seq or 0) > 300, what="old stream")
+    wait_until(lambda: (subscriber.stats("p").next_seq or 0) > 3000, what="old stream")
     assert subscriber.longest_prefix_match(hashes(0, 3)) == {"p": 3}
     first.shutdown()
 
