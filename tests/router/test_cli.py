@@ -51,12 +51,12 @@ def router_process(start_engine) -> Iterator[tuple[str, object]]:
             return False
 
     try:
-        wait_for(healthy, timeout=30, what="baton-router to answer /health")
+        wait_for(healthy, timeout=120, what="baton-router to answer /health")  # imports under load
         yield url, decode
     finally:
         process.send_signal(signal.SIGTERM)
         # uvicorn shuts down gracefully, then re-raises the signal it caught
-        assert process.wait(timeout=10) in (0, -signal.SIGTERM)
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)
 
 
 def test_cli_serves_requests_with_the_api_key_from_the_environment(router_process) -> None:
