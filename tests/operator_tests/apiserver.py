@@ -180,7 +180,7 @@ def api_server(workdir: Path, bin_dir: Path) -> Iterator[ApiServer]:
                 stderr=subprocess.STDOUT,
             )
         procs.append(etcd)
-        _wait(f"http://127.0.0.1:{client_port}/health", 30, etcd, None)
+        _wait(f"http://127.0.0.1:{client_port}/health", 120, etcd, None)
         with open(workdir / "apiserver.log", "wb") as api_log:
             api = subprocess.Popen(
                 [

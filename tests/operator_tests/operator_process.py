@@ -136,7 +136,7 @@ def operator_process(
         proc, f"http://127.0.0.1:{metrics_port}/metrics", f"http://127.0.0.1:{health_port}/healthz", log
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # a fresh interpreter importing Kopf on a loaded machine
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"operator exited with {proc.returncode}:\n{handle.log_text()[-4000:]}")
