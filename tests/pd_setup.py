@@ -4,13 +4,13 @@ prompt set, the deployment's signing-key environment, and the engine settings of
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from baton_engine import contract
+from tests.ports import free_port
 
 KEY = "pd-test-deployment-key"
 BLOCK_SIZE = 16
@@ -42,11 +42,6 @@ SHARED_PREFIX = (
     "The user is a student preparing for an exam in history and geography. "
 )
 PREFIXED = ["Question: who built the pyramids?", "Question: what is the longest river?"]
-
-
-def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        return int(probe.getsockname()[1])
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -35,9 +35,15 @@ def test_service_account_token_secret_is_populated(dev_cluster: DevCluster, k8s_
 
 
 def test_controllers_act_as_their_own_service_accounts(dev_cluster: DevCluster) -> None:
-    accounts = dev_cluster.admin.get("/api/v1/namespaces/kube-system/serviceaccounts")["items"]
-    names = {a["metadata"]["name"] for a in accounts}
-    assert {"replicaset-controller", "deployment-controller", "generic-garbage-collector"} <= names
+    wanted = {"replicaset-controller", "deployment-controller", "generic-garbage-collector"}
+
+    def names() -> set[str]:
+        accounts = dev_cluster.admin.get("/api/v1/namespaces/kube-system/serviceaccounts")["items"]
+        return {a["metadata"]["name"] for a in accounts}
+
+    # The controller manager creates each controller's account as it starts that controller,
+    # possibly after the cluster reported ready (which waits for the default account only).
+    wait_for("the controllers' service accounts", lambda: wanted <= names())
 
 
 def test_root_ca_is_published_to_new_namespaces(dev_cluster: DevCluster, k8s_namespace: str) -> None:

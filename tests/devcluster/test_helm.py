@@ -23,8 +23,14 @@ def test_helm_install_and_uninstall(dev_cluster: DevCluster, k8s_namespace: str)
 
     settings = dev_cluster.admin.get(f"/api/v1/namespaces/{ns}/configmaps/demo-settings")
     assert settings["data"] == {"greeting": "hi", "kubeVersion": "v1.36.3"}
-    deployment = dev_cluster.admin.get(f"/apis/apps/v1/namespaces/{ns}/deployments/demo-worker")
-    assert deployment["status"]["readyReplicas"] == 2
+
+    def ready_replicas() -> int | None:
+        deployment = dev_cluster.admin.get(f"/apis/apps/v1/namespaces/{ns}/deployments/demo-worker")
+        return deployment["status"].get("readyReplicas")
+
+    # helm's --wait may judge readiness from the ReplicaSet, which the Deployment's status follows
+    # a moment later.
+    wait_for("demo-worker's status to count 2 ready replicas", lambda: ready_replicas() == 2)
     releases = json.loads(dev_cluster.helm("list", "-n", ns, "-o", "json").stdout)
     assert [(r["name"], r["status"], r["chart"]) for r in releases] == [("demo", "deployed", "tiny-0.1.0")]
 

@@ -218,9 +218,15 @@ def test_delete_of_cooperative_process_needs_no_sigkill(dev_cluster: DevCluster,
         e["event"] for e in dev_cluster.agent_events(ns, "polite") if e["event"] in ("sigterm", "sigkill")
     ] == ["sigterm"]
     assert dev_cluster.agent_events(ns, "polite", "exited")[-1]["returncode"] == 0
-    events = json.loads(dev_cluster.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
-    reasons = {(e["reason"], e["involvedObject"]["name"]) for e in events}
-    assert {("Started", "polite"), ("Killing", "polite")} <= reasons
+
+    def reasons() -> set[tuple[str, str]]:
+        events = json.loads(dev_cluster.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
+        return {(e["reason"], e["involvedObject"]["name"]) for e in events}
+
+    # The agent posts Events from background tasks: "Killing" may land after the pod is gone.
+    wait_for(
+        "the Started and Killing Events", lambda: {("Started", "polite"), ("Killing", "polite")} <= reasons()
+    )
 
 
 def test_init_container_then_console_script(dev_cluster: DevCluster, k8s_namespace: str) -> None:

@@ -16,7 +16,7 @@ GO_DECODER_SRC = Path(__file__).parent / "go_decoder"
 CACHE_ROOT = Path.home() / ".cache" / "baton"
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+def wait_until(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:

@@ -42,16 +42,25 @@ def stored(i: int) -> BlocksStored:
 
 
 def publish_until_received(pub: KVEventPublisher, sub: zmq.Socket[bytes]) -> list[list[bytes]]:
-    """Publish numbered batches until the subscription is live; returns what was received."""
+    """Publish numbered batches until the subscription is live; returns what was received.
+
+    Returns only once the last batch published here has arrived too, so that none of them is
+    still on its way when the caller publishes more (a slow sender thread can be several
+    batches behind the first one received).
+    """
     got: list[list[bytes]] = []
     i = 0
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while not got:
         assert time.monotonic() < deadline, "subscription never became live"
         pub.publish([stored(i)], ts=float(i))
         i += 1
         if sub.poll(20):
             got.append(sub.recv_multipart())
+    last = (i - 1).to_bytes(8, "big")  # numbering starts at 0 and only this helper published
+    while got[-1][1] != last:
+        assert sub.poll(30_000), f"batch {i - 1} never arrived"
+        got.append(sub.recv_multipart())
     return got
 
 
@@ -139,6 +148,10 @@ def test_replay_buffer_keeps_the_last_buffer_steps(make_publisher: MakePublisher
 def test_malformed_replay_request_is_ignored(make_publisher: MakePublisher, ctx: zmq.Context) -> None:
     pub = make_publisher(TOPIC)
     pub.publish([stored(0)])
+    # Sent (hence buffered) before the requests below: otherwise the valid one may be answered
+    # with the end marker alone.
+    endpoint = pub.replay_endpoint or ""
+    wait_until(lambda: len(replay(ctx, endpoint, (0).to_bytes(8, "big"))) == 2, what="batch 0 sent")
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(pub.replay_endpoint or "")

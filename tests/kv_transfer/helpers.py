@@ -64,7 +64,7 @@ def signed_params(
     return verify_params(raw, key)
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+def wait_until(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:

@@ -67,3 +67,18 @@ def test_release_and_expiry_wait_for_a_read_in_progress() -> None:
     table.done_reading(lease)
     assert table.take_ended() == [("t", LeaseEnd.RELEASED)]
     assert len(table) == 0
+
+
+def test_expiry_counts_through_the_callback_only_when_leases_expire() -> None:
+    clock = FakeClock()
+    table = LeaseTable(clock)
+    table.add("a", [1], 1.0)
+    table.add("b", [2], 1.0)
+    table.add("c", [3], 9.0)
+    counted: list[int] = []
+    assert table.expire(on_expired=counted.append) == []
+    clock.now += 1.0
+    assert table.expire(on_expired=counted.append) == ["a", "b"]
+    assert table.expire(on_expired=counted.append) == []
+    assert counted == [2]
+    assert table.take_ended() == [("a", LeaseEnd.EXPIRED), ("b", LeaseEnd.EXPIRED)]

@@ -57,7 +57,7 @@ def test_sigterm_keeps_serving_leased_blocks_until_pulled(pair: tuple[ServerProc
     wait_for(lambda: producer.stats()["kv_leases_held"] == 1, 10, "the producer to report its lease")
 
     producer.proc.send_signal(signal.SIGTERM)
-    wait_for(lambda: producer.answers("/ready") == 503, 5, "/ready to turn 503 after SIGTERM")
+    wait_for(lambda: producer.answers("/ready") == 503, 30, "/ready to turn 503 after SIGTERM")
     assert producer.proc.poll() is None  # still up: a lease is held
 
     received_before = _metric(consumer, contract.M_KV_TRANSFER_BYTES, direction="received")

@@ -133,7 +133,7 @@ def test_unknown_transfer_id_is_an_explicit_error(make_producer: MakeProducer) -
     consumer = KVTransferConsumer(make_cache(None), stats=stats, timeout_s=30.0)
     params = signed_params(src, port=producer.port, transfer_id="never-leased", block_ids=[1])
     took = _expect_failure(consumer, params, [0], FailureReason.UNKNOWN_TRANSFER, "'never-leased'")
-    assert took < 5.0
+    assert took < 15.0  # an answer, not the 30 s timeout
     assert stats.take().failures == {"unknown_transfer": 1}
 
 
@@ -255,7 +255,7 @@ def test_unreachable_producer_fails_at_once() -> None:
         FailureReason.PRODUCER_UNREACHABLE,
         f"tcp://127.0.0.1:{port} (refused)",
     )
-    assert took < 5.0
+    assert took < 15.0  # refused at once, not the 30 s timeout
 
 
 def test_silent_producer_times_out() -> None:
@@ -335,7 +335,7 @@ def test_producer_killed_mid_transfer_fails_promptly(
     with pytest.raises(KVTransferError) as caught:
         consumer.pull(params, list(range(num_blocks)), on_chunk=kill_on_first_chunk)
     assert caught.value.reason is FailureReason.PRODUCER_GONE
-    assert time.monotonic() - killed_at[0] < 5.0
+    assert time.monotonic() - killed_at[0] < 15.0  # noticed, not the 30 s timeout
     assert stats.take().failures == {"producer_gone": 1}
 
 

@@ -11,7 +11,6 @@ import datetime as dt
 import ipaddress
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -23,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from tests.ports import free_port
 
 BIN_ROOT = Path.home() / ".cache/baton/k8s-bin"
 ADMIN_TOKEN = "admin-token"
@@ -61,13 +62,6 @@ def write_kubeconfig(path: Path, url: str, ca_file: Path, token: str, user: str 
     }
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _write_pki(d: Path) -> None:
@@ -167,7 +161,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 def api_server(workdir: Path, bin_dir: Path) -> Iterator[ApiServer]:
     """Start etcd and kube-apiserver under `workdir`; stop both (by pid) on exit."""
     _write_pki(workdir)
-    client_port, peer_port, api_port = _free_port(), _free_port(), _free_port()
+    client_port, peer_port, api_port = free_port(), free_port(), free_port()
     procs: list[subprocess.Popen[bytes]] = []
     try:
         with open(workdir / "etcd.log", "wb") as etcd_log:
@@ -186,7 +180,7 @@ def api_server(workdir: Path, bin_dir: Path) -> Iterator[ApiServer]:
                 stderr=subprocess.STDOUT,
             )
         procs.append(etcd)
-        _wait(f"http://127.0.0.1:{client_port}/health", 30, etcd, None)
+        _wait(f"http://127.0.0.1:{client_port}/health", 120, etcd, None)
         with open(workdir / "apiserver.log", "wb") as api_log:
             api = subprocess.Popen(
                 [

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import yaml
 from baton_operator.kube import collection_path
 from tests.operator_tests.apiserver import ApiServer, write_kubeconfig
 from tests.operator_tests.kube_helpers import Rest
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts/baton"
@@ -95,13 +95,6 @@ def service_account_token(rest: Rest, namespace: str, name: str) -> str:
     return str(body["status"]["token"])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @dataclass
 class OperatorProcess:
     proc: subprocess.Popen[bytes]
@@ -110,7 +103,7 @@ class OperatorProcess:
     log: Path
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
+        with urllib.request.urlopen(self.metrics_url, timeout=30) as resp:
             return str(resp.read().decode())
 
     def log_text(self) -> str:
@@ -143,7 +136,7 @@ def operator_process(
         proc, f"http://127.0.0.1:{metrics_port}/metrics", f"http://127.0.0.1:{health_port}/healthz", log
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # a fresh interpreter importing Kopf on a loaded machine
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"operator exited with {proc.returncode}:\n{handle.log_text()[-4000:]}")

@@ -343,7 +343,9 @@ def test_router_discovers_operator_pods_and_drops_a_deleted_one(
             60,
             0.5,
         )
-        (pending,) = decode_pods()
+        # The router drops the pod as soon as it is gone; the ReplicaSet controller creates the
+        # replacement on its own schedule.
+        (pending,) = wait_for("the ReplicaSet's replacement decode pod", decode_pods, 60, 0.5)
         assert (pending["status"]["phase"], pending["metadata"]["uid"] != first["metadata"]["uid"]) == (
             "Pending",
             True,

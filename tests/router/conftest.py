@@ -72,6 +72,10 @@ def start_router() -> Iterator[Callable[..., RunningRouter]]:
         ):
             for url in urls:
                 registry.upsert(static_endpoint(role, url))
+        # The fake engines are threads of this process: on a loaded machine a scrape can outlast
+        # the 0.5 s default, and a timed-out scrape makes a pod's load unknown (ranked last),
+        # which would change where requests go. Dead pods are refused at once regardless.
+        settings.setdefault("scrape_timeout_s", 10.0)
         app = create_app(RouterSettings(**settings), registry, scorer=scorer, kv_index=kv_index)
         server = ServerThread(app, lifespan="on").start()
         servers.append(server)

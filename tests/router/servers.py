@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -10,8 +9,10 @@ from typing import Any
 
 import uvicorn
 
+from tests.ports import bound_socket, free_port
 
-def wait_for(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+
+def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
     """Poll ``condition`` until it returns something truthy; fail with ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
@@ -25,19 +26,14 @@ def wait_for(condition: Callable[[], Any], timeout: float = 10.0, what: str = "c
 
 def dead_url() -> str:
     """A loopback URL nobody listens on (bound then closed: connections are refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 class ServerThread:
     """Runs an ASGI app under uvicorn on 127.0.0.1 in a daemon thread."""
 
     def __init__(self, app: Any, *, lifespan: str = "off") -> None:
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock = bound_socket()
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan=lifespan)

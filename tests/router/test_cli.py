@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,20 +11,15 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.ports import free_port
 from tests.router.servers import wait_for
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
 def router_process(start_engine) -> Iterator[tuple[str, object]]:
     _, prefill_url = start_engine("p0")
     decode, decode_url = start_engine("d0")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "BATON_ROUTER_API_KEY": "k1"}
     process = subprocess.Popen(
         [
@@ -57,12 +51,12 @@ def router_process(start_engine) -> Iterator[tuple[str, object]]:
             return False
 
     try:
-        wait_for(healthy, timeout=30, what="baton-router to answer /health")
+        wait_for(healthy, timeout=120, what="baton-router to answer /health")  # imports under load
         yield url, decode
     finally:
         process.send_signal(signal.SIGTERM)
         # uvicorn shuts down gracefully, then re-raises the signal it caught
-        assert process.wait(timeout=10) in (0, -signal.SIGTERM)
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)
 
 
 def test_cli_serves_requests_with_the_api_key_from_the_environment(router_process) -> None:

@@ -47,7 +47,7 @@ def test_tracker_reads_live_pods_and_marks_dead_ones(start_engine) -> None:
 
     async def scrape() -> list[Load]:
         async with aiohttp.ClientSession() as client:
-            tracker = LoadTracker(registry, client, timeout_s=2.0)
+            tracker = LoadTracker(registry, client, timeout_s=30.0)  # the dead pod is refused at once
             for endpoint in (live, empty, gone):
                 registry.upsert(endpoint)
             await tracker.scrape_once()

@@ -59,7 +59,7 @@ class RouterProcess(LoopbackProcess):
         port = free_port()
         argv = [BATON_ROUTER, "--host", "127.0.0.1", "--port", str(port), "--model", NAME, *args]
         super().__init__(argv, port, log_path, http_timeout=120.0, env=env)
-        self.wait_ready(60, interval=0.1, stop_signal=signal.SIGTERM)
+        self.wait_ready(180, interval=0.1, stop_signal=signal.SIGTERM)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
         return super().stop(sig, timeout)

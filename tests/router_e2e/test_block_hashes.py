@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from baton_engine import contract
+from baton_engine.kv_events_wire import WireBlockStored
 from baton_engine.loader.tokenizer_loading import load_tokenizer
 from baton_engine.router.block_hashes import block_hasher
 from baton_engine.router.request_tokens import EngineRequestTokenizer
@@ -78,7 +79,15 @@ def test_router_keys_equal_engine_event_keys(
 
     answer = chat(server.url, MESSAGES, max_tokens=1)
     assert answer["usage"]["prompt_tokens"] == len(token_ids)
-    stored, _ = replayed_block_stored(port_of(events, "--kv-events-replay-port"))
+    replay_port = port_of(events, "--kv-events-replay-port")
+
+    def prompt_blocks_published() -> list[WireBlockStored] | None:
+        # The core hands the step's events to its publisher thread, which buffers them a moment
+        # after the response may have left.
+        stored, _ = replayed_block_stored(replay_port)
+        return stored if sum(len(event.block_hashes) for event in stored) >= full_blocks else None
+
+    stored = wait_for(prompt_blocks_published, 30, "the engine to publish the prompt's blocks")
     engine_keys = [key for event in stored for key in event.block_hashes]
     engine_tokens = [token for event in stored for token in event.token_ids]
     # the generated token may complete one more block; the prompt's blocks come first

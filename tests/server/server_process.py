@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,13 +12,9 @@ from typing import Any
 
 import httpx
 
+from tests.ports import free_port
+
 BATON_ENGINE = str(Path(sys.executable).with_name("baton-engine"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def child_pids(pid: int) -> list[int]:

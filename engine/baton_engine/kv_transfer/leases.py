@@ -96,8 +96,11 @@ class LeaseTable:
                 self._end_locked(lease, how)
             return True
 
-    def expire(self) -> list[str]:
-        """End every lease past its expiry that is not being read; returns their ids."""
+    def expire(self, on_expired: Callable[[int], None] | None = None) -> list[str]:
+        """End every lease past its expiry that is not being read; returns their ids.
+
+        `on_expired(count)` runs under the table's lock, before `take_ended` can report the
+        leases: whoever sees them ended (and their blocks freed) also sees them counted."""
         with self._lock:
             now = self._clock()
             due = [
@@ -105,6 +108,8 @@ class LeaseTable:
                 for lease in self._leases.values()
                 if lease.expires_at <= now and not lease.busy and lease.pending_end is None
             ]
+            if due and on_expired is not None:
+                on_expired(len(due))
             for lease in due:
                 self._end_locked(lease, LeaseEnd.EXPIRED)
             return [lease.transfer_id for lease in due]

@@ -117,9 +117,8 @@ class KVTransferProducer:
                         self._handle(frames)
                     except Exception:  # one bad message must never stop the server
                         log.exception("KV transfer: error handling a message")
-            expired = self.leases.expire()
+            expired = self.leases.expire(on_expired=self.stats.lease_expired)
             if expired:
-                self.stats.lease_expired(len(expired))
                 log.info("KV transfer: %d lease(s) expired unpulled: %s", len(expired), expired)
 
     def _handle(self, frames: list[bytes]) -> None:

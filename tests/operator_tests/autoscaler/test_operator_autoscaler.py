@@ -87,6 +87,12 @@ def test_builtin_scales_up_then_down_one_step_per_window(
     assert status["lastDecision"] == {"prefill": 1, "decode": 1}
     assert status["currentReplicas"] == {"prefill": 1, "decode": 1}
 
+    # A tick writes the replicas, then status.autoscaling, then posts its Events (Kopf sends
+    # those from a queue) and counts the action: each is waited for on its own.
+    def decided(prefill: int) -> dict[str, Any] | None:
+        auto = get_infd(kube, NS, "grow")["status"]["autoscaling"]
+        return auto if auto["lastDecision"]["prefill"] == prefill else None
+
     loads["prefill"].waiting = 6  # 6 waiting / target 2 -> 3 prefill pods
     wait_for(lambda: replicas(rest, NS, "grow-prefill") == 3, 30, "prefill scaled to 3")
     deployment = rest.get(deployment_path(NS, "grow-prefill"))
@@ -95,8 +101,7 @@ def test_builtin_scales_up_then_down_one_step_per_window(
     }
     assert '"f:replicas"' in owners[AUTOSCALER_MANAGER]
     assert '"f:replicas"' not in owners[FIELD_MANAGER]
-    auto = get_infd(kube, NS, "grow")["status"]["autoscaling"]
-    assert auto["lastDecision"]["prefill"] == 3
+    auto = wait_for(lambda: decided(3), 30, "status.autoscaling to record the scale-up to 3")
     assert auto["metrics"]["prefill.waitingRequests"] == 6.0
     assert "scale up 1 -> 3" in auto["reason"]
 
@@ -116,33 +121,38 @@ def test_builtin_scales_up_then_down_one_step_per_window(
     wait_for(lambda: replicas(rest, NS, "grow-prefill") == 1, 60, "prefill back to 1")
     assert replicas(rest, NS, "grow-decode") == 1
 
-    events = rest.get(f"/api/v1/namespaces/{NS}/events")["items"]
-    scaled = sorted(
-        (
-            e
-            for e in events
-            if e["involvedObject"]["name"] == "grow" and e["reason"] in ("ScaledUp", "ScaledDown")
-        ),
-        key=lambda e: e["metadata"]["creationTimestamp"] + e["metadata"]["name"],
-    )
-    steps = [re.search(r"prefill: scale (up|down) (\d+) -> (\d+)", e["message"]) for e in scaled]
-    assert [(m.group(1), m.group(2), m.group(3)) for m in steps if m] == [
+    def prefill_steps() -> list[tuple[str, str, str]]:
+        events = rest.get(f"/api/v1/namespaces/{NS}/events")["items"]
+        scaled = sorted(
+            (
+                e
+                for e in events
+                if e["involvedObject"]["name"] == "grow" and e["reason"] in ("ScaledUp", "ScaledDown")
+            ),
+            key=lambda e: e["metadata"]["creationTimestamp"] + e["metadata"]["name"],
+        )
+        steps = [re.search(r"prefill: scale (up|down) (\d+) -> (\d+)", e["message"]) for e in scaled]
+        return [(m.group(1), m.group(2), m.group(3)) for m in steps if m]
+
+    steps = wait_for(lambda: (s := prefill_steps()) and len(s) >= 3 and s, 30, "the scale-down Events")
+    assert steps == [
         ("up", "1", "3"),
         ("down", "3", "2"),
         ("down", "2", "1"),
     ]
     # At most one scale-down per window: the status history keeps the last one's time.
-    auto = get_infd(kube, NS, "grow")["status"]["autoscaling"]
+    auto = wait_for(lambda: decided(1), 30, "status.autoscaling to record the scale-down to 1")
     last_down = [a for a in json.loads(auto["history"])["actions"] if a[1] == "prefill"]
     assert [a[2:] for a in last_down][-1:] == [[2, 1]]
-    text = operator.metrics()
-    up = counter(
-        text, "baton_autoscaler_scale_actions_total", deployment="grow", role="prefill", direction="up"
-    )
-    down = counter(
-        text, "baton_autoscaler_scale_actions_total", deployment="grow", role="prefill", direction="down"
-    )
-    assert (up, down) == (1.0, 2.0)
+
+    def actions() -> tuple[float, float]:
+        text = operator.metrics()
+        series = "baton_autoscaler_scale_actions_total"
+        up = counter(text, series, deployment="grow", role="prefill", direction="up")
+        down = counter(text, series, deployment="grow", role="prefill", direction="down")
+        return up, down
+
+    wait_for(lambda: actions() == (1.0, 2.0), 30, "one scale-up and two scale-downs counted")
 
 
 def test_external_mode_never_writes_replicas(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Iterator
 
@@ -11,6 +10,7 @@ import pytest
 from baton_engine import contract
 from baton_operator.autoscaler.metrics import ScrapeTarget, scrape_pods
 from baton_operator.autoscaler.policy_types import EngineLoad
+from tests.ports import free_port
 
 from .exposition import engine_exposition
 from .metrics_servers import Behaviour, MetricsServer, answer, hang, held, trickle
@@ -33,10 +33,7 @@ def start_server() -> Iterator[StartServer]:
 
 
 def closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/metrics"
+    return f"http://127.0.0.1:{free_port()}/metrics"
 
 
 HEALTHY_LOAD = EngineLoad(waiting=3, running=5, kv_usage=0.42, kv_blocks=1024, preemptions_total=7)
@@ -53,7 +50,8 @@ async def test_healthy_failing_hanging_and_refused_pods(start_server: StartServe
         ScrapeTarget("decode-b", "decode", closed_port_url(), ready=False),
     ]
     before = time.time()
-    samples = await scrape_pods(targets, timeout_s=0.5, concurrency=4)
+    # 3 s: the healthy and failing pods (threads of this process) must answer within it under load.
+    samples = await scrape_pods(targets, timeout_s=3, concurrency=4)
     after = time.time()
 
     assert [(s.pod, s.role, s.ready) for s in samples] == [
@@ -64,12 +62,12 @@ async def test_healthy_failing_hanging_and_refused_pods(start_server: StartServe
     ]
     assert samples[0].load == HEALTHY_LOAD and samples[0].error is None
     assert samples[1].load is None and samples[1].error == "HTTP 500"
-    assert samples[2].load is None and samples[2].error == "timeout after 0.5s"
+    assert samples[2].load is None and samples[2].error == "timeout after 3s"
     assert samples[3].load is None and samples[3].error is not None
     assert samples[3].error.startswith("ConnectError")
     assert all(before <= s.scraped_at <= after for s in samples)
     # Concurrent: the hung pod costs one timeout, not one per pod.
-    assert after - before < 2.5
+    assert after - before < 6.0
 
 
 async def test_a_slow_trickle_is_cut_at_the_total_timeout(start_server: StartServer) -> None:
@@ -77,7 +75,7 @@ async def test_a_slow_trickle_is_cut_at_the_total_timeout(start_server: StartSer
     before = time.monotonic()
     [sample] = await scrape_pods([ScrapeTarget("p", "prefill", slow.url)], timeout_s=0.4)
     assert (sample.load, sample.error) == (None, "timeout after 0.4s")
-    assert time.monotonic() - before < 2.0
+    assert time.monotonic() - before < 5.0  # uncut, the trickle would last until the server stops
 
 
 async def test_an_incomplete_answer_is_unknown_with_the_missing_metric(start_server: StartServer) -> None:
@@ -94,7 +92,7 @@ async def test_a_bad_pod_address_is_unknown_and_does_not_spoil_the_others(start_
             ScrapeTarget("no-scheme", "decode", "127.0.0.1:8000/metrics"),
             ScrapeTarget("good", "decode", healthy.url),
         ],
-        timeout_s=2,
+        timeout_s=30,  # only the healthy pod is waited for
     )
     assert [(s.load, s.error) for s in samples] == [
         (None, "OverflowError: connect(): port must be 0-65535."),
@@ -106,7 +104,7 @@ async def test_a_bad_pod_address_is_unknown_and_does_not_spoil_the_others(start_
 @pytest.mark.parametrize("bound", [2, 4])
 async def test_concurrency_is_bounded(start_server: StartServer, bound: int) -> None:
     total = 4
-    server = start_server(held(engine_exposition(), total, hold_s=0.3))
+    server = start_server(held(engine_exposition(), total, hold_s=1.0))
     targets = [ScrapeTarget(f"p{i}", "prefill", server.url) for i in range(total)]
     samples = await scrape_pods(targets, timeout_s=10, concurrency=bound)
     assert [s.load for s in samples] == [HEALTHY_LOAD] * total
