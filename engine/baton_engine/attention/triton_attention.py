@@ -18,6 +18,7 @@ from baton_engine.attention.triton_tiles import (
     attend_paged_keys,
     packed_output,
     paged_kernel_args,
+    paged_kernel_constants,
     split_k_program,
     store_attention_rows,
 )
@@ -28,13 +29,13 @@ def _decode_split_kernel(
     q_ptr,  # [B, H, D]
     cache_ptr,  # [2, NB, BS, KVH, D]
     block_table_ptr,  # [B, MAXB] int32
-    seq_lens_ptr,  # [B] int32
-    out_ptr,  # [B, H, D] (NUM_SPLITS == 1) or partial [B, H, S, D] fp32
-    lse_ptr,  # [B, H, S] fp32
     v_offset,  # elements between the K and the V half of the cache
     stride_bt,
     stride_qt,
     scale_log2,
+    seq_lens_ptr,  # [B] int32
+    out_ptr,  # [B, H, D] (NUM_SPLITS == 1) or partial [B, H, S, D] fp32
+    lse_ptr,  # [B, H, S] fp32
     NUM_SPLITS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KVH: tl.constexpr,
@@ -138,7 +139,8 @@ def launch_split_k(
     num_stages: int | None,
     tuned_unsplit: tuple[int, int],
     tuned_split: tuple[int, int],
-    **kernel_args: Any,
+    extra_args: tuple[Any, ...] = (),
+    **kernel_constants: Any,
 ) -> None:
     """Run a split-K paged kernel over (row, kv head, split) and merge its splits into `out`.
 
@@ -148,15 +150,18 @@ def launch_split_k(
     """
     splits = workspace.num_splits
     warps, stages = tuned_unsplit if splits == 1 else tuned_split
+    constants = paged_kernel_constants(q, layer_cache, block_n)
     kernel[(rows, layer_cache.shape[3], splits)](
-        seq_lens_ptr=seq_lens,
-        out_ptr=out if splits == 1 else workspace.partial,
-        lse_ptr=workspace.lse,
+        *paged_kernel_args(q, layer_cache, block_tables, scale),
+        seq_lens,
+        out if splits == 1 else workspace.partial,
+        workspace.lse,
+        *extra_args,
         NUM_SPLITS=splits,
         num_warps=warps if num_warps is None else num_warps,
         num_stages=stages if num_stages is None else num_stages,
-        **kernel_args,
-        **paged_kernel_args(q, layer_cache, block_tables, scale, block_n),
+        **kernel_constants,
+        **constants,
     )
     if splits == 1:
         return
@@ -168,7 +173,7 @@ def launch_split_k(
         NUM_SPLITS=splits,
         SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        HEAD_DIM_PAD=constants["HEAD_DIM_PAD"],
         num_warps=4,
     )
 
@@ -205,17 +210,17 @@ def paged_decode_attention(
 @triton.jit
 def _prefill_kernel(
     q_ptr,  # [T, H, D]
-    cache_ptr,
+    cache_ptr,  # [2, NB, BS, KVH, D]
     block_table_ptr,  # [B, MAXB] int32
+    v_offset,  # elements between the K and the V half of the cache
+    stride_bt,
+    stride_qt,
+    scale_log2,
     query_start_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     tile_row_ptr,  # [tiles] int32
     tile_start_ptr,  # [tiles] int32 (query offset inside the row)
     out_ptr,  # [T, H, D]
-    v_offset,
-    stride_bt,
-    stride_qt,
-    scale_log2,
     BLOCK_SIZE: tl.constexpr,
     KVH: tl.constexpr,
     GROUP: tl.constexpr,
@@ -296,14 +301,15 @@ def paged_prefill_attention(
     if block_n is None:
         block_n = 64 if triton.next_power_of_2(head_dim) <= 64 else 32
     _prefill_kernel[(num_tiles, num_heads)](
-        query_start_ptr=query_start_loc,
-        seq_lens_ptr=seq_lens,
-        tile_row_ptr=tile_rows,
-        tile_start_ptr=tile_starts,
-        out_ptr=out,
+        *paged_kernel_args(q, layer_cache, block_tables, scale),
+        query_start_loc,
+        seq_lens,
+        tile_rows,
+        tile_starts,
+        out,
         BLOCK_M=PREFILL_BLOCK_M,
         num_warps=num_warps,
         num_stages=num_stages,
-        **paged_kernel_args(q, layer_cache, block_tables, scale, block_n),
+        **paged_kernel_constants(q, layer_cache, block_n),
     )
     return out

@@ -32,14 +32,14 @@ def _multi_query_split_kernel(
     q_ptr,  # [B * Q, H, D]
     cache_ptr,  # [2, NB, BS, KVH, D]
     block_table_ptr,  # [B, MAXB] int32
-    seq_lens_ptr,  # [B] int32
-    query_lens_ptr,  # [B] int32, each <= Q
-    out_ptr,  # [B * Q, H, D] (NUM_SPLITS == 1) or partial [B * Q, H, S, D] fp32
-    lse_ptr,  # [B * Q, H, S] fp32
-    v_offset,
+    v_offset,  # elements between the K and the V half of the cache
     stride_bt,
     stride_qt,
     scale_log2,
+    seq_lens_ptr,  # [B] int32
+    out_ptr,  # [B * Q, H, D] (NUM_SPLITS == 1) or partial [B * Q, H, S, D] fp32
+    lse_ptr,  # [B * Q, H, S] fp32
+    query_lens_ptr,  # [B] int32, each <= Q
     QUERY_LEN: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -117,8 +117,7 @@ def paged_multi_query_attention(
         return out
     launch_split_k(
         _multi_query_split_kernel, batch, out, workspace, q, layer_cache, block_tables, seq_lens, scale,
-        block_n, num_warps, num_stages, (4, 2), (8, 3),
-        query_lens_ptr=query_lens, QUERY_LEN=query_len,
+        block_n, num_warps, num_stages, (4, 2), (8, 3), (query_lens,), QUERY_LEN=query_len,
         M_PAD=max(16, triton.next_power_of_2(query_len * (num_heads // num_kv_heads))),
     )  # fmt: skip
     return out

@@ -8,6 +8,7 @@ base 2 (scores pre-scaled by ``scale * log2(e)``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -31,26 +32,40 @@ def packed_output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def paged_kernel_args(
-    q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, scale: float, block_n: int
-) -> dict[str, Any]:
-    """The launch arguments every paged-attention kernel takes, by parameter name."""
+    q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, scale: float
+) -> tuple[Any, ...]:
+    """The leading runtime arguments of every paged-attention kernel, in their order."""
+    return (
+        q,
+        layer_cache,
+        block_tables,
+        layer_cache.stride(0),
+        block_tables.stride(0),
+        q.stride(0),
+        scale * LOG2E,
+    )
+
+
+def paged_kernel_constants(q: torch.Tensor, layer_cache: torch.Tensor, block_n: int) -> dict[str, Any]:
+    """The compile-time arguments every paged-attention kernel takes (shared: do not modify)."""
     _, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = layer_cache.shape
+    return _constants(num_heads, head_dim, block_size, num_kv_heads, q.dtype, block_n)
+
+
+@functools.cache
+def _constants(
+    num_heads: int, head_dim: int, block_size: int, num_kv_heads: int, dtype: torch.dtype, block_n: int
+) -> dict[str, Any]:
+    # Cached: host time per launch matters for the kernels launched outside captured graphs.
     return {
-        "q_ptr": q,
-        "cache_ptr": layer_cache,
-        "block_table_ptr": block_tables,
-        "v_offset": layer_cache.stride(0),
-        "stride_bt": block_tables.stride(0),
-        "stride_qt": q.stride(0),
-        "scale_log2": scale * LOG2E,
         "BLOCK_SIZE": block_size,
         "KVH": num_kv_heads,
         "GROUP": num_heads // num_kv_heads,
         "HEAD_DIM": head_dim,
         "HEAD_DIM_PAD": triton.next_power_of_2(head_dim),
         "BLOCK_N": block_n,
-        "PRECISION": dot_precision(q.dtype),
+        "PRECISION": dot_precision(dtype),
     }
 
 
