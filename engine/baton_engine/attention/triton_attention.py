@@ -8,11 +8,20 @@ here reads device values on the host, so decode runs inside a captured graph.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
+from baton_engine.attention.triton_tiles import (
+    attend_paged_keys,
+    packed_output,
+    paged_kernel_args,
+    paged_kernel_constants,
+    split_k_program,
+    store_attention_rows,
+)
 
 
 @triton.jit
@@ -20,13 +29,13 @@ def _decode_split_kernel(
     q_ptr,  # [B, H, D]
     cache_ptr,  # [2, NB, BS, KVH, D]
     block_table_ptr,  # [B, MAXB] int32
-    seq_lens_ptr,  # [B] int32
-    out_ptr,  # [B, H, D] (NUM_SPLITS == 1) or partial [B, H, S, D] fp32
-    lse_ptr,  # [B, H, S] fp32
     v_offset,  # elements between the K and the V half of the cache
     stride_bt,
     stride_qt,
     scale_log2,
+    seq_lens_ptr,  # [B] int32
+    out_ptr,  # [B, H, D] (NUM_SPLITS == 1) or partial [B, H, S, D] fp32
+    lse_ptr,  # [B, H, S] fp32
     NUM_SPLITS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KVH: tl.constexpr,
@@ -37,14 +46,8 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    row, kvh, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N)
     H: tl.constexpr = KVH * GROUP
-    seq_len = tl.load(seq_lens_ptr + row)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -56,41 +59,14 @@ def _decode_split_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    n_base = tl.arange(0, BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + n_base
-        n_mask = n < end
-        page = tl.load(block_table_ptr + row * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0)
-        slot = page.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
-        kv_off = (slot * KVH + kvh)[:, None] * HEAD_DIM + d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + v_offset + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    safe_l = tl.where(l_i > 0, l_i, 1.0)
-    result = acc / safe_l[:, None]
-    out_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(
-            out_ptr + (row * H + heads)[:, None] * HEAD_DIM + d[None, :],
-            result.to(out_ptr.dtype.element_ty),
-            mask=out_mask,
-        )
-    else:
-        base = (row * H + heads) * NUM_SPLITS + split
-        tl.store(out_ptr + base[:, None] * HEAD_DIM + d[None, :], result, mask=out_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
-        tl.store(lse_ptr + base, lse, mask=g_mask)
+    m_i, l_i, acc = attend_paged_keys(
+        q, None, None, start, end,
+        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2,
+        BLOCK_SIZE=BLOCK_SIZE, KVH=KVH, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION,
+    )  # fmt: skip
+    store_attention_rows(
+        out_ptr, lse_ptr, m_i, l_i, acc, row * H + heads, g_mask, split, NUM_SPLITS, HEAD_DIM
+    )
 
 
 @triton.jit
@@ -148,6 +124,60 @@ class DecodeWorkspace:
         self.lse = torch.empty(shape, dtype=torch.float32, device=device)
 
 
+def launch_split_k(
+    kernel: Any,
+    rows: int,
+    out: torch.Tensor,
+    workspace: DecodeWorkspace,
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    block_n: int,
+    num_warps: int | None,
+    num_stages: int | None,
+    tuned_unsplit: tuple[int, int],
+    tuned_split: tuple[int, int],
+    extra_args: tuple[Any, ...] = (),
+    **kernel_constants: Any,
+) -> None:
+    """Run a split-K paged kernel over (row, kv head, split) and merge its splits into `out`.
+
+    Without splits the kernel writes `out` directly; otherwise fp32 partials and their log2-sum-exp
+    go to `workspace` and the reduce kernel combines them. Unset warps and stages come from the
+    kernel's tuned (warps, stages) for its case.
+    """
+    splits = workspace.num_splits
+    warps, stages = tuned_unsplit if splits == 1 else tuned_split
+    constants = paged_kernel_constants(q, layer_cache, block_n)
+    kernel[(rows, layer_cache.shape[3], splits)](
+        *paged_kernel_args(q, layer_cache, block_tables, scale),
+        seq_lens,
+        out if splits == 1 else workspace.partial,
+        workspace.lse,
+        *extra_args,
+        NUM_SPLITS=splits,
+        num_warps=warps if num_warps is None else num_warps,
+        num_stages=stages if num_stages is None else num_stages,
+        **kernel_constants,
+        **constants,
+    )
+    if splits == 1:
+        return
+    queries, num_heads, head_dim = out.shape
+    _decode_reduce_kernel[(queries * num_heads,)](
+        workspace.partial,
+        workspace.lse,
+        out,
+        NUM_SPLITS=splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=constants["HEAD_DIM_PAD"],
+        num_warps=4,
+    )
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     layer_cache: torch.Tensor,
@@ -164,70 +194,33 @@ def paged_decode_attention(
 
     A row with seq_len 0 (graph padding) yields zeros.
     """
-    batch, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, _ = layer_cache.shape
-    group = num_heads // num_kv_heads
-    assert q.stride(2) == 1 and q.stride(1) == head_dim, "q heads must be packed (row stride may differ)"
-    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device) if out is None else out
-    splits = workspace.num_splits
-    head_pad = triton.next_power_of_2(head_dim)
-    # Measured on an H200 (bench.gpu_tune, bf16): few warps and 2 stages when each program
-    # walks a whole row (large batch); 8 warps and 4 stages for short split-K slices.
-    if num_warps is None:
-        num_warps = 2 if splits == 1 else 8
-    if num_stages is None:
-        num_stages = 2 if splits == 1 else 4
-    _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q,
-        layer_cache,
-        block_tables,
-        seq_lens,
-        out if splits == 1 else workspace.partial,
-        workspace.lse,
-        layer_cache.stride(0),
-        block_tables.stride(0),
-        q.stride(0),
-        scale * _LOG2E,
-        NUM_SPLITS=splits,
-        BLOCK_SIZE=block_size,
-        KVH=num_kv_heads,
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_pad,
-        BLOCK_N=block_n,
-        PRECISION=_precision(q.dtype),
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    if splits > 1:
-        _decode_reduce_kernel[(batch * num_heads,)](
-            workspace.partial,
-            workspace.lse,
-            out,
-            NUM_SPLITS=splits,
-            SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_pad,
-            num_warps=4,
-        )
+    batch, num_heads, _ = q.shape
+    num_kv_heads = layer_cache.shape[3]
+    out = packed_output(q, out)
+    # Measured on an H200 (bench.gpu_tune, bf16), as (warps, stages): few warps and 2 stages when
+    # each program walks a whole row (large batch); 8 warps and 4 stages for short split-K slices.
+    launch_split_k(
+        _decode_split_kernel, batch, out, workspace, q, layer_cache, block_tables, seq_lens, scale, block_n,
+        num_warps, num_stages, (2, 2), (8, 4),
+        GROUP_PAD=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
+    )  # fmt: skip
     return out
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr,  # [T, H, D]
-    cache_ptr,
+    cache_ptr,  # [2, NB, BS, KVH, D]
     block_table_ptr,  # [B, MAXB] int32
+    v_offset,  # elements between the K and the V half of the cache
+    stride_bt,
+    stride_qt,
+    scale_log2,
     query_start_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     tile_row_ptr,  # [tiles] int32
     tile_start_ptr,  # [tiles] int32 (query offset inside the row)
     out_ptr,  # [T, H, D]
-    v_offset,
-    stride_bt,
-    stride_qt,
-    scale_log2,
     BLOCK_SIZE: tl.constexpr,
     KVH: tl.constexpr,
     GROUP: tl.constexpr,
@@ -257,37 +250,13 @@ def _prefill_kernel(
         mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    q_pos = context + m
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     key_end = tl.minimum(context + q_off + BLOCK_M, seq_len)
-    n_base = tl.arange(0, BLOCK_N)
-    for n0 in range(0, key_end, BLOCK_N):
-        n = n0 + n_base
-        n_mask = n < key_end
-        page = tl.load(block_table_ptr + row * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0)
-        slot = page.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
-        kv_off = (slot * KVH + kvh)[:, None] * HEAD_DIM + d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        visible = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + v_offset + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + ((q_begin + m) * H + head)[:, None] * HEAD_DIM + d[None, :],
-        result.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & d_mask[None, :],
-    )
+    m_i, l_i, acc = attend_paged_keys(
+        q, context + m, None, 0, key_end,
+        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2,
+        BLOCK_SIZE=BLOCK_SIZE, KVH=KVH, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL=True, PRECISION=PRECISION,
+    )  # fmt: skip
+    store_attention_rows(out_ptr, None, m_i, l_i, acc, (q_begin + m) * H + head, m_mask, 0, 1, HEAD_DIM)
 
 
 PREFILL_BLOCK_M = 64
@@ -324,38 +293,23 @@ def paged_prefill_attention(
 
     q: [T, H, D]; a row's queries are its last ``query_len`` positions of ``seq_len``.
     """
-    tokens, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, _ = layer_cache.shape
-    assert q.stride(2) == 1 and q.stride(1) == head_dim, "q heads must be packed (row stride may differ)"
-    out = torch.empty((tokens, num_heads, head_dim), dtype=q.dtype, device=q.device) if out is None else out
+    num_heads, head_dim = q.shape[1:]
+    out = packed_output(q, out)
     num_tiles = tile_rows.shape[0]
     if num_tiles == 0:
         return out
-    head_pad = triton.next_power_of_2(head_dim)
     if block_n is None:
-        block_n = 64 if head_pad <= 64 else 32
+        block_n = 64 if triton.next_power_of_2(head_dim) <= 64 else 32
     _prefill_kernel[(num_tiles, num_heads)](
-        q,
-        layer_cache,
-        block_tables,
+        *paged_kernel_args(q, layer_cache, block_tables, scale),
         query_start_loc,
         seq_lens,
         tile_rows,
         tile_starts,
         out,
-        layer_cache.stride(0),
-        block_tables.stride(0),
-        q.stride(0),
-        scale * _LOG2E,
-        BLOCK_SIZE=block_size,
-        KVH=num_kv_heads,
-        GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_pad,
         BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=block_n,
-        PRECISION=_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
+        **paged_kernel_constants(q, layer_cache, block_n),
     )
     return out
