@@ -13,6 +13,8 @@ Every client request during all of this succeeds.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import Iterator
@@ -24,7 +26,7 @@ import pytest
 import yaml
 
 from baton_dev.demo_manifests import PROCESS_NODES, with_node_selector
-from baton_dev.kubeapi import ApiAccess, KubeApi
+from baton_dev.kubeapi import ApiAccess, AsyncKubeApi
 from baton_dev.testing import DevCluster, is_ready, wait_for
 from baton_engine import contract
 from baton_operator import models
@@ -87,33 +89,62 @@ SPEC: dict[str, Any] = {
 
 
 class Recorder:
-    """Polls the resource and keeps every decision it saw (status snapshots and history rows)."""
+    """Watches the resource and keeps every decision written to it (status snapshots and history
+    rows). A watch delivers every version of the object in order, so no decision is missed
+    however slowly this thread runs (polling could skip the one decision a test looks for)."""
 
-    def __init__(self, api: KubeApi, namespace: str) -> None:
-        self.api, self.path = api, f"/apis/{models.API_VERSION}/namespaces/{namespace}/{models.PLURAL}/{NAME}"
+    def __init__(self, access: ApiAccess, namespace: str) -> None:
+        self.access = access
+        self.path = f"/apis/{models.API_VERSION}/namespaces/{namespace}/{models.PLURAL}"
         self.snapshots: dict[str, dict[str, Any]] = {}  # decision time -> status.autoscaling
         self.recommendations: set[tuple[float, str, int]] = set()
         self.actions: set[tuple[float, str, int, int]] = set()
-        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._loop = asyncio.new_event_loop()
+        self._task: asyncio.Task[None] | None = None
+        self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, name="recorder", daemon=True)
         self._thread.start()
+        assert self._started.wait(30), "the recorder's watch did not start"
+        assert self.error is None, f"the recorder's watch failed: {self.error!r}"
 
     def _run(self) -> None:
-        while not self._stop.wait(0.25):
-            try:
-                auto = (self.api.get(self.path).get("status") or {}).get("autoscaling") or {}
-            except Exception:  # a failed poll is retried on the next tick
-                continue
-            if not auto.get("time"):
-                continue
-            self.snapshots.setdefault(auto["time"], auto)
-            history = json.loads(auto.get("history") or "{}")
-            self.recommendations.update((r[0], r[1], r[2]) for r in history.get("recommendations", []))
-            self.actions.update((a[0], a[1], a[2], a[3]) for a in history.get("actions", []))
+        self._task = self._loop.create_task(self._watch())
+        try:
+            self._loop.run_until_complete(self._task)
+        except asyncio.CancelledError:
+            pass
+        except BaseException as exc:  # reported by stop(): a dead watch would miss decisions
+            self.error = exc
+            self._started.set()
+        finally:
+            self._loop.close()
+
+    async def _watch(self) -> None:
+        api = AsyncKubeApi(self.access)
+        try:
+            async for kind, obj in api.list_and_watch(self.path, fieldSelector=f"metadata.name={NAME}"):
+                for item in obj["items"] if kind == "SYNC" else [obj]:
+                    self._record(item)
+                self._started.set()
+        finally:
+            await api.aclose()
+
+    def _record(self, obj: dict[str, Any]) -> None:
+        auto = (obj.get("status") or {}).get("autoscaling") or {}
+        if not auto.get("time"):
+            return
+        self.snapshots.setdefault(auto["time"], auto)
+        history = json.loads(auto.get("history") or "{}")
+        self.recommendations.update((r[0], r[1], r[2]) for r in history.get("recommendations", []))
+        self.actions.update((a[0], a[1], a[2], a[3]) for a in history.get("actions", []))
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
+        if self._task is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed already: the watch failed
+                self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(timeout=30)
+        assert self.error is None, f"the recorder's watch failed: {self.error!r}"
 
 
 @pytest.fixture
@@ -171,7 +202,7 @@ def test_prefill_and_decode_scale_with_load_and_back(
     wait_for("one Ready prefill, decode and router pod", all_ready, timeout_s=600, interval_s=1)
     (router,) = _pods(dev_cluster, ns, contract.ROLE_ROUTER)
     (first_prefill,) = _pods(dev_cluster, ns, contract.ROLE_PREFILL)
-    recorder = Recorder(KubeApi(ApiAccess.from_kubeconfig(dev_cluster.state.admin_kubeconfig)), ns)
+    recorder = Recorder(ApiAccess.from_kubeconfig(dev_cluster.state.admin_kubeconfig), ns)
     load = LoadGenerator(_url(router, "/v1/completions"), PREFILL_HEAVY, timeout_s=300).start(concurrency=10)
     try:
         # 1. Prefill grows, and the new pod serves.
