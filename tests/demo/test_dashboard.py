@@ -145,13 +145,13 @@ def test_every_queried_series_is_exposed_by_live_engines_and_router(live: LivePa
     assert response.json()["choices"][0]["message"]["content"]
 
     def kv_bytes_seen() -> bool:
-        text = httpx.get(f"{live.consumer.url}/metrics").text
+        text = httpx.get(f"{live.consumer.url}/metrics", timeout=30).text
         return f'{contract.M_KV_TRANSFER_BYTES}{{direction="received"' in text
 
     wait_for(kv_bytes_seen, 30, "the consumer's KV-transfer bytes on /metrics")
     exposed: dict[str, str] = {}
     for url in (live.producer.url, live.consumer.url, live.router_url):
-        exposed |= families(httpx.get(f"{url}/metrics").text)
+        exposed |= families(httpx.get(f"{url}/metrics", timeout=30).text)
     wanted = sorted(s for s in queried_series(load()) if not s.startswith(AUTOSCALER_PREFIX))
     missing = [s for s in wanted if exposed.get(family_of(s)[0]) != family_of(s)[1]]
     assert missing == []

@@ -80,7 +80,7 @@ def test_env_and_service_account_kubeconfig(dev_cluster: DevCluster, k8s_namespa
     ip = _running_ip(dev_cluster, ns, "env")
     node = api.get(f"/api/v1/nodes/{dev_cluster.pod(ns, 'env')['spec']['nodeName']}")
     assert ipaddress.ip_address(ip) in ipaddress.ip_network(node["spec"]["podCIDR"])
-    seen = httpx.get(f"http://{ip}:8080/env").json()
+    seen = httpx.get(f"http://{ip}:8080/env", timeout=30).json()
     assert {
         k: seen[k] for k in ("POD_IP", "POD_NAME", "POD_NAMESPACE", "MODE", "SECRET", "URL", "CFG_mode")
     } == {
@@ -124,7 +124,7 @@ def test_ready_only_when_readiness_probe_passes(dev_cluster: DevCluster, k8s_nam
     assert pod["status"]["containerStatuses"][0]["ready"] is False
     assert "statuscode: 503" in dev_cluster.agent_events(ns, "web", "probe-failed")[-1]["message"]
 
-    assert httpx.post(f"http://{ip}:8080/make-ready").status_code == 200
+    assert httpx.post(f"http://{ip}:8080/make-ready", timeout=30).status_code == 200
 
     def ready_pod() -> dict[str, Any] | None:
         pod = dev_cluster.pod(ns, "web")
@@ -142,7 +142,7 @@ def test_killed_process_restarts_with_growing_backoff(dev_cluster: DevCluster, k
     dev_cluster.admin.post(f"/api/v1/namespaces/{ns}/pods", _server_pod("crashy"))
     for restarts in range(3):
         ip = _running_ip(dev_cluster, ns, "crashy")
-        pid = int(httpx.get(f"http://{ip}:8080/pid").text)
+        pid = int(httpx.get(f"http://{ip}:8080/pid", timeout=30).text)
         os.kill(pid, signal.SIGKILL)
         wait_for(
             f"restart {restarts + 1}",
@@ -181,7 +181,7 @@ def test_delete_sends_sigterm_then_sigkill_after_grace(dev_cluster: DevCluster, 
     )
     dev_cluster.admin.post(f"/api/v1/namespaces/{ns}/pods", pod)
     ip = _running_ip(dev_cluster, ns, "stubborn")
-    pid = int(httpx.get(f"http://{ip}:8080/pid").text)
+    pid = int(httpx.get(f"http://{ip}:8080/pid", timeout=30).text)
 
     dev_cluster.admin.delete(f"/api/v1/namespaces/{ns}/pods/stubborn")
     wait_for(
@@ -312,13 +312,13 @@ def test_liveness_probe_failure_restarts_after_startup_probe(
     ip = _running_ip(dev_cluster, ns, "lively")
     wait_for("started", lambda: container_status()["started"])
     count = container_status()["restartCount"]
-    pid = int(httpx.get(f"http://{ip}:8080/pid").text)
+    pid = int(httpx.get(f"http://{ip}:8080/pid", timeout=30).text)
     runs = len((pod_dir / "probes.log").read_text().splitlines())
     wait_for(
         "3 more liveness probes", lambda: len((pod_dir / "probes.log").read_text().splitlines()) >= runs + 3
     )
     assert container_status()["restartCount"] == count
-    assert int(httpx.get(f"http://{ip}:8080/pid").text) == pid
+    assert int(httpx.get(f"http://{ip}:8080/pid", timeout=30).text) == pid
 
 
 def test_container_exit_ends_its_child_processes(dev_cluster: DevCluster, k8s_namespace: str) -> None:

@@ -46,7 +46,7 @@ def router_process(start_engine) -> Iterator[tuple[str, object]]:
     def healthy() -> bool:
         assert process.poll() is None, "router exited"
         try:
-            return httpx.get(url + "/health").status_code == 200
+            return httpx.get(url + "/health", timeout=30).status_code == 200
         except httpx.TransportError:
             return False
 
@@ -61,9 +61,9 @@ def router_process(start_engine) -> Iterator[tuple[str, object]]:
 
 def test_cli_serves_requests_with_the_api_key_from_the_environment(router_process) -> None:
     url, decode = router_process
-    assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=30).status_code == 401
     response = httpx.post(
-        url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer k1"}
+        url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer k1"}, timeout=30
     )
     assert response.status_code == 200
     assert len(decode.posts()) == 1

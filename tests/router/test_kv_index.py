@@ -150,8 +150,13 @@ def test_router_prefills_where_the_events_say_the_prefix_is(start_engine, start_
     _until(lambda: index.longest_prefix_match(keys) == both, publishers, "both pods' blocks in the index")
 
     for _ in range(2):
-        response = httpx.post(router.url + "/v1/completions", json={"model": "smollm2", "prompt": PROMPT})
+        response = httpx.post(
+            router.url + "/v1/completions", json={"model": "smollm2", "prompt": PROMPT}, timeout=30
+        )
         assert response.status_code == 200
     assert (len(cold.posts()), len(warm.posts()), len(decode.posts())) == (0, 2, 2)
     hit_tokens = 2 * 3 * BLOCK  # two requests, three cached blocks each
-    assert f"baton_router_prefix_hit_tokens_total {hit_tokens}.0" in httpx.get(router.url + "/metrics").text
+    assert (
+        f"baton_router_prefix_hit_tokens_total {hit_tokens}.0"
+        in httpx.get(router.url + "/metrics", timeout=30).text
+    )

@@ -80,11 +80,16 @@ def test_router_sends_the_prefill_leg_to_the_pod_with_the_longest_prefix(start_e
     )
 
     for _ in range(3):
-        assert httpx.post(router.url + "/v1/completions", json={"prompt": PROMPT}).status_code == 200
+        assert (
+            httpx.post(router.url + "/v1/completions", json={"prompt": PROMPT}, timeout=30).status_code == 200
+        )
     assert (len(cold.posts()), len(warm.posts())) == (0, 3)
-    metrics = httpx.get(router.url + "/metrics").text
+    metrics = httpx.get(router.url + "/metrics", timeout=30).text
     assert "baton_router_prefix_hit_tokens_total 24.0" in metrics  # 3 requests x 2 blocks x 4 tokens
 
     for _ in range(4):
-        assert httpx.post(baseline.url + "/v1/completions", json={"prompt": PROMPT}).status_code == 200
+        assert (
+            httpx.post(baseline.url + "/v1/completions", json={"prompt": PROMPT}, timeout=30).status_code
+            == 200
+        )
     assert (len(cold.posts()), len(warm.posts())) == (2, 5)

@@ -18,7 +18,7 @@ STREAM_BODY = {**BODY, "stream": True, "stream_options": {"include_usage": True}
 
 
 def _metric(router_url: str, line_start: str) -> float:
-    text = httpx.get(router_url + "/metrics").text
+    text = httpx.get(router_url + "/metrics", timeout=30).text
     for line in text.splitlines():
         if line.startswith(line_start + " "):
             return float(line.split()[-1])
@@ -36,7 +36,9 @@ def test_disaggregated_legs_in_order_with_params_passed_through(start_engine, st
     decode, decode_url = start_engine("d0")
     router = start_router(prefill=[prefill_url], decode=[decode_url])
 
-    response = httpx.post(router.url + "/v1/completions", json=BODY, headers={"X-Request-Id": "req-1"})
+    response = httpx.post(
+        router.url + "/v1/completions", json=BODY, headers={"X-Request-Id": "req-1"}, timeout=30
+    )
 
     assert response.status_code == 200
     assert response.headers["x-request-id"] == "req-1"
@@ -66,6 +68,7 @@ def test_stream_is_relayed_byte_for_byte(start_engine, start_router) -> None:
         router.url + "/v1/chat/completions",
         headers={"X-Request-Id": "s-1"},
         json={**STREAM_BODY, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9},
+        timeout=30,
     ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"] == "text/event-stream"
@@ -87,7 +90,7 @@ def test_upstream_stream_breaking_midway_ends_with_an_sse_error(start_engine, st
     router = start_router(prefill=[prefill_url], decode=[decode_url])
 
     with httpx.stream(
-        "POST", router.url + "/v1/completions", json=STREAM_BODY, headers={"X-Request-Id": "b-1"}
+        "POST", router.url + "/v1/completions", json=STREAM_BODY, headers={"X-Request-Id": "b-1"}, timeout=30
     ) as r:
         assert r.status_code == 200
         received = b"".join(r.iter_raw())
@@ -113,7 +116,9 @@ def test_client_kv_transfer_params_are_dropped(start_engine, start_router, mode)
         router = start_router(prefill=[prefill_url], decode=[decode_url])
     forged = {**BODY, "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "stolen"}}
 
-    response = httpx.post(router.url + "/v1/completions", json=forged, headers={"X-Request-Id": "k-1"})
+    response = httpx.post(
+        router.url + "/v1/completions", json=forged, headers={"X-Request-Id": "k-1"}, timeout=30
+    )
 
     assert response.status_code == 200
     [decode_leg] = decode.posts()
@@ -129,7 +134,7 @@ def test_request_id_is_generated_and_shared_by_both_legs(start_engine, start_rou
     decode, decode_url = start_engine("d0")
     router = start_router(prefill=[prefill_url], decode=[decode_url])
 
-    response = httpx.post(router.url + "/v1/completions", json=BODY)
+    response = httpx.post(router.url + "/v1/completions", json=BODY, timeout=30)
 
     rid = response.headers["x-request-id"]
     assert re.fullmatch(r"baton-[0-9a-f]{32}", rid)
@@ -156,7 +161,9 @@ def test_prefill_failure_sends_the_whole_request_to_decode(
     timeout_s = 0.3 if behaviour.get("prefill_hang") else 30.0
     router = start_router(prefill=[prefill_url], decode=[decode_url], prefill_timeout_s=timeout_s)
 
-    response = httpx.post(router.url + "/v1/completions", json=BODY, headers={"X-Request-Id": "f-1"})
+    response = httpx.post(
+        router.url + "/v1/completions", json=BODY, headers={"X-Request-Id": "f-1"}, timeout=30
+    )
 
     assert response.status_code == 200
     assert response.json() == decode.completion("f-1", "done")
@@ -172,7 +179,7 @@ def test_unreachable_prefill_pod_falls_back(start_engine, start_router) -> None:
     decode, decode_url = start_engine("d0")
     router = start_router(prefill=[dead_url()], decode=[decode_url])
 
-    response = httpx.post(router.url + "/v1/completions", json=BODY)
+    response = httpx.post(router.url + "/v1/completions", json=BODY, timeout=30)
 
     assert response.status_code == 200
     assert [r.body for r in decode.posts()] == [BODY]
@@ -184,7 +191,9 @@ def test_prefill_client_error_is_returned_and_decode_never_called(start_engine, 
     decode, decode_url = start_engine("d0")
     router = start_router(prefill=[prefill_url], decode=[decode_url])
 
-    response = httpx.post(router.url + "/v1/completions", json=BODY, headers={"X-Request-Id": "e-1"})
+    response = httpx.post(
+        router.url + "/v1/completions", json=BODY, headers={"X-Request-Id": "e-1"}, timeout=30
+    )
 
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "p0 refuses"
@@ -202,6 +211,7 @@ def test_aggregated_mode_forwards_the_body_unchanged(start_engine, start_router)
         router.url + "/v1/completions",
         content=raw,
         headers={"content-type": "application/json", "x-request-id": "a-1"},
+        timeout=30,
     ) as response:
         received = b"".join(response.iter_raw())
 
@@ -217,7 +227,7 @@ def test_client_disconnect_mid_stream_closes_the_decode_leg(start_engine, start_
     router = start_router(prefill=[prefill_url], decode=[decode_url])
 
     with httpx.stream(
-        "POST", router.url + "/v1/completions", json=STREAM_BODY, headers={"X-Request-Id": "c-1"}
+        "POST", router.url + "/v1/completions", json=STREAM_BODY, headers={"X-Request-Id": "c-1"}, timeout=30
     ) as response:
         first = next(response.iter_raw())
         assert first.startswith(b"data: ")
@@ -256,10 +266,14 @@ def test_api_key(start_engine, start_router) -> None:
     decode, decode_url = start_engine("d0")
     router = start_router(prefill=[prefill_url], decode=[decode_url], api_key="sekret")
 
-    missing = httpx.post(router.url + "/v1/completions", json=BODY)
-    wrong = httpx.post(router.url + "/v1/completions", json=BODY, headers={"Authorization": "Bearer nope"})
-    models = httpx.get(router.url + "/v1/models")
-    right = httpx.post(router.url + "/v1/completions", json=BODY, headers={"Authorization": "Bearer sekret"})
+    missing = httpx.post(router.url + "/v1/completions", json=BODY, timeout=30)
+    wrong = httpx.post(
+        router.url + "/v1/completions", json=BODY, headers={"Authorization": "Bearer nope"}, timeout=30
+    )
+    models = httpx.get(router.url + "/v1/models", timeout=30)
+    right = httpx.post(
+        router.url + "/v1/completions", json=BODY, headers={"Authorization": "Bearer sekret"}, timeout=30
+    )
 
     for denied in (missing, wrong, models):
         assert denied.status_code == 401
@@ -270,7 +284,7 @@ def test_api_key(start_engine, start_router) -> None:
     assert wrong.json()["error"]["message"] == "Incorrect API key provided."
     assert right.status_code == 200
     assert len(decode.posts()) == 1
-    assert httpx.get(router.url + "/health").status_code == 200  # probes need no key
+    assert httpx.get(router.url + "/health", timeout=30).status_code == 200  # probes need no key
 
 
 @pytest.mark.parametrize(
@@ -285,7 +299,7 @@ def test_bad_request_bodies_get_openai_errors(start_engine, start_router, conten
     decode, decode_url = start_engine("d0")
     router = start_router(prefill=[prefill_url], decode=[decode_url])
 
-    response = httpx.post(router.url + "/v1/completions", content=content)
+    response = httpx.post(router.url + "/v1/completions", content=content, timeout=30)
 
     assert response.status_code == 400
     error = response.json()["error"]
@@ -299,8 +313,8 @@ def test_unknown_paths_and_methods_get_openai_errors(start_engine, start_router)
     _, decode_url = start_engine("e0")
     router = start_router(engine=[decode_url], mode="aggregated")
 
-    missing = httpx.post(router.url + "/v1/embeddings", json={})
-    wrong_method = httpx.get(router.url + "/v1/completions")
+    missing = httpx.post(router.url + "/v1/embeddings", json={}, timeout=30)
+    wrong_method = httpx.get(router.url + "/v1/completions", timeout=30)
 
     assert (missing.status_code, wrong_method.status_code) == (404, 405)
     assert missing.json() == {
@@ -313,7 +327,7 @@ def test_no_reachable_decode_pod_is_503(start_engine, start_router) -> None:
     prefill, prefill_url = start_engine("p0")
     router = start_router(prefill=[prefill_url], decode=[dead_url(), dead_url()])
 
-    response = httpx.post(router.url + "/v1/completions", json=BODY)
+    response = httpx.post(router.url + "/v1/completions", json=BODY, timeout=30)
 
     assert response.status_code == 503
     error = response.json()["error"]
@@ -333,7 +347,7 @@ def test_refused_decode_pod_is_skipped_for_the_next(start_engine, start_router) 
         prefill=[prefill_url], decode=[dead_url().replace("127.0.0.1", "127.0.0.2"), decode_url]
     )
 
-    response = httpx.post(router.url + "/v1/completions", json=BODY)
+    response = httpx.post(router.url + "/v1/completions", json=BODY, timeout=30)
 
     assert response.status_code == 200
     assert len(decode.posts()) == 1
@@ -351,7 +365,7 @@ def test_draining_decode_pod_is_skipped_for_the_next(start_engine, start_router)
     router = start_router(prefill=[prefill_url], decode=[draining_url, decode_url])
     router.wait_scraped()
 
-    response = httpx.post(router.url + "/v1/completions", json=BODY)
+    response = httpx.post(router.url + "/v1/completions", json=BODY, timeout=30)
 
     assert response.status_code == 200, response.text
     assert response.json()["served_by"] == "d1"
@@ -363,7 +377,7 @@ def test_only_draining_decode_pods_is_503(start_engine, start_router) -> None:
     _, draining_url = start_engine("d0", draining=True)
     router = start_router(prefill=[prefill_url], decode=[draining_url])
 
-    response = httpx.post(router.url + "/v1/completions", json=BODY)
+    response = httpx.post(router.url + "/v1/completions", json=BODY, timeout=30)
 
     assert response.status_code == 503
     assert response.json()["error"]["message"] == (
@@ -378,7 +392,7 @@ def test_pods_that_refuse_scrapes_get_no_requests(start_engine, start_router) ->
     router.wait_scraped()
 
     for _ in range(4):
-        assert httpx.post(router.url + "/v1/completions", json=BODY).status_code == 200
+        assert httpx.post(router.url + "/v1/completions", json=BODY, timeout=30).status_code == 200
 
     assert (len(prefill.posts()), len(decode.posts())) == (4, 4)
     assert _metric(router.url, 'baton_router_fallbacks_total{reason="connect"}') == 0.0
@@ -392,8 +406,8 @@ def test_ready_needs_a_reachable_pod_of_each_role(start_engine, start_router) ->
     up.wait_scraped()
     half.wait_scraped()
 
-    ready = httpx.get(up.url + "/ready")
-    not_ready = httpx.get(half.url + "/ready")
+    ready = httpx.get(up.url + "/ready", timeout=30)
+    not_ready = httpx.get(half.url + "/ready", timeout=30)
 
     assert ready.status_code == 200
     assert ready.json() == {"status": "ready", "pods": {"prefill": 1, "decode": 1}}
@@ -406,7 +420,7 @@ def test_models_are_merged_from_the_upstreams(start_engine, start_router) -> Non
     _, decode_url = start_engine("d0", model="other")
     router = start_router(prefill=[prefill_url], decode=[decode_url, dead_url()])
 
-    response = httpx.get(router.url + "/v1/models")
+    response = httpx.get(router.url + "/v1/models", timeout=30)
 
     assert response.status_code == 200
     assert [m["id"] for m in response.json()["data"]] == ["other", "smollm2"]
@@ -420,7 +434,7 @@ def test_decode_pod_chosen_by_kv_usage(start_engine, start_router) -> None:
     router.wait_scraped()
 
     for _ in range(3):
-        assert httpx.post(router.url + "/v1/completions", json=BODY).status_code == 200
+        assert httpx.post(router.url + "/v1/completions", json=BODY, timeout=30).status_code == 200
 
     assert len(idle.posts()) == 3
     assert busy.posts() == []
@@ -430,10 +444,10 @@ def test_metrics_names(start_engine, start_router) -> None:
     _, prefill_url = start_engine("p0")
     _, decode_url = start_engine("d0")
     router = start_router(prefill=[prefill_url], decode=[decode_url])
-    httpx.post(router.url + "/v1/completions", json=BODY)
+    httpx.post(router.url + "/v1/completions", json=BODY, timeout=30)
 
     _wait_metric(router.url, 'baton_router_leg_duration_seconds_count{leg="decode"}', 1.0)
-    text = httpx.get(router.url + "/metrics").text
+    text = httpx.get(router.url + "/metrics", timeout=30).text
 
     assert 'baton_router_leg_duration_seconds_count{leg="prefill"} 1.0' in text
     assert 'baton_router_leg_duration_seconds_count{leg="decode"} 1.0' in text

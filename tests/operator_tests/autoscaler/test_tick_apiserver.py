@@ -95,7 +95,7 @@ async def test_a_status_not_saved_keeps_the_written_action_in_the_returned_histo
     )
     events: list[Event] = []
     loads["prefill"].waiting = 6
-    async with httpx.AsyncClient() as client:
+    async with httpx.AsyncClient(timeout=30) as client:
         with refused(rest, no_status):
             first = await autoscale_once(
                 akube, get_infd(kube, NS, NAME), History(), client=client, on_event=events.append
