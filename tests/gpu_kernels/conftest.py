@@ -1,14 +1,11 @@
-"""Triton kernels run on the CPU through Triton's interpreter (must be set before triton loads)."""
+"""Triton kernels on `kernel_device` (tests/conftest.py): compiled on a GPU, interpreted on the CPU."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 import torch
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

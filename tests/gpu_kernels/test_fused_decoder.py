@@ -1,4 +1,4 @@
-"""The fused Triton forward (interpreted on the CPU) against the reference decoder, step by step."""
+"""The fused Triton forward (on `kernel_device`) against the reference decoder, step by step."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from tests.model.tiny_models import make_tiny_model
 BLOCK = 4
 
 
-def _batch(prompt_lens: list[int], context: list[int], tables: np.ndarray) -> AttentionBatch:
+def _batch(
+    prompt_lens: list[int], context: list[int], tables: np.ndarray, device: torch.device
+) -> AttentionBatch:
     query_lens = [p - c for p, c in zip(prompt_lens, context, strict=True)]
     positions = np.concatenate([np.arange(c, p) for p, c in zip(prompt_lens, context, strict=True)])
     rows = np.repeat(np.arange(len(prompt_lens)), query_lens)
@@ -32,8 +34,8 @@ def _batch(prompt_lens: list[int], context: list[int], tables: np.ndarray) -> At
         num_computed_tokens=np.asarray(context, dtype=np.int64),
         positions_host=positions.astype(np.int64),
         block_tables_host=tables.astype(np.int64),
-        slot_mapping=torch.from_numpy(slots.astype(np.int64)),
-        positions=torch.from_numpy(positions.astype(np.int64)),
+        slot_mapping=torch.from_numpy(slots.astype(np.int64)).to(device),
+        positions=torch.from_numpy(positions.astype(np.int64)).to(device),
     )
 
 
@@ -41,13 +43,15 @@ def _batch(prompt_lens: list[int], context: list[int], tables: np.ndarray) -> At
     "family",
     ["llama", pytest.param("qwen2", marks=pytest.mark.slow), pytest.param("qwen3", marks=pytest.mark.slow)],
 )
-def test_prefill_then_decode_matches_reference(family: str, tmp_path: Path) -> None:
+def test_prefill_then_decode_matches_reference(
+    family: str, tmp_path: Path, kernel_device: torch.device
+) -> None:
     make_tiny_model(family, tmp_path / family)
-    loaded = load_model(str(tmp_path / family), "cpu", torch.float32)
+    loaded = load_model(str(tmp_path / family), kernel_device, torch.float32)
     model, config = loaded.model, loaded.config
-    ref_cache = allocate_kv_cache(config, 16, BLOCK, torch.float32, torch.device("cpu"))
+    ref_cache = allocate_kv_cache(config, 16, BLOCK, torch.float32, kernel_device)
     fast_cache = torch.zeros_like(ref_cache)
-    backend = get_attention_backend("torch", torch.device("cpu"))
+    backend = get_attention_backend("torch", kernel_device)
     fused = FusedDecoder(model)
     tables = np.array([[3, 7, 1, 0], [2, 9, 4, 5]])
     gen = np.random.default_rng(0)
@@ -56,21 +60,23 @@ def test_prefill_then_decode_matches_reference(family: str, tmp_path: Path) -> N
     context = [0, 0]
     for step in range(3):
         lens = [len(s) for s in seqs]
-        batch = _batch(lens, context, tables)
-        ids = torch.tensor([t for s, c in zip(seqs, context, strict=True) for t in s[c:]])
+        batch = _batch(lens, context, tables, kernel_device)
+        ids = torch.tensor(
+            [t for s, c in zip(seqs, context, strict=True) for t in s[c:]], device=kernel_device
+        )
         with torch.no_grad():
             ref = model(ids, ref_cache, backend, batch)
             qlens = [n - c for n, c in zip(lens, context, strict=True)]
-            bt = torch.from_numpy(tables.astype(np.int32))
-            seq_lens = torch.tensor(lens, dtype=torch.int32)
+            bt = torch.from_numpy(tables.astype(np.int32)).to(kernel_device)
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device=kernel_device)
             if step == 0:
                 tile_rows, tile_starts = prefill_tiles(qlens)
                 meta: DecodeMeta | PrefillMeta = PrefillMeta(
                     bt,
-                    torch.tensor(batch.query_start_loc, dtype=torch.int32),
+                    torch.tensor(batch.query_start_loc, dtype=torch.int32, device=kernel_device),
                     seq_lens,
-                    torch.tensor(tile_rows, dtype=torch.int32),
-                    torch.tensor(tile_starts, dtype=torch.int32),
+                    torch.tensor(tile_rows, dtype=torch.int32, device=kernel_device),
+                    torch.tensor(tile_starts, dtype=torch.int32, device=kernel_device),
                 )
             else:
                 meta = DecodeMeta(
@@ -79,7 +85,7 @@ def test_prefill_then_decode_matches_reference(family: str, tmp_path: Path) -> N
             out = fused.forward(ids, batch.positions, batch.slot_mapping, fast_cache, meta)
         err = float((out - ref).norm() / ref.norm())
         assert err < 1e-5, (step, err)
-        last = torch.tensor(np.cumsum(qlens) - 1)
+        last = torch.tensor(np.cumsum(qlens) - 1, device=kernel_device)
         next_tokens = model.compute_logits(ref[last]).argmax(-1).tolist()
         assert fused.logits(out[last]).argmax(-1).tolist() == next_tokens
         context = lens

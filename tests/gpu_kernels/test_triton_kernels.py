@@ -1,4 +1,4 @@
-"""Triton kernels (interpreted on the CPU) against the torch reference, on small random shapes."""
+"""Triton kernels (on `kernel_device`) against the torch reference, on small random shapes."""
 
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _paged_cache(
-    seq_lens: list[int], gen: torch.Generator
+    seq_lens: list[int], gen: torch.Generator, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """A shuffled block layout holding random K/V; returns cache, block table, per-row slot lists."""
+    """A shuffled block layout holding random K/V (drawn from `gen`, on the CPU), on `device`;
+    returns cache, block table, per-row slot lists."""
     max_blocks = max(-(-n // BLOCK_SIZE) for n in seq_lens)
     num_blocks = sum(-(-n // BLOCK_SIZE) for n in seq_lens) + 3
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
@@ -40,8 +41,8 @@ def _paged_cache(
         blocks = [order.pop() for _ in range(-(-n // BLOCK_SIZE))]
         table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         pos = torch.arange(n)
-        slots.append(torch.tensor(blocks)[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-    return cache, table, slots
+        slots.append((torch.tensor(blocks)[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).to(device))
+    return cache.to(device), table.to(device), slots
 
 
 def _reference(
@@ -50,7 +51,7 @@ def _reference(
     """q: [n_q, H, D] at absolute positions q_positions, keys = slots (positions 0..len-1)."""
     keys = cache[0].reshape(-1, KV_HEADS, HEAD_DIM)[slots].transpose(0, 1)
     values = cache[1].reshape(-1, KV_HEADS, HEAD_DIM)[slots].transpose(0, 1)
-    mask = torch.arange(len(slots))[None, :] <= q_positions[:, None]
+    mask = torch.arange(len(slots), device=q.device)[None, :] <= q_positions.to(q.device)[:, None]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), keys, values, attn_mask=mask, scale=HEAD_DIM**-0.5, enable_gqa=True
     )
@@ -58,16 +59,15 @@ def _reference(
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_matches_reference(num_splits: int) -> None:
+def test_decode_matches_reference(num_splits: int, kernel_device: torch.device) -> None:
     gen = torch.Generator().manual_seed(1)
     seq_lens = [5, 1, 37, 0]  # the last row is graph padding: zeros, no NaN
-    cache, table, slots = _paged_cache([max(n, 1) for n in seq_lens], gen)
-    q = torch.randn(len(seq_lens), HEADS, HEAD_DIM, generator=gen)
-    workspace = DecodeWorkspace(len(seq_lens), HEADS, HEAD_DIM, num_splits, torch.device("cpu"))
+    cache, table, slots = _paged_cache([max(n, 1) for n in seq_lens], gen, kernel_device)
+    q = torch.randn(len(seq_lens), HEADS, HEAD_DIM, generator=gen).to(kernel_device)
+    workspace = DecodeWorkspace(len(seq_lens), HEADS, HEAD_DIM, num_splits, kernel_device)
     out = torch.full_like(q, float("nan"))
-    paged_decode_attention(
-        q, cache, table, torch.tensor(seq_lens, dtype=torch.int32), HEAD_DIM**-0.5, workspace, out=out
-    )
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=kernel_device)
+    paged_decode_attention(q, cache, table, lens, HEAD_DIM**-0.5, workspace, out=out)
     for row, n in enumerate(seq_lens):
         if n == 0:
             assert torch.equal(out[row], torch.zeros_like(out[row]))
@@ -76,14 +76,14 @@ def test_decode_matches_reference(num_splits: int) -> None:
         assert _rel_err(out[row : row + 1], ref) < 1e-5
 
 
-def test_prefill_over_cached_context_matches_reference() -> None:
+def test_prefill_over_cached_context_matches_reference(kernel_device: torch.device) -> None:
     gen = torch.Generator().manual_seed(2)
     # (cached context, new query tokens): fresh prompt, prefix hit + chunk, decode row, long chunk.
     rows = [(0, 9), (6, 5), (12, 1), (3, 70)]
     seq_lens = [c + n for c, n in rows]
-    cache, table, slots = _paged_cache(seq_lens, gen)
+    cache, table, slots = _paged_cache(seq_lens, gen, kernel_device)
     query_lens = [n for _, n in rows]
-    q = torch.randn(sum(query_lens), HEADS, HEAD_DIM, generator=gen)
+    q = torch.randn(sum(query_lens), HEADS, HEAD_DIM, generator=gen).to(kernel_device)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     tile_rows, tile_starts = prefill_tiles(query_lens)
     out = torch.full_like(q, float("nan"))
@@ -91,10 +91,10 @@ def test_prefill_over_cached_context_matches_reference() -> None:
         q,
         cache,
         table,
-        starts,
-        torch.tensor(seq_lens, dtype=torch.int32),
-        torch.tensor(tile_rows, dtype=torch.int32),
-        torch.tensor(tile_starts, dtype=torch.int32),
+        starts.to(kernel_device),
+        torch.tensor(seq_lens, dtype=torch.int32, device=kernel_device),
+        torch.tensor(tile_rows, dtype=torch.int32, device=kernel_device),
+        torch.tensor(tile_starts, dtype=torch.int32, device=kernel_device),
         HEAD_DIM**-0.5,
         out=out,
     )
@@ -104,12 +104,13 @@ def test_prefill_over_cached_context_matches_reference() -> None:
         assert _rel_err(out[a:b], ref) < 1e-5
 
 
-def test_fused_add_rms_norm_matches_reference() -> None:
+def test_fused_add_rms_norm_matches_reference(kernel_device: torch.device) -> None:
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(5, 48, generator=gen)
-    residual = torch.randn(5, 48, generator=gen)
+    x = torch.randn(5, 48, generator=gen).to(kernel_device)
+    residual = torch.randn(5, 48, generator=gen).to(kernel_device)
     norm = RMSNorm(48, 1e-5).requires_grad_(False)
     norm.weight.copy_(torch.randn(48, generator=gen))
+    norm.to(kernel_device)
     expected_sum = residual + x
     expected = norm(expected_sum)
     res = residual.clone()
@@ -119,16 +120,16 @@ def test_fused_add_rms_norm_matches_reference() -> None:
     assert _rel_err(rms_norm(x, norm.weight.detach(), 1e-5), norm(x)) < 1e-6
 
 
-def test_rotary_cache_write_matches_reference() -> None:
+def test_rotary_cache_write_matches_reference(kernel_device: torch.device) -> None:
     gen = torch.Generator().manual_seed(4)
     tokens = 3
-    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen)
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(kernel_device)
     angles = torch.rand(20, HEAD_DIM // 2, generator=gen) * 6
-    cos = torch.cat((angles.cos(), angles.cos()), -1)
-    sin = torch.cat((angles.sin(), angles.sin()), -1)
-    positions = torch.tensor([0, 7, 19])
-    slots = torch.tensor([5, -1, 2])  # the middle token is padding: no cache write
-    cache = torch.full((2, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM), 123.0)
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(kernel_device)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(kernel_device)
+    positions = torch.tensor([0, 7, 19], device=kernel_device)
+    slots = torch.tensor([5, -1, 2], device=kernel_device)  # the middle token is padding: no cache write
+    cache = torch.full((2, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM), 123.0, device=kernel_device)
     q, k, v = qkv.clone().split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
     q_ref = apply_rotary(q.view(tokens, HEADS, HEAD_DIM), cos[positions][:, None], sin[positions][:, None])
     k_ref = apply_rotary(
@@ -145,8 +146,8 @@ def test_rotary_cache_write_matches_reference() -> None:
     assert bool((flat_k[untouched] == 123.0).all()) and bool((flat_v[untouched] == 123.0).all())
 
 
-def test_silu_and_mul_matches_reference() -> None:
+def test_silu_and_mul_matches_reference(kernel_device: torch.device) -> None:
     gen = torch.Generator().manual_seed(5)
-    gate_up = torch.randn(4, 2 * 40, generator=gen)
+    gate_up = torch.randn(4, 2 * 40, generator=gen).to(kernel_device)
     gate, up = gate_up.chunk(2, dim=-1)
     assert _rel_err(silu_and_mul(gate_up), F.silu(gate) * up) < 1e-6

@@ -1,8 +1,10 @@
-"""The GPU runner's verify-step path on the CPU: fixed-query-length layout (`verify_batch`), the
-fused forward with the multi-query decode kernel (Triton, interpreted) and the logits gather.
+"""The GPU runner's verify-step path, eagerly: fixed-query-length layout (`verify_batch`), the
+fused forward with the multi-query decode kernel (Triton, on `kernel_device`: compiled on a GPU,
+interpreted on the CPU) and the logits gather.
 
 `GpuModelRunner` replays this same forward inside captured graphs (CUDA/HIP only); here it runs
-eagerly inside a CPU runner, and greedy outputs with speculation on must equal those with it off.
+eagerly inside the reference runner, and greedy outputs with speculation on must equal those with
+it off.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from baton_engine.attention.triton_multi_query import multi_query_workspace
@@ -49,22 +52,25 @@ class VerifyPathRunner(ModelRunner):
         tables[:rows, :width] = torch.from_numpy(inputs.block_tables)
         mc = self.model_config
         meta = VerifyMeta(
-            block_tables=tables,
-            seq_lens=torch.from_numpy(inputs.seq_lens),
-            query_lens=torch.from_numpy(inputs.query_lens),
+            block_tables=tables.to(self.device),
+            seq_lens=self._on_device(inputs.seq_lens),
+            query_lens=self._on_device(inputs.query_lens),
             query_len=query_len,
             workspace=multi_query_workspace(batch, query_len, mc.num_heads, mc.head_dim, 1, self.device),
         )
         hidden = self.fused.forward(
-            torch.from_numpy(inputs.input_ids),
-            torch.from_numpy(inputs.positions),
-            torch.from_numpy(inputs.slots),
+            self._on_device(inputs.input_ids),
+            self._on_device(inputs.positions),
+            self._on_device(inputs.slots),
             self.kv_cache,
             meta,
         )
-        logits = torch.empty((len(hidden), self.model_config.vocab_size), dtype=hidden.dtype)
+        logits = torch.empty((len(hidden), mc.vocab_size), dtype=hidden.dtype, device=self.device)
         self.fused.logits(hidden, out=logits)  # the runner's shared logits buffer
-        return logits[torch.from_numpy(inputs.logits_index)]
+        return logits[self._on_device(inputs.logits_index)]
+
+    def _on_device(self, host: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(host).to(self.device)
 
 
 def prompts() -> list[list[int]]:
@@ -73,10 +79,15 @@ def prompts() -> list[list[int]]:
     return found + [[3, 4, 5] * 6, [7] * 5]  # 6 rows: the batch pads to a graph size of 8
 
 
-def test_greedy_identical_through_the_verify_path(model_dir: Path) -> None:
+def test_greedy_identical_through_the_verify_path(
+    model_dir: Path, kernel_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Both runs take the reference runner, on a GPU too (where the engine would otherwise build
+    # `GpuModelRunner` and capture graphs): only the verify steps differ between them.
+    monkeypatch.setenv("BATON_GPU_FAST_PATH", "0")
     k = 4
     greedy = SamplingParams(temperature=0, max_tokens=20)
-    settings = dict(dtype="float32", max_num_seqs=8, max_model_len=128)
+    settings = dict(dtype="float32", max_num_seqs=8, max_model_len=128, device=str(kernel_device))
     off = generate(make_llm(str(model_dir), **settings), prompts(), greedy)
     llm = make_llm(str(model_dir), k=k, **settings)
     runner = VerifyPathRunner(llm.config, llm.core.runner.loaded)  # type: ignore[attr-defined]
