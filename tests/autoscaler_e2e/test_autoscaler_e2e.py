@@ -150,7 +150,15 @@ class Recorder:
 @pytest.fixture
 def operator(dev_cluster: DevCluster, k8s_namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
     dev_cluster.kubectl("apply", "-f", str(REPO / "crds"))
-    dev_cluster.kubectl("wait", "--for=condition=Established", "crd/inferencedeployments.baton.dev")
+    # Not `kubectl wait --for=condition=Established`: it fails at once ("accessor error") when it
+    # reads the CRD before the API server has written any condition.
+    crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencedeployments.baton.dev"
+
+    def established() -> bool:
+        conditions = dev_cluster.admin.get(crd).get("status", {}).get("conditions") or []
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+    wait_for("the CRD to be Established", established, timeout_s=60)
     with operator_process(
         dev_cluster.state.admin_kubeconfig,
         tmp_path,
