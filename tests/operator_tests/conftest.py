@@ -6,7 +6,7 @@ module's own with the chart's RBAC installed (`own_apiserver`, `own_kube`, `char
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +14,9 @@ import pytest
 import yaml
 
 from baton_operator import crd
+from baton_operator.kube import Kube
 from tests.operator_tests.apiserver import ApiServer, api_server, binary_dir
-from tests.operator_tests.kube_helpers import Rest
+from tests.operator_tests.kube_helpers import Rest, async_kube
 from tests.operator_tests.operator_process import install_chart, operator_kubeconfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,6 +58,14 @@ def install_crd(client: Any) -> None:
             return
         time.sleep(0.1)
     raise TimeoutError("CRD not Established within 30 s")
+
+
+@pytest.fixture
+async def akube(apiserver: ApiServer) -> AsyncIterator[Kube]:
+    """An asyncio client of the session's API server (the operator's own `Kube`)."""
+    kube = async_kube(apiserver)
+    yield kube
+    await kube.close()
 
 
 @pytest.fixture(scope="session")

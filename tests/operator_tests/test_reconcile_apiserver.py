@@ -4,7 +4,7 @@ idempotent re-applies, drift repair, replica ownership, crash consistency, PodSe
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -40,13 +40,6 @@ KINDS = [
 ]
 EXPECTED = {*DEMO_APPLIED_CHILDREN, ("Secret", "demo-kv-transfer")}
 _namespaces = itertools.count()
-
-
-@pytest.fixture
-async def akube(apiserver: ApiServer) -> AsyncIterator[Kube]:
-    kube = async_kube(apiserver)
-    yield kube
-    await kube.close()
 
 
 @pytest.fixture

@@ -12,6 +12,22 @@ from tests.operator_tests.autoscaler.metrics_servers import MetricsServer, answe
 from tests.operator_tests.kube_helpers import Rest
 
 
+def autoscaled_spec(scale_down_window_s: int) -> dict[str, Any]:
+    """A builtin-autoscaled resource deciding every second: prefill 1..3 on a queue target of 2,
+    decode 1..2 on a KV target of 0.5, up at once by 2, down by 1 per window."""
+    return {
+        "model": {"name": "smollm2", "source": "builtin:smollm2-135m-instruct"},
+        "autoscaling": {
+            "mode": "builtin",
+            "intervalSeconds": 1,
+            "prefill": {"minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 2},
+            "decode": {"minReplicas": 1, "maxReplicas": 2, "targetKVUsage": 0.5},
+            "scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 2},
+            "scaleDown": {"stabilizationWindowSeconds": scale_down_window_s, "maxStep": 1},
+        },
+    }
+
+
 class Load:
     """One engine's /metrics, settable by the test."""
 

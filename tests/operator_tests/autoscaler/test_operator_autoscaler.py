@@ -21,7 +21,13 @@ from baton_operator.autoscaler.tick import FIELD_MANAGER as AUTOSCALER_MANAGER
 from baton_operator.kube import FIELD_MANAGER
 from tests.operator_tests.apiserver import ApiServer
 from tests.operator_tests.autoscaler.admission import Refusal, refused, replicas_cap
-from tests.operator_tests.autoscaler.fake_engines import Load, add_ready_pod, deployment_path, replicas
+from tests.operator_tests.autoscaler.fake_engines import (
+    Load,
+    add_ready_pod,
+    autoscaled_spec,
+    deployment_path,
+    replicas,
+)
 from tests.operator_tests.kube_helpers import Rest, create_infd, create_namespace, get_infd, wait_for
 from tests.operator_tests.operator_process import OperatorProcess, operator_process
 
@@ -29,17 +35,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
 NS = "autoscale"
 WINDOW_S = 3
-SPEC: dict[str, Any] = {
-    "model": {"name": "smollm2", "source": "builtin:smollm2-135m-instruct"},
-    "autoscaling": {
-        "mode": "builtin",
-        "intervalSeconds": 1,
-        "prefill": {"minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 2},
-        "decode": {"minReplicas": 1, "maxReplicas": 2, "targetKVUsage": 0.5},
-        "scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 2},
-        "scaleDown": {"stabilizationWindowSeconds": WINDOW_S, "maxStep": 1},
-    },
-}
+SPEC = autoscaled_spec(WINDOW_S)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ failure is in the result, and the next tick honours the window the failed one be
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -18,32 +18,15 @@ from baton_operator.events import Event
 from baton_operator.kube import Kube, collection_path, object_path
 from tests.operator_tests.apiserver import ApiServer
 from tests.operator_tests.autoscaler.admission import Refusal, refused
-from tests.operator_tests.autoscaler.fake_engines import Load, add_ready_pod, replicas
-from tests.operator_tests.kube_helpers import Rest, async_kube, create_infd, create_namespace, get_infd
+from tests.operator_tests.autoscaler.fake_engines import Load, add_ready_pod, autoscaled_spec, replicas
+from tests.operator_tests.kube_helpers import Rest, create_infd, create_namespace, get_infd
 
 pytestmark = pytest.mark.k8s
 
 NS = "tick-status"
 NAME = "tick-nostatus"
 WINDOW_S = 120
-SPEC: dict[str, Any] = {
-    "model": {"name": "smollm2", "source": "builtin:smollm2-135m-instruct"},
-    "autoscaling": {
-        "mode": "builtin",
-        "intervalSeconds": 1,
-        "prefill": {"minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 2},
-        "decode": {"minReplicas": 1, "maxReplicas": 2, "targetKVUsage": 0.5},
-        "scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 2},
-        "scaleDown": {"stabilizationWindowSeconds": WINDOW_S, "maxStep": 1},
-    },
-}
-
-
-@pytest.fixture
-async def akube(apiserver: ApiServer) -> AsyncIterator[Kube]:
-    kube = async_kube(apiserver)
-    yield kube
-    await kube.close()
+SPEC = autoscaled_spec(WINDOW_S)
 
 
 @pytest.fixture
