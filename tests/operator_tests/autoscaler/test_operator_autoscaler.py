@@ -46,14 +46,6 @@ def operator(own_apiserver: ApiServer, own_kube: Any, chart_installed: Any) -> I
         yield proc
 
 
-@pytest.fixture
-def loads() -> Iterator[dict[str, Load]]:
-    made = {"prefill": Load(), "decode": Load()}
-    yield made
-    for load in made.values():
-        load.server.stop()
-
-
 def counter(text: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():

@@ -5,7 +5,6 @@ failure is in the result, and the next tick honours the window the failed one be
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -27,14 +26,6 @@ NS = "tick-status"
 NAME = "tick-nostatus"
 WINDOW_S = 120
 SPEC = autoscaled_spec(WINDOW_S)
-
-
-@pytest.fixture
-def loads() -> Iterator[dict[str, Load]]:
-    made = {"prefill": Load(), "decode": Load()}
-    yield made
-    for load in made.values():
-        load.server.stop()
 
 
 def create_role_deployment(rest: Rest, name: str) -> None:
