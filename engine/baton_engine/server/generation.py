@@ -95,7 +95,8 @@ class Generation:
         self.params = params
         self.timeout = timeout
         self.arrival = time.monotonic()
-        self.usage = Usage(prompt_tokens=sum(len(p) for p in prompts) * params.n)
+        # Each prompt counts once however many choices (n) it has, as OpenAI and vLLM count it.
+        self.usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
         self._queue: asyncio.Queue[RequestOutput | EngineDeadError] = asyncio.Queue()
         self._choices: dict[str, _Choice] = {}
         want_logprobs = params.logprobs is not None
@@ -146,9 +147,13 @@ class Generation:
                 if deltas:
                     yield deltas
         finally:
-            unfinished = [c.engine_id for c in self._choices.values() if c.finish_reason is None]
+            unfinished = [c for c in self._choices.values() if c.finish_reason is None]
             if unfinished:
-                self.client.abort(unfinished, "client gone or request cancelled")
+                self.client.abort([c.engine_id for c in unfinished], "client gone or request cancelled")
+                now = time.monotonic()
+                for choice in unfinished:
+                    choice.finish_reason = "abort"
+                    self._observe(choice, now)
 
     def release_transfer(self) -> None:
         """The response carrying `kv_transfer_params_out` will not reach the client (it went
