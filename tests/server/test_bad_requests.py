@@ -94,8 +94,11 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("token-id-huge", "/v1/completions", _c(prompt=[1, 2**64]), 400, "prompt", "out of range"),
     ("token-id-negative", "/v1/completions", _c(prompt=[1, -1]), 400, "prompt", "out of range"),
     # nesting that would exhaust the decoder's recursion, and nesting under the limit but too deep
-    ("nested-100000", "/v1/completions", b"[" * 100_000, 400, None, "nested deeper than 128 levels"),
-    ("nested-object-100000", "/v1/completions", b'{"a": ' * 100_000, 400, None, "nested deeper than 128"),
+    ("nested-100000", "/v1/completions", b"[" * 100_000, 400, None,
+     "request body has 100000 '[' and '{' characters; at most 65536"),
+    ("nested-5000", "/v1/completions", b"[" * 5000, 400, None, "nested deeper than 128 levels"),
+    ("nested-object-5000", "/v1/completions", b'{"a": ' * 5000, 400, None, "nested deeper than 128"),
+    ("tiny-containers", "/v1/completions", _c(prompt=[[1]] * 70_000), 400, None, "at most 65536"),
     ("nested-field-200", "/v1/completions", _c(metadata=json.loads("[" * 200 + "]" * 200)), 400, None,
      "nested deeper than 128 levels"),
     # messages: the field named exactly; images refused as such

@@ -28,6 +28,7 @@ from baton_engine.server.protocol import (
     chat_messages,
     decode_body,
     parse,
+    prompt_parts,
     shown,
     stop_list,
 )
@@ -297,20 +298,12 @@ def _check_model(state: ServerState, model: str) -> None:
 
 
 def _completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
-    raw = req.prompt
-    if isinstance(raw, str):
-        texts: list[str] | None = [raw]
-        prompts: list[list[int]] = []
-    elif raw and all(isinstance(x, int) for x in raw):
-        texts, prompts = None, [list(raw)]  # type: ignore[arg-type]
-    elif all(isinstance(x, str) for x in raw):
-        texts, prompts = list(raw), []  # type: ignore[arg-type]
-    else:
-        texts, prompts = None, [list(p) for p in raw]  # type: ignore[union-attr]
-    if texts is not None:
+    texts, prompts = prompt_parts(req.prompt)
+    if texts:
         tokenizer = _tokenizer(state)
         for i, text in enumerate(texts):
-            _check_text_fits(state, len(text), "prompt" if isinstance(raw, str) else f"prompt[{i}]", "prompt")
+            where = "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]"
+            _check_text_fits(state, len(text), where, "prompt")
         prompts = [tokenizer.encode(t) for t in texts]
     for i, ids in enumerate(prompts):
         if not ids:

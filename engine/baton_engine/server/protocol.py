@@ -23,6 +23,10 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions endpoin
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_JSON_DEPTH = 128
 """Deepest nesting of arrays and objects a request body may have (JSON schemas stay far below)."""
+MAX_JSON_CONTAINERS = 65536
+"""Most arrays and objects a body may hold (a valid request has far fewer: prompts and choices
+are capped by ``max_queued_requests``). Decoding millions of tiny containers holds the GIL for
+seconds, which would stall every stream and the liveness probe."""
 MAX_SHOWN_CHARS = 80
 """How much of a client's value an error message quotes back."""
 
@@ -62,7 +66,10 @@ class _Common(_Strict):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Any = Field(...)
+    """A string, a list of strings, a list of token ids or a list of token-id lists; checked by
+    `prompt_parts` in plain Python (pydantic's union would validate a million-id list against
+    every branch, holding the GIL for seconds)."""
     max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
@@ -102,8 +109,40 @@ class ChatCompletionRequest(_Common):
     prediction: dict[str, Any] | None = None
 
 
+def prompt_parts(prompt: Any) -> tuple[list[str], list[list[int]]]:
+    """A completion's prompt as (texts, token-id prompts), exactly one of them non-empty."""
+    if isinstance(prompt, str):
+        return [prompt], []
+    if not isinstance(prompt, list):
+        raise _bad_prompt(prompt)
+    if not prompt:
+        raise bad_request("prompt: must not be empty", param="prompt")
+    if all(type(x) is int for x in prompt):
+        return [], [prompt]
+    if all(type(x) is str for x in prompt):
+        return prompt, []
+    if all(type(p) is list and all(type(x) is int for x in p) for p in prompt):
+        return [], prompt
+    raise _bad_prompt(prompt)
+
+
+def _bad_prompt(prompt: Any) -> APIError:
+    return bad_request(
+        "prompt: must be a string, a list of strings, a list of token ids or a list of token-id lists "
+        f"(got {type(prompt).__name__})",
+        param="prompt",
+    )
+
+
 def decode_body(raw: bytes) -> Any:
     """The JSON object of a request body, or a 400 naming what is wrong with it."""
+    containers = raw.count(b"[") + raw.count(b"{")
+    if containers > MAX_JSON_CONTAINERS:  # counted before decoding: decoding them holds the GIL
+        raise bad_request(
+            f"request body has {containers} '[' and '{{' characters; at most {MAX_JSON_CONTAINERS} "
+            "(arrays and objects; brackets in text count too) are accepted",
+            code="invalid_json",
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -225,8 +264,7 @@ def _check_common(request: _Common) -> None:
             raise bad_request("suffix: not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of: only best_of == n is supported", param="best_of")
-        if isinstance(request.prompt, list) and not request.prompt:
-            raise bad_request("prompt: must not be empty", param="prompt")
+        prompt_parts(request.prompt)
     if isinstance(request, ChatCompletionRequest):
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
