@@ -171,9 +171,9 @@ class LLM:
                 raise ValueError(
                     f"prompts[{index}]: this model has no tokenizer; pass prompts as token id lists"
                 )
-            ids = self.tokenizer.encode(prompt)
+            ids: list[int] = self.tokenizer.encode(prompt)
         elif isinstance(prompt, Sequence) and all(_is_token_id(t) for t in prompt):
-            ids = list(prompt)
+            ids = [int(t) for t in prompt]
         else:
             raise TypeError(f"prompts[{index}] must be a string or a list of token ids (ints)")
         if not ids:

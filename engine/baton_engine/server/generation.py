@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,7 +116,7 @@ class Generation:
             seed = (seed + j) % 2**63
         return dataclasses.replace(self.params, n=1, seed=seed)
 
-    async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
+    async def deltas(self) -> AsyncGenerator[list[ChoiceDelta], None]:
         """Yield each step's deltas until every choice finished; abort the rest on exit."""
         deadline = None if self.timeout is None else self.arrival + self.timeout
         try:
