@@ -97,7 +97,11 @@ def test_disconnected_streams_free_their_blocks(tiny_server: ServerProcess) -> N
     assert stats["num_used_kv_blocks"] == 0
     assert stats["num_running"] == 0
     # each dropped stream is counted once as an aborted request
-    wait_for(lambda: _aborted(tiny_server) >= aborted_before + 4, 30, "4 aborts in the request metric")
+    wait_for(
+        lambda: _aborted(tiny_server) >= aborted_before + 4,
+        timeout=30,
+        message="4 aborts in the request metric",
+    )
     assert _aborted(tiny_server) == aborted_before + 4
 
 

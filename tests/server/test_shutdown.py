@@ -138,7 +138,7 @@ def test_not_ready_the_moment_the_engine_core_is_gone(
     core_pid = server.stats()["core_pid"]
     assert server.http.get("/ready").status_code == 200
     os.kill(core_pid, signal.SIGKILL)
-    wait_for(lambda: _exited(core_pid), 30, "the killed core to have exited")
+    wait_for(lambda: _exited(core_pid), timeout=30, message="the killed core to have exited")
     ready = server.http.get("/ready")  # the first ask after the exit, whatever the watchdog's period
     assert (ready.status_code, ready.json()) == (
         503,
