@@ -145,7 +145,7 @@ def tool_call_format(chat_template: str | None) -> ToolCallFormat | None:
 
 
 def _json_grammar(schema: dict[str, Any]) -> str:
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
 
 
 def _validated(grammar: str, param: str) -> str:
