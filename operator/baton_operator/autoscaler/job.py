@@ -1,121 +1,109 @@
-"""The built-in autoscaler: a Kopf daemon per resource, deciding every `spec.autoscaling.intervalSeconds`.
+"""The built-in autoscaler as one resource's periodic work (see `baton_operator.workers`): a
+decision every `spec.autoscaling.intervalSeconds` while the mode is builtin.
 
-The interval is per resource and may change, so the daemon wakes every TICK_SECONDS (IDLE_SECONDS
-while the mode is not builtin) and runs a decision once the resource's interval has passed since
-the previous one: a decision is late by at most TICK_SECONDS. A daemon's wake-up is a plain
-asyncio wait on the daemon's own body (Kopf keeps it current); a Kopf timer firing that often
-would run Kopf's whole handler machinery for every resource four times a second, which with
-hundreds of resources took a large share of a core.
+The interval is read from the newest version of the resource at each wake-up, so a changed
+interval or mode takes effect at once; while the mode is not builtin the job sleeps until the
+resource changes. The decision history is kept in memory between decisions (and in status, for
+a restarted operator): a refused status write must not lose it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
-import kopf
 
-from baton_operator import metrics, models
+from baton_operator import metrics
 from baton_operator.autoscaler.policy_types import History
 from baton_operator.autoscaler.tick import autoscale_once, stored_history
-from baton_operator.events import Event
+from baton_operator.events import Event, Poster
 from baton_operator.kube import Kube, KubeError
+from baton_operator.workers import Lease
 
-TICK_SECONDS = 0.25
-#: How often a resource whose mode is not builtin is checked for a switch to builtin.
-IDLE_SECONDS = 1.0
+log = logging.getLogger(__name__)
+
 SCRAPE_TIMEOUT_S = 2.0
+DEFAULT_INTERVAL_S = 15.0
+AUTOSCALER_FAILED = "AutoscalerFailed"
 
 
-@dataclass
-class AutoscalerState:
-    """Per resource, in its Kopf memo."""
-
-    next_at: float = 0.0  # monotonic time of the next decision
-    history: History | None = None  # None: read from status on the first decision
-    ticks: int = field(default=0)
+def _autoscaling(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    return (body.get("spec") or {}).get("autoscaling") or {}
 
 
-def _interval(spec: Any) -> float:
-    value = (spec.get("autoscaling") or {}).get("intervalSeconds", 15)
-    return float(value) if isinstance(value, int | float) and value > 0 else 15.0
+def interval_of(body: Mapping[str, Any]) -> float:
+    value = _autoscaling(body).get("intervalSeconds", DEFAULT_INTERVAL_S)
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+    return float(value) if ok else DEFAULT_INTERVAL_S
 
 
-async def autoscaler_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | Any) -> float:
-    """Decide if the resource's interval has passed; returns the seconds until the next check.
+class AutoscalerJob:
+    """One resource's autoscaler: when it last decided, and the history the policy carries."""
 
-    Raises kopf.TemporaryError, once the decision's history and metrics are kept, when a pool's
-    replicas or the status were not written: Kopf logs it and runs the daemon again when the
-    next decision is due."""
-    mode = (body.get("spec", {}).get("autoscaling") or {}).get("mode")
-    state: AutoscalerState = memo.setdefault("autoscaler", AutoscalerState())
-    if mode != "builtin":
-        state.history = None  # a later switch to builtin starts from what status holds
-        return IDLE_SECONDS
-    now = time.monotonic()
-    if now < state.next_at:
-        return TICK_SECONDS
-    state.next_at = now + _interval(body.get("spec", {}))
-    if state.history is None:
-        state.history = stored_history(body)
-    kube: Kube = memo["kube"]
-    client: httpx.AsyncClient = memo["scrape_client"]
-    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    name = "autoscaler"
 
-    def post(event: Event) -> None:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message[:1024])
+    def __init__(self, kube: Kube, client: httpx.AsyncClient, post: Poster) -> None:
+        self.kube = kube
+        self.client = client  # shared by every resource: one connection pool for the scrapes
+        self.post = post
+        self.last_at: float | None = None  # event-loop time of the last decision
+        self.history: History | None = None  # None: read from status on the next decision
+        self.reported: str | None = None  # message of the AutoscalerFailed Event last posted
 
-    try:
-        result = await autoscale_once(
-            kube, body, state.history, client=client, scrape_timeout_s=SCRAPE_TIMEOUT_S, on_event=post
+    def due(self, lease: Lease, now: float) -> float | None:
+        if _autoscaling(lease.body).get("mode") != "builtin":
+            self.history = None  # a later switch to builtin starts from what status holds
+            return None
+        return now if self.last_at is None else self.last_at + interval_of(lease.body)
+
+    async def run(self, lease: Lease) -> None:
+        body = lease.body
+        self.last_at = asyncio.get_running_loop().time()
+        if self.history is None:
+            self.history = stored_history(body)
+        rid = lease.id
+
+        def post(event: Event) -> None:
+            self.post(body, Event(event.type, event.reason, event.message[:1024]))
+
+        try:
+            result = await autoscale_once(
+                self.kube,
+                body,
+                self.history,
+                client=self.client,
+                scrape_timeout_s=SCRAPE_TIMEOUT_S,
+                on_event=post,
+                guard=lease.check,
+            )
+        except (KubeError, ValueError) as exc:
+            metrics.AUTOSCALER_TICKS.labels("error").inc()
+            log.warning("%s: autoscaler tick failed: %s", rid, exc)
+            if str(exc) != self.reported:
+                self.reported = str(exc)
+                post(Event("Warning", AUTOSCALER_FAILED, str(exc)))
+            return
+        self.reported = None
+        if result is None:
+            metrics.AUTOSCALER_TICKS.labels("skipped").inc()
+            return
+        self.history = result.history
+        settled = result.settled
+        metrics.AUTOSCALER.record(
+            rid.namespace,
+            rid.name,
+            result.decision,
+            result.samples,
+            scaled=settled.scale_actions,
+            refused=settled.scale_failures,
         )
-    except (KubeError, ValueError) as exc:
-        metrics.AUTOSCALER_TICKS.labels("error").inc()
-        logger.warning("autoscaler tick failed: %s", exc)
-        kopf.warn(body, reason="AutoscalerFailed", message=str(exc)[:1024])
-        return TICK_SECONDS
-    if result is None:
-        metrics.AUTOSCALER_TICKS.labels("skipped").inc()
-        return TICK_SECONDS
-    state.history = result.history
-    state.ticks += 1
-    settled = result.settled
-    metrics.AUTOSCALER.record(
-        namespace,
-        name,
-        result.decision,
-        result.samples,
-        scaled=settled.scale_actions,
-        refused=settled.scale_failures,
-    )
-    if settled.written:
-        logger.info("autoscaler: %s", result.decision.reason)
-    if result.failures:
-        metrics.AUTOSCALER_TICKS.labels("error").inc()
-        delay = max(state.next_at - time.monotonic(), TICK_SECONDS)
-        raise kopf.TemporaryError("autoscaler: " + "; ".join(result.failures), delay=delay)
-    metrics.AUTOSCALER_TICKS.labels("ok").inc()
-    return TICK_SECONDS
-
-
-def register(registry: kopf.OperatorRegistry) -> Any:
-    """Register the daemon; returns its function (the caller clears its finalizer flag)."""
-
-    @kopf.daemon(
-        models.GROUP,
-        models.VERSION,
-        models.PLURAL,
-        registry=registry,
-        id="autoscaler",
-        cancellation_timeout=5.0,
-    )
-    async def autoscaler(
-        body: kopf.Body, memo: kopf.Memo, logger: Any, stopped: kopf.DaemonStopped, **_: Any
-    ) -> None:
-        while not stopped:
-            await stopped.wait(await autoscaler_tick(body, memo, logger))
-
-    return autoscaler
+        if settled.written:
+            log.info("%s: autoscaler: %s", rid, result.decision.reason)
+        if result.failures:
+            metrics.AUTOSCALER_TICKS.labels("error").inc()
+            log.warning("%s: autoscaler: %s", rid, "; ".join(result.failures))
+            return
+        metrics.AUTOSCALER_TICKS.labels("ok").inc()
