@@ -240,8 +240,8 @@ async def reconcile(
             if result:
                 caches.deployments.observe(result)
         for crd_name, manifest in children.optional:
-            if await kube.crd_exists(crd_name):
-                await write(manifest)
+            if await kube.crd_exists(crd_name) and await _apply_optional(kube, crd_name, manifest, guard):
+                outcome.applied += 1
         for api_version, kind, name in children.removed:
             guard()
             if await kube.delete_if_present(api_version, kind, owner.namespace, name):
@@ -256,6 +256,20 @@ async def reconcile(
         raise
     outcome.status = await _report(kube, caches, owner, ctx.spec, generation, None, guard)
     return outcome
+
+
+async def _apply_optional(kube: Kube, crd_name: str, manifest: Mapping[str, Any], guard: Guard) -> bool:
+    """Apply a child whose CRD was seen installed; False when the API no longer serves its kind
+    (the CRD was deleted after it was looked up): an absent optional CRD never fails a reconcile."""
+    guard()
+    try:
+        await kube.apply(manifest, answer=False)
+    except KubeError as exc:
+        if exc.status != 404:
+            raise ChildWriteError(manifest, exc) from exc
+        kube.forget_crd(crd_name)
+        return False
+    return True
 
 
 async def _deployments(
