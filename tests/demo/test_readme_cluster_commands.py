@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from baton_support.apiserver import ApiServer, api_server, binary_dir
 from tests.demo.readme import REPO, block_after
-from tests.operator_tests.apiserver import ApiServer, api_server, binary_dir
 
 pytestmark = pytest.mark.k8s
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import uvicorn
 
-from tests.ports import bound_socket, free_port
+from baton_support.ports import bound_socket, free_port
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.ports import free_port
+from baton_support.ports import free_port
 from tests.router.servers import wait_for
 
 

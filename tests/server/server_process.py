@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from tests.ports import free_port
+from baton_support.ports import free_port
 
 BATON_ENGINE = str(Path(sys.executable).with_name("baton-engine"))
 
