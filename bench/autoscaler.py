@@ -280,7 +280,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
-    parser.add_argument("--quick", action="store_true", help="fewer calls and trials: a smoke run of every part")
+    parser.add_argument("--quick", action="store_true", help="fewer calls and trials: a smoke run")
     args = parser.parse_args()
     result = run(args.quick)
     if not args.json:
