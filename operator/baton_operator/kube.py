@@ -39,6 +39,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     (models.API_VERSION, models.KIND): models.PLURAL,
 }
 
@@ -280,6 +281,10 @@ class Kube:
             exists = False
         self._crds[name] = (exists, now)
         return exists
+
+    def forget_crd(self, name: str) -> None:
+        """Drop the cached answer about a CRD (the API has just contradicted it)."""
+        self._crds.pop(name, None)
 
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> JSON:
         """Merge-patch the InferenceDeployment's status subresource (other status keys are kept)."""

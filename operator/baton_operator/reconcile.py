@@ -173,8 +173,7 @@ async def reconcile(
             if result:
                 caches.deployments.observe(result)
         for crd_name, manifest in children.optional:
-            if await kube.crd_exists(crd_name):
-                await kube.apply(manifest)
+            if await kube.crd_exists(crd_name) and await _apply_optional(kube, crd_name, manifest):
                 outcome.applied += 1
         for api_version, kind, name in children.removed:
             if await kube.delete_if_present(api_version, kind, owner.namespace, name):
@@ -187,6 +186,19 @@ async def reconcile(
         raise
     outcome.status = await _report(kube, caches, owner, ctx.spec, generation, None)
     return outcome
+
+
+async def _apply_optional(kube: Kube, crd_name: str, manifest: Mapping[str, Any]) -> bool:
+    """Apply a child whose CRD was seen installed; False when the API no longer serves its kind
+    (the CRD was deleted after it was looked up): an absent optional CRD never fails a reconcile."""
+    try:
+        await kube.apply(manifest, answer=False)
+    except KubeError as exc:
+        if exc.status != 404:
+            raise
+        kube.forget_crd(crd_name)
+        return False
+    return True
 
 
 async def _deployments(
