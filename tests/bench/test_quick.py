@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,8 @@ def test_every_benchmark_has_a_smoke_run() -> None:
     assert sorted(set(BENCHMARKS) | set(HELPERS)) == sorted(bench_modules())
 
 
-def run_quick(name: str, *args: str, timeout_s: float = 600) -> dict[str, Any]:
+def run_quick(name: str, *args: str, timeout_s: float = 600) -> tuple[dict[str, Any], str]:
+    """The benchmark's last stdout line as JSON, and its stderr."""
     done = subprocess.run(
         [sys.executable, "-m", f"bench.{name}", "--quick", "--json", *args],
         cwd=REPO,
@@ -89,7 +91,7 @@ def run_quick(name: str, *args: str, timeout_s: float = 600) -> dict[str, Any]:
     assert result["quick"] is True
     missing = [k for k in BENCHMARKS[name].keys if k not in result]
     assert missing == [], f"bench.{name} --quick lacks {missing}"
-    return result
+    return result, done.stderr
 
 
 CPU_BENCHES = [n for n, b in BENCHMARKS.items() if not b.gpu_only and not b.cluster]
@@ -98,39 +100,42 @@ CPU_BENCHES = [n for n, b in BENCHMARKS.items() if not b.gpu_only and not b.clus
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CPU_BENCHES)
 def test_cpu_benchmark_quick(name: str) -> None:
-    result = run_quick(name)
+    result, stderr = run_quick(name)
     check = CHECKS.get(name)
     if check is not None:
-        check(result)
+        check(result, stderr)
 
 
-def _scheduler(r: dict[str, Any]) -> None:
+def _scheduler(r: dict[str, Any], stderr: str) -> None:
     assert sorted(r["us_per_seq_step"]) == ["16", "64"]
     assert sorted(r["mixed"]["cpu_us_per_seq_step"]) == ["16", "64"]
     assert r["config"]["repeats"] == 2
     assert all(v > 0 for v in r["cpu_us_per_seq_step"].values())
 
 
-def _kv_transfer(r: dict[str, Any]) -> None:
+def _kv_transfer(r: dict[str, Any], stderr: str) -> None:
     (case,) = r["cases"].values()
     assert case["blocks"] == 16
     assert case["bytes"] == 16 * 30 * 2 * 16 * 3 * 64 * 4  # blocks x layers x K/V x tokens x heads x dim x 4
     assert r["ratio_vs_raw_tcp"] == case["ratio"] > 0
 
 
-def _router(r: dict[str, Any]) -> None:
+def _router(r: dict[str, Any], stderr: str) -> None:
     assert (r["streams"], r["chunks_per_stream"], r["rounds"]) == (4, 20, 1)
     assert r["samples_direct"] == r["samples_router"] == 4 * 20
     assert r["failed_streams_direct"] == r["failed_streams_router"] == 0
 
 
-def _cpu_throughput(r: dict[str, Any]) -> None:
+def _cpu_throughput(r: dict[str, Any], stderr: str) -> None:
     assert r["num_prompts"] == 6
     assert 6 * 4 <= r["requested_tokens"] <= 6 * 12
     assert r["baton_tokens_per_s"] > 0 and r["hf_tokens_per_s"] > 0
+    # The full run takes minutes: it says what it is doing (on stderr, the JSON stays last).
+    assert "Baton: 6 prompts at once" in stderr and "Baton: done in" in stderr
+    assert "transformers: batch 2/2 done" in stderr
 
 
-def _speculative(r: dict[str, Any]) -> None:
+def _speculative(r: dict[str, Any], stderr: str) -> None:
     assert (r["num_prompts"], r["max_tokens"], r["k"]) == (2, 16, 4)
     assert r["outputs_identical"] is True
     assert 2 <= r["generated_tokens"] <= 2 * 16  # EOS may end a request early
@@ -139,13 +144,13 @@ def _speculative(r: dict[str, Any]) -> None:
     assert r["speedup_gpu_projected"] > 0
 
 
-def _attention_kernels(r: dict[str, Any]) -> None:
+def _attention_kernels(r: dict[str, Any], stderr: str) -> None:
     assert sorted(r["us"]) == ["decode_1b_b1_ctx40", "mq_1b_b1_q2_ctx40", "prefill_1b_1x24"]
     assert r["splits"]["prefill_1b_1x24"] == 1
     assert all(len(d) == 16 for d in r["digest"].values())
 
 
-CHECKS = {
+CHECKS: dict[str, Callable[[dict[str, Any], str], None]] = {
     "scheduler": _scheduler,
     "kv_transfer": _kv_transfer,
     "router": _router,
@@ -174,7 +179,7 @@ def test_gpu_benchmark_parses_its_arguments(name: str) -> None:
 def test_autoscaler_quick() -> None:
     if binary_dir() is None:
         pytest.skip("etcd/kube-apiserver not built yet (bash devcluster/scripts/build.sh)")
-    r = run_quick("autoscaler")
+    r, _ = run_quick("autoscaler")
     assert r["reaction_trials"] == 2
     assert 0 < r["reaction_s"] <= 30  # each trial waits at most 30 s for the patch
     assert r["decision_reaction_s_max"] == r["decision_reaction_s_mean"]  # one trial
@@ -185,14 +190,14 @@ def test_autoscaler_quick() -> None:
 def test_cluster_quick() -> None:
     if binary_dir() is None:
         pytest.skip("Kubernetes binaries not built yet (bash devcluster/scripts/build.sh)")
-    r = run_quick("cluster")
+    r, _ = run_quick("cluster")
     assert (r["kwok_nodes"], r["process_nodes"], len(r["warm_up_runs_s"])) == (1, 1, 1)
 
 
 @pytest.mark.k8s
 @pytest.mark.slow
 def test_operator_quick_on_the_session_cluster(dev_cluster: DevCluster) -> None:
-    r = run_quick("operator", "--cluster-dir", str(dev_cluster.state.directory))
+    r, _ = run_quick("operator", "--cluster-dir", str(dev_cluster.state.directory))
     assert (r["resources_sequential"], r["resources_burst"], r["children_per_resource"]) == (2, 4, 14)
     assert r["burst_pods_running_12_s"] > 0
     # The bench undid its work on the shared cluster: its namespaces and the operator are gone.
