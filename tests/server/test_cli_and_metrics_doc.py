@@ -106,7 +106,7 @@ def test_help_documents_flags() -> None:
 
 
 def test_metrics_doc_maps_every_engine_metric() -> None:
-    doc = (ROOT / "docs" / "metrics.md").read_text()
+    doc = (ROOT / "docs" / "reference" / "metrics.md").read_text()
     for baton_name, vllm_name in contract.VLLM_EQUIVALENT.items():
         assert f"| `{baton_name}` |" in doc
         assert f"`{vllm_name}`" in doc
