@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
         },
         "load_average_1m": round(os.getloadavg()[0], 2),
+        "quick": args.quick,
     }
     for name in ("llguidance", "xgrammar"):
         best = min(

@@ -402,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
         "--log", type=Path, default=None, help="Where the server's log goes (default: a temp file)."
     )
     parser.add_argument("--json", action="store_true", help="Print only the JSON result.")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="A smoke run: 15 s against a tiny random model (baton_support CHAT).",
+    )
     args = parser.parse_args(argv)
     config = SoakConfig(
         model=args.model,
@@ -411,7 +416,17 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         log_path=args.log,
     )
-    result = run_soak(config)
+    with tempfile.TemporaryDirectory(prefix="soak-model-") as scratch:
+        if args.quick:
+            from baton_support.tiny_models import CHAT
+
+            CHAT.save(Path(scratch) / "tiny-chat")
+            config.model, config.seconds, config.concurrency, config.sample_seconds = (
+                str(Path(scratch) / "tiny-chat"), 15.0, 4, 1.0
+            )  # fmt: skip
+            config.extra_server_args = ("--dtype", "float32")
+        result = run_soak(config)
+    result["quick"] = args.quick
     if not args.json:
         rss, end = result["rss_mib"], result["end"]
         print(

@@ -50,6 +50,8 @@ BENCHMARKS: dict[str, Bench] = {
         ("apply_to_children_p99_s", "reconcile_4_s", "operator_rss_mb", "api_requests_per_resource"),
         cluster="dev_cluster",
     ),
+    "soak": Bench(("requests", "unexpected", "end", "rss_mib", "rss_samples")),
+    "grammar_mask": Bench(("llguidance", "xgrammar", "apply", "batch")),
     "gpu": Bench(("engine_vs_sweep",), gpu_only=True),
     "gpu_tune": Bench(("decode_1b_b8_ctx128",), gpu_only=True),
 }
@@ -150,7 +152,21 @@ def _attention_kernels(r: dict[str, Any], stderr: str) -> None:
     assert all(len(d) == 16 for d in r["digest"].values())
 
 
+def _soak(r: dict[str, Any], stderr: str) -> None:
+    assert r["unexpected"] == []
+    assert (r["end"]["num_used_kv_blocks"], r["end"]["in_flight"], r["end"]["num_running"]) == (0, 0, 0)
+    assert r["requests"] > 0 and r["server_exit_code"] == 0
+
+
+def _grammar_mask(r: dict[str, Any], stderr: str) -> None:
+    assert (r["batch"], r["vocab_size"]) == (8, 49152)
+    assert r["llguidance"]["rows_accepting_at_end"] == 8
+    assert r["llguidance"]["mask_us_per_row_token"] > 0 and r["xgrammar"]["mask_us_per_row_token"] > 0
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], str], None]] = {
+    "soak": _soak,
+    "grammar_mask": _grammar_mask,
     "scheduler": _scheduler,
     "kv_transfer": _kv_transfer,
     "router": _router,
