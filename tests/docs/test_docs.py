@@ -6,6 +6,8 @@ plots come from the recorded figures."""
 from __future__ import annotations
 
 import ast
+import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -246,3 +248,20 @@ def test_plots_read_the_shapes_they_document(tmp_path: Path) -> None:
     assert summary["gpu_step_vs_limit"] == {"records": 1, "missing": []}
     assert summary["scheduler_cost"] == {"records": 2, "missing": []}
     assert summary["kv_transfer_vs_tcp"] == {"records": 0, "missing": ["bench.kv_transfer runs"]}
+
+
+def test_recorded_results_are_json_of_existing_benchmarks() -> None:
+    """bench/RESULTS.md: every section and every command of the figures table names a benchmark
+    that exists, and every recorded line (also in the history) is one JSON object."""
+    from tests.bench.test_quick import BENCHMARKS
+
+    results = (REPO / "bench" / "RESULTS.md").read_text()
+    sections = [line.removeprefix("## bench.") for line in results.splitlines() if line.startswith("## ")]
+    assert sections and set(sections) <= set(BENCHMARKS), sections
+    table = results.split("<!-- --8<-- [start:current] -->", 1)[1].split("<!-- --8<-- [end:current] -->")[0]
+    commands = re.findall(r"`python -m bench\.(\w+)[^`]*`", table)
+    assert commands and set(commands) <= set(BENCHMARKS), commands
+    for path in [REPO / "bench" / "RESULTS.md", *sorted((REPO / "bench" / "history").glob("*.md"))]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.startswith("{"):
+                assert isinstance(json.loads(line), dict), f"{rel(path)}:{number}"
