@@ -66,15 +66,27 @@ def owner_view(obj: Mapping[str, Any]) -> dict[str, Any]:
     return slim(obj, OWNER_SPEC_FIELDS + OWNER_STATUS_FIELDS)
 
 
+def replicas_managers(obj: Mapping[str, Any]) -> list[str]:
+    """The field managers that own a Deployment's `spec.replicas` (sorted)."""
+    owners = set()
+    for entry in obj.get("metadata", {}).get("managedFields") or []:
+        fields = (entry.get("fieldsV1") or {}).get("f:spec") or {}
+        if isinstance(fields, Mapping) and "f:replicas" in fields:
+            owners.add(str(entry.get("manager", "")))
+    return sorted(owners)
+
+
 def deployment_view(obj: Mapping[str, Any]) -> dict[str, Any]:
     """A Deployment as `status.compute_status` reads it: replicas, counts, and its conditions
-    without timestamps (a condition re-stamped with nothing else new is no change)."""
+    without timestamps (a condition re-stamped with nothing else new is no change); and who owns
+    its replicas (`replicasManagers`), for the reconcile's ownership handover."""
     view = slim(obj, ("spec.replicas",))
     status = obj.get("status") or {}
     kept: dict[str, Any] = {k: status[k] for k in DEPLOYMENT_STATUS_FIELDS if k in status}
     if status.get("conditions"):
         kept["conditions"] = [{k: c[k] for k in _CONDITION_FIELDS if k in c} for c in status["conditions"]]
     view["status"] = kept
+    view["replicasManagers"] = replicas_managers(obj)
     return view
 
 

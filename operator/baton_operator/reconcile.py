@@ -23,6 +23,7 @@ from baton_operator.events import Event, EventSink
 from baton_operator.kube import Kube, KubeError
 from baton_operator.models import InferenceDeploymentSpec
 from baton_operator.object_cache import ObjectCache, deployment_view, owner_view
+from baton_operator.replicas import release, take_over
 from baton_operator.status import (
     CHILD_REFUSED,
     RECONCILE_FAILED,
@@ -214,11 +215,18 @@ async def reconcile(
                     raise
                 # The garbage collector deleted it in between: create it after all.
 
+    mode = ctx.spec.autoscaling.mode
+    pools = {child_name(owner, role) for role in ctx.spec.roles()}
+
     async def apply(manifest: Mapping[str, Any]) -> Any:
         # Only the Deployments' answers are read (their status feeds the status computation).
+        # A pool's replicas change owner with the autoscaling mode: see `replicas`.
+        pool = manifest["kind"] == "Deployment" and manifest["metadata"]["name"] in pools
+        if pool:
+            await take_over(kube, caches.deployments, manifest, mode, guard)
         result = await kube.apply(manifest, answer=manifest["kind"] == "Deployment")
         outcome.applied += 1
-        return result
+        return await release(kube, caches.deployments, result, mode, guard) if pool else result
 
     created_once = {id(m) for m in children.created_once}
 
