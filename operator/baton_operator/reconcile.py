@@ -25,8 +25,6 @@ from baton_operator.models import InferenceDeploymentSpec
 from baton_operator.object_cache import ObjectCache, deployment_view, owner_view
 from baton_operator.replicas import release, take_over
 from baton_operator.status import (
-    CHILD_REFUSED,
-    RECONCILE_FAILED,
     Failure,
     Observed,
     compute_status,
@@ -76,10 +74,10 @@ def failure_of(exc: BaseException) -> Failure:
     """How Ready and Degraded report a reconcile that stopped with `exc`."""
     if isinstance(exc, ChildWriteError) and exc.refused:
         refusal = f"{exc.reason or 'refused'} (HTTP {exc.status})"
-        return Failure(CHILD_REFUSED, f"{exc.kind} {exc.child}: {refusal}: {exc.api_message}")
+        return Failure("ChildRefused", f"{exc.kind} {exc.child}: {refusal}: {exc.api_message}")
     if isinstance(exc, KubeError):
-        return Failure(RECONCILE_FAILED, str(exc))
-    return Failure(RECONCILE_FAILED, f"{type(exc).__name__}: {exc}")
+        return Failure("ReconcileFailed", str(exc))
+    return Failure("ReconcileFailed", f"{type(exc).__name__}: {exc}")
 
 
 #: Called before each child write with its index; tests use it to stop a reconcile part-way.

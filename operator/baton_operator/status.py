@@ -59,13 +59,13 @@ def _failing(deployment: Mapping[str, Any]) -> str | None:
 
 #: Condition reasons of a reconcile that did not finish: a child the API server refused (it will
 #: be refused again until the spec or the cluster changes), or any other failure (retried).
-CHILD_REFUSED, RECONCILE_FAILED = "ChildRefused", "ReconcileFailed"
-FAILURE_REASONS = frozenset({CHILD_REFUSED, RECONCILE_FAILED})
+FAILURE_REASONS = frozenset({"ChildRefused", "ReconcileFailed"})
 
 
 @dataclass(frozen=True)
 class Failure:
-    """Why the last reconcile did not finish, as Ready and Degraded report it."""
+    """Why the last reconcile did not finish, as Ready and Degraded report it (and its Warning
+    Event)."""
 
     reason: str  # one of FAILURE_REASONS
     message: str

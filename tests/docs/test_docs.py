@@ -127,7 +127,7 @@ def _string(node: ast.AST | None) -> str | None:
 def operator_reasons() -> tuple[set[str], set[str]]:
     """(condition reasons, Event reasons) the operator's code writes: the third argument of
     status._condition, and every `reason=` keyword, `Event(type, reason, ...)` and reason
-    constant (EVENT_REASONS, SCALE_FAILED)."""
+    constant (EVENT_REASONS, SCALE_FAILED); a `Failure(reason, ...)` is both."""
     conditions, events = set(), set()
     for path in (REPO / "operator" / "baton_operator").rglob("*.py"):
         tree = ast.parse(path.read_text())
@@ -137,6 +137,9 @@ def operator_reasons() -> tuple[set[str], set[str]]:
                 if func == "_condition" and len(node.args) >= 3 and (s := _string(node.args[2])):
                     conditions.add(s)
                 elif func == "Event" and len(node.args) >= 2 and (s := _string(node.args[1])):
+                    events.add(s)
+                elif func == "Failure" and node.args and (s := _string(node.args[0])):
+                    conditions.add(s)  # a failed reconcile: Ready and Degraded, and its Warning Event
                     events.add(s)
                 for kw in node.keywords:
                     if kw.arg == "reason" and (s := _string(kw.value)):
