@@ -22,7 +22,7 @@ from baton_operator.builders.extras import new_signing_key
 from baton_operator.events import Event, EventSink
 from baton_operator.kube import Kube, KubeError
 from baton_operator.models import InferenceDeploymentSpec
-from baton_operator.object_cache import ObjectCache, deployment_view, owner_view
+from baton_operator.object_cache import ObjectCache, PodIndex, deployment_view, owner_view
 from baton_operator.replicas import release, take_over
 from baton_operator.status import (
     Failure,
@@ -125,6 +125,7 @@ class Caches:
 
     deployments: ObjectCache = field(default_factory=lambda: ObjectCache(deployment_view))
     owners: ObjectCache = field(default_factory=lambda: ObjectCache(owner_view))
+    pods: PodIndex = field(default_factory=PodIndex)  # empty without a pod watch: no pod reasons
 
 
 async def write_in_order(
@@ -308,7 +309,11 @@ async def _report(
     patch = compute_status(
         name=owner.name,
         generation=generation,
-        observed=Observed(deployments=await _deployments(kube, caches, owner, spec), failure=failure),
+        observed=Observed(
+            deployments=await _deployments(kube, caches, owner, spec),
+            failure=failure,
+            pods=caches.pods.of(owner.namespace, owner.name),
+        ),
         endpoint=router_endpoint(BuildContext(owner, spec)),
         now=now_rfc3339(),
         previous=stored.get("status") or {},
@@ -360,7 +365,9 @@ async def refresh_status(kube: Kube, caches: Caches, namespace: str, name: str) 
     patch = compute_status(
         name=name,
         generation=int(stored.get("observedGeneration", body["metadata"].get("generation", 0))),
-        observed=Observed(deployments=deployments, failure=stored_failure(stored)),
+        observed=Observed(
+            deployments=deployments, failure=stored_failure(stored), pods=caches.pods.of(namespace, name)
+        ),
         endpoint=router_endpoint(BuildContext(owner, spec)),
         now=now_rfc3339(),
         previous=stored,

@@ -127,10 +127,24 @@ def _string(node: ast.AST | None) -> str | None:
 def operator_reasons() -> tuple[set[str], set[str]]:
     """(condition reasons, Event reasons) the operator's code writes: the third argument of
     status._condition, and every `reason=` keyword, `Event(type, reason, ...)` and reason
-    constant (EVENT_REASONS, SCALE_FAILED); a `Failure(reason, ...)` is both."""
+    constant (EVENT_REASONS, SCALE_FAILED, CONDITION_REASONS); a `Failure(reason, ...)` is both."""
     conditions, events = set(), set()
     for path in (REPO / "operator" / "baton_operator").rglob("*.py"):
         tree = ast.parse(path.read_text())
+        strings = {  # module-level NAME = "literal"
+            node.targets[0].id: s
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and isinstance(node.targets[0], ast.Name)
+            and (s := _string(node.value))
+        }
+        for node in tree.body:  # CONDITION_REASONS = (literal or NAME, ...)
+            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+                if node.targets[0].id == "CONDITION_REASONS" and isinstance(node.value, ast.Tuple):
+                    for item in node.value.elts:
+                        name = strings.get(item.id) if isinstance(item, ast.Name) else _string(item)
+                        if name:
+                            conditions.add(name)
         for node in ast.walk(tree):
             if isinstance(node, ast.Call):
                 func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
