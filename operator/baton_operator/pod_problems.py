@@ -21,8 +21,8 @@ CRASH_LOOP = "CrashLooping"
 CONFIG_ERROR = "ContainerConfigError"
 NEVER_READY = "PodsNeverReady"
 ORDER = (UNSCHEDULABLE, IMAGE_PULL, CONFIG_ERROR, CRASH_LOOP, NEVER_READY)
-#: Every reason the conditions may carry from here (the docs' troubleshooting page lists each).
-CONDITION_REASONS = (UNSCHEDULABLE, IMAGE_PULL, CONFIG_ERROR, CRASH_LOOP, NEVER_READY)
+#: Every reason a `Stuck` may carry (the docs' troubleshooting page lists each).
+STUCK_REASONS = frozenset(ORDER)
 #: Waiting reasons of the kubelet, by problem kind.
 WAITING: dict[str, str] = {
     "ErrImagePull": IMAGE_PULL,
@@ -122,12 +122,20 @@ def pool_problems(pods: Mapping[str, Iterable[Mapping[str, Any]]], now: dt.datet
     return found
 
 
-def summary(problems: Sequence[Problem]) -> tuple[str, str] | None:
-    """(reason, message) for the conditions: the most telling kind, and every problem in words."""
+@dataclass(frozen=True)
+class Stuck:
+    """What the conditions say of stuck pools: the most telling kind, and every problem."""
+
+    reason: str  # one of STUCK_REASONS
+    message: str
+
+
+def summary(problems: Sequence[Problem]) -> Stuck | None:
+    """The conditions' reason and message for `problems`; None when there are none."""
     if not problems:
         return None
     kind = min((p.kind for p in problems), key=ORDER.index)
     first = [p for p in problems if p.kind == kind]
     rest = [p for p in problems if p.kind != kind]
     message = "; ".join(p.describe() for p in [*first, *rest])
-    return kind, message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 3] + "..."
+    return Stuck(kind, message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 3] + "...")

@@ -134,7 +134,7 @@ def conditions(
             READY, False, "Creating", f"waiting for {', '.join(missing)}", generation, now, previous
         )
     elif not_ready and stuck is not None:
-        ready = _condition(READY, False, stuck[0], stuck[1], generation, now, previous)
+        ready = _condition(READY, False, stuck.reason, stuck.message, generation, now, previous)
     elif not_ready:
         ready = _condition(READY, False, "PodsNotReady", counts, generation, now, previous)
     else:
@@ -153,7 +153,7 @@ def conditions(
     if failure is not None:
         degraded = _condition(DEGRADED, True, failure.reason, failure.message, generation, now, previous)
     elif stuck is not None:
-        degraded = _condition(DEGRADED, True, stuck[0], stuck[1], generation, now, previous)
+        degraded = _condition(DEGRADED, True, stuck.reason, stuck.message, generation, now, previous)
     elif failures:
         degraded = _condition(
             DEGRADED, True, "DeploymentFailing", "; ".join(failures), generation, now, previous

@@ -16,6 +16,7 @@ from baton_operator.pod_problems import (
     NEVER_READY,
     UNSCHEDULABLE,
     Problem,
+    Stuck,
     pod_problem,
     pool_problems,
     summary,
@@ -167,7 +168,7 @@ def test_the_most_telling_problem_names_the_condition_and_every_one_is_listed() 
         (UNSCHEDULABLE, "demo-decode-a"),
         (CRASH_LOOP, "demo-prefill-b"),
     ]
-    assert summary(problems) == (
+    assert summary(problems) == Stuck(
         UNSCHEDULABLE,
         f"decode: pod demo-decode-a is unschedulable: {SCHEDULER}; "
         "prefill: pod demo-prefill-b container engine: CrashLoopBackOff (restarted 1 times)",
