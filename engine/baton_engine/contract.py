@@ -187,6 +187,25 @@ VLLM_EQUIVALENT: Final[dict[str, str]] = {
     M_SPEC_ACCEPTED_TOKENS: "vllm:spec_decode_num_accepted_tokens_total",
 }
 
+#: vLLM's gauge whose labels carry the cache layout (value 1); Baton exports it with the labels
+#: vLLM readers use (`block_size`, `num_gpu_blocks`).
+M_VLLM_CACHE_CONFIG: Final = "vllm:cache_config_info"
+LABEL_VLLM_MODEL: Final = "model_name"  # the served model name, on every series (as vLLM)
+
+#: The load figures the control plane reads from an engine pod (the router's load tracker, the
+#: autoscaler), each under (Baton's name, vLLM's name): a vLLM pod exports only the second, a
+#: Baton pod both (same value: read one, never sum them) or either alone.
+LOAD_METRICS: Final[dict[str, tuple[str, str]]] = {
+    name: (baton, VLLM_EQUIVALENT[baton])
+    for name, baton in (
+        ("waiting", M_REQUESTS_WAITING),
+        ("running", M_REQUESTS_RUNNING),
+        ("kv_usage", M_KV_USAGE),
+        ("preemptions", M_PREEMPTIONS),
+    )
+}
+
+
 # --------------------------------------------------------------------------- KV events
 
 KV_EVENTS_TOPIC_PREFIX: Final = "kv"
