@@ -79,6 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="Log verbosity."
     )
+    export = commands.add_parser(
+        "export",
+        help="Write a GGUF model as a Hugging Face folder (config.json, safetensors, tokenizer).",
+        description="Write a GGUF model as a Hugging Face folder that vLLM and transformers load: "
+        "the weights Baton dequantizes and the tokenizer Baton rebuilds. A re-run on the same "
+        "source and dtype keeps the existing folder; any other non-empty folder is refused.",
+    )
+    export.add_argument(
+        "--model", required=True, help="A GGUF model reference (builtin:<name> or a .gguf path)."
+    )
+    export.add_argument("--output", required=True, help="The folder to write.")
+    export.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="Weights dtype (default: float32).",
+    )
     return parser
 
 
@@ -101,6 +118,17 @@ def main(argv: list[str] | None = None) -> int:
         from baton_engine.server.serve import serve
 
         return serve(config, grace_seconds=args.shutdown_grace_seconds, log_level=args.log_level)
+    if args.command == "export":
+        from pathlib import Path
+
+        from baton_engine.loader.hf_export import ExportError, export_hf_folder
+        from baton_engine.loader.reference import ModelNotFoundError
+
+        try:
+            print(export_hf_folder(args.model, Path(args.output), args.dtype))
+        except (ExportError, ModelNotFoundError) as exc:
+            parser.error(str(exc))
+        return 0
     parser.error(f"unknown command {args.command!r}")
     return 2
 
