@@ -141,7 +141,12 @@ class LoadTracker:
                     load = Load(scraped_at=now)
                 else:
                     figures = load_figures(parse_load(text))
-                    load = Load(**figures, scraped_at=now)
+                    load = Load(
+                        waiting=figures["waiting"],
+                        running=figures["running"],
+                        kv_usage=figures["kv_usage"],
+                        scraped_at=now,
+                    )
         if self._registry.get(endpoint.key) is not None:  # not removed while we waited
             self._loads[endpoint.key] = load
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from baton_engine import contract
 
@@ -50,3 +54,25 @@ class RouterMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _RejectCount(Protocol):
+    rejected_batches: int
+
+
+class KVEventCounters:
+    """Per-pod KV-event counters, read from the subscriber's stats when scraped (the subscriber
+    counts; this only exposes)."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, _RejectCount]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        rejected = CounterMetricFamily(
+            _base(contract.M_ROUTER_KV_EVENTS_REJECTED),
+            "KV-event batches from each pod that did not decode (each drops that pod's index)",
+            labels=["pod"],
+        )
+        for pod, stats in sorted(self._stats().items()):
+            rejected.add_metric([pod], stats.rejected_batches)
+        yield rejected

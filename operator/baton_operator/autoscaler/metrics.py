@@ -17,14 +17,14 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton_engine.contract import LOAD_METRICS, M_KV_BLOCKS_TOTAL, M_VLLM_CACHE_CONFIG, PATH_METRICS
+from baton_engine.contract import LOAD_METRICS, M_KV_BLOCKS_TOTAL, VM_CACHE_CONFIG, PATH_METRICS
 
 from .policy_types import EngineLoad, PodSample
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 _WANTED = frozenset(name for pair in LOAD_METRICS.values() for name in pair) | {
     M_KV_BLOCKS_TOTAL,
-    M_VLLM_CACHE_CONFIG,
+    VM_CACHE_CONFIG,
 }
 #: vLLM's cache_config_info label holding the pool size.
 _NUM_BLOCKS_LABEL = "num_gpu_blocks"
@@ -80,12 +80,12 @@ def _series(
 def _kv_blocks(samples: dict[str, list[tuple[dict[str, str], float]]]) -> float | None:
     if M_KV_BLOCKS_TOTAL in samples:
         return sum(_checked(M_KV_BLOCKS_TOTAL, [v for _, v in samples[M_KV_BLOCKS_TOTAL]]))
-    sizes = [labels.get(_NUM_BLOCKS_LABEL) for labels, _ in samples.get(M_VLLM_CACHE_CONFIG, [])]
+    sizes = [labels.get(_NUM_BLOCKS_LABEL) for labels, _ in samples.get(VM_CACHE_CONFIG, [])]
     try:
         blocks = [float(size) for size in sizes if size not in (None, "", "None")]
     except ValueError as exc:
-        raise MetricsParseError(f"{M_VLLM_CACHE_CONFIG}: {_NUM_BLOCKS_LABEL} is not a number") from exc
-    return sum(_checked(M_VLLM_CACHE_CONFIG, blocks)) if blocks else None
+        raise MetricsParseError(f"{VM_CACHE_CONFIG}: {_NUM_BLOCKS_LABEL} is not a number") from exc
+    return sum(_checked(VM_CACHE_CONFIG, blocks)) if blocks else None
 
 
 def parse_engine_metrics(text: str, *, queued_tokens_metric: str | None = None) -> EngineLoad:
