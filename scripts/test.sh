@@ -10,7 +10,7 @@ bash devcluster/scripts/build.sh
 export PATH="$root/.venv/bin:$PATH"
 echo "== ruff"
 ruff check .
-ruff format --check engine operator devcluster bench tests
+ruff format --check engine operator devcluster support bench tests
 echo "== mypy (operator, devcluster)"
 mypy
 echo "== pytest"

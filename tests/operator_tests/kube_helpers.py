@@ -11,14 +11,14 @@ from typing import Any
 
 import kopf
 
-from baton_operator import models
+from baton_operator import metrics, models
 from baton_operator.kube import Kube
 from tests.operator_tests.apiserver import ApiServer
 
 
 def async_kube(server: ApiServer, token: str | None = None) -> Kube:
     info = kopf.ConnectionInfo(server=server.url, ca_path=str(server.ca_file), token=token or server.token)
-    return Kube(lambda: info)
+    return Kube(lambda: info, on_request=metrics.count_api_request)
 
 
 def create_namespace(kube: Any, name: str, labels: dict[str, str] | None = None) -> None:

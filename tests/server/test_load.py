@@ -10,7 +10,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.server.server_process import ServerProcess, wait_for
+from baton_support.wait import wait_for
+from tests.server.server_process import ServerProcess
 
 MODEL = "tiny-chat"
 pytestmark = pytest.mark.slow
@@ -97,7 +98,12 @@ def test_disconnected_non_streaming_request_is_aborted(tiny_server: ServerProces
     # tiny model can finish 250 tokens within any fixed client timeout).
     with socket.create_connection(("127.0.0.1", tiny_server.port)) as conn:
         conn.sendall(head + body)
-        wait_for(lambda: tiny_server.stats()["generation_tokens"] > before, 30, "generation to start", 0.002)
+        wait_for(
+            lambda: tiny_server.stats()["generation_tokens"] > before,
+            timeout=30,
+            message="generation to start",
+            interval=0.002,
+        )
     stats = tiny_server.wait_idle(timeout=30)
     assert stats["generation_tokens"] - before < 250  # aborted before it could finish
 

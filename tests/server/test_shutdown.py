@@ -12,7 +12,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.server.server_process import ServerProcess, child_pids, pid_alive, wait_for
+from baton_support.wait import wait_for
+from tests.server.server_process import ServerProcess, child_pids, pid_alive
 
 MODEL = "tiny-chat"
 pytestmark = pytest.mark.slow
@@ -76,7 +77,7 @@ def test_sigterm_during_load_finishes_in_flight_and_exits_0(
     assert refused_body["error"]["code"] == "draining"
     assert server.proc.wait(60) == 0
     server.stop()
-    wait_for(lambda: not pid_alive(core_pid), 10, "the engine core to exit")
+    wait_for(lambda: not pid_alive(core_pid), timeout=10, message="the engine core to exit")
     assert "drained; stopping" in server.log_text()
 
 
@@ -85,14 +86,14 @@ def test_core_exits_when_the_server_is_killed(start_tiny_server: Callable[..., S
     core_pid = server.stats()["core_pid"]
     assert pid_alive(core_pid)
     assert server.stop(signal.SIGKILL) == -signal.SIGKILL
-    wait_for(lambda: not pid_alive(core_pid), 15, "the orphaned engine core to exit")
+    wait_for(lambda: not pid_alive(core_pid), timeout=15, message="the orphaned engine core to exit")
 
 
 def test_not_ready_while_loading_then_idle_sigterm_exits_0(
     start_tiny_server: Callable[..., ServerProcess],
 ) -> None:
     server = start_tiny_server(wait_ready=False)
-    wait_for(lambda: server.answers("/health") == 200, 120, "/health to answer")
+    wait_for(lambda: server.answers("/health") == 200, timeout=120, message="/health to answer")
     # the engine core is a fresh interpreter importing torch: it cannot be ready this soon
     ready = server.http.get("/ready")
     assert (ready.status_code, ready.json()) == (503, {"ready": False, "reason": "loading"})
