@@ -8,7 +8,8 @@ encoded the events two ways, and both are read (detected per batch):
   a msgpack map tagged ``"type"``, its fields in declaration order, optional fields left out when
   null (msgspec ``tag=True, omit_defaults=True``): ``{"type": "BlockStored", "block_hashes": [...],
   "parent_block_hash": h | nil, "token_ids": [...], "block_size": n, "lora_id": nil,
-  "medium": "GPU", "lora_name": nil, "group_idx": 0}``, ``{"type": "BlockRemoved",
+  "medium": "GPU", "lora_name": nil, "extra_keys": [nil per block], "group_idx": 0,
+  "kv_cache_spec_kind": "full_attention"}``, ``{"type": "BlockRemoved",
   "block_hashes": [...], "medium": "GPU", "group_idx": 0}``, ``{"type": "AllBlocksCleared"}``;
 * **array** (vLLM v0.22 and the indexers of its time, e.g. llm-d-kv-cache v0.8): each event a
   positional array, tag first, every field written: ``["BlockStored", block_hashes,
@@ -139,27 +140,21 @@ def _removed_to_wire(record: Any) -> list[Any]:
     return [TAG_BLOCK_REMOVED, hashes, MEDIUM_GPU, GROUP_IDX]
 
 
+#: What vLLM 0.32's block pool says of its (full-attention) KV-cache group in map-encoded events.
+KV_CACHE_SPEC_KIND: Final = "full_attention"
+
+
 def _as_map(array: list[Any]) -> dict[str, Any]:
     """vLLM 0.32's map form of an array-form event: tag under "type", then the fields in
-    declaration order, the optional ones (after medium's group) left out when null."""
+    declaration order, those with defaults left out when null (msgspec's omit_defaults)."""
     tag = array[0]
     if tag == TAG_BLOCK_STORED:
-        required = (
-            "block_hashes",
-            "parent_block_hash",
-            "token_ids",
-            "block_size",
-            "lora_id",
-            "medium",
-            "lora_name",
-        )
-        optional = ("extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
-        values = array[1:]
-        out: dict[str, Any] = {"type": tag, **dict(zip(required, values, strict=False))}
-        extras = dict(zip(optional, values[len(required) :], strict=False))
-        if all(k is None for k in extras.get("extra_keys") or []):
-            extras["extra_keys"] = None  # vLLM leaves out a list of nothing but nils
-        out.update({k: v for k, v in extras.items() if v is not None})
+        fields = (
+            "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+            "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+        )  # fmt: skip
+        out: dict[str, Any] = {"type": tag, **dict(zip(fields, array[1:], strict=False))}
+        out["kv_cache_spec_kind"] = KV_CACHE_SPEC_KIND  # vLLM 0.32 names the group's kind
         return out
     if tag == TAG_BLOCK_REMOVED:
         return {"type": tag, "block_hashes": array[1], "medium": array[2], "group_idx": array[3]}

@@ -148,7 +148,12 @@ class EngineMetrics:
             self.cache_config = Gauge(
                 contract.VM_CACHE_CONFIG,
                 "Information of the engine's KV cache (value 1; vLLM's CacheConfig labels).",
-                ["model_name", VLLM_ENGINE_LABEL, "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+                [
+                    VLLM_ENGINE_LABEL,
+                    "block_size",
+                    "num_gpu_blocks",
+                    "enable_prefix_caching",
+                ],  # as vLLM: no model
                 registry=r,
             )
         self.enable_prefix_caching = True
@@ -221,7 +226,6 @@ class EngineMetrics:
         if self.cache_config is None or not num_blocks:
             return
         labels = (
-            self.model_name,
             VLLM_ENGINE,
             "" if self.block_size is None else str(self.block_size),
             str(num_blocks),

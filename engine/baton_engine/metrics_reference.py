@@ -61,9 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     updated = replace_block(text, block)
     if args.check:
         if updated != text:
-            print(
-                f"{args.readme}: the vLLM metrics table is stale: python -m baton_engine.metrics_reference"
-            )
+            print(f"{args.readme}: the vLLM metrics table is stale: python -m baton_engine.metrics_reference")
             return 1
         return 0
     args.readme.write_text(updated)
