@@ -233,3 +233,38 @@ def test_a_subscriber_follows_the_recorded_stream(recorded: dict[str, Any], peer
         )
         assert_holds(subscriber, set())
         assert subscriber.stats("vllm-0").clears == 1
+
+
+def test_batons_publisher_answers_replays_as_vllm_does(recorded: dict[str, Any]) -> None:
+    """Baton's publisher (default encoding) replays in vLLM 0.32's framing: the same frame
+    layout as the recorded answers, the identical end marker, and map-encoded payloads."""
+    from baton_engine.kv_events_publisher import KVEventPublisher
+
+    vllm_answers = recorded["replay_from_0"]
+    publisher = KVEventPublisher("tcp://127.0.0.1:*", recorded["topic"], replay_endpoint="tcp://127.0.0.1:*")
+    ctx = zmq.Context()
+    try:
+        first = decode_batch(vllm_answers[0][3])
+        publisher.publish(as_records(first), ts=first.ts)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(publisher.replay_endpoint or "")
+
+        def replayed() -> list[list[bytes]] | None:
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            answers = []
+            while True:
+                assert dealer.poll(10_000), "no replay answer"
+                answers.append(dealer.recv_multipart())
+                if parse_replay_answer(answers[-1])[0] == -1:
+                    return answers if len(answers) == 2 else None
+
+        answers = wait_for(replayed, timeout=30, message="the batch in the replay buffer")
+        assert answers[1] == vllm_answers[-1]  # the end marker, byte for byte
+        assert [len(a) for a in answers] == [len(vllm_answers[0]), 4]
+        assert answers[0][:3] == [b"", recorded["topic"].encode(), (0).to_bytes(8, "big")]
+        assert answers[0][3] == vllm_answers[0][3]  # same events, same ts: vLLM's bytes
+        dealer.close()
+    finally:
+        publisher.shutdown()
+        ctx.term()
