@@ -70,6 +70,11 @@ class _Figure:
     def labels(self, *values: str) -> _Children:
         return _Children([family.labels(*values, *extra) for family, extra in self._families])
 
+    @property
+    def families(self) -> list[Any]:
+        """The prometheus_client metrics behind this figure (for generated references)."""
+        return [getattr(family, "family", family) for family, _ in self._families]
+
 
 class EngineMetrics:
     def __init__(

@@ -2,7 +2,7 @@
 `scripts/vllm-venv.sh`) serving SmolLM2 exported as a HF folder, with ZMQ KV events on; and the
 recorder that turns its output into the committed fixtures under tests/interop/data/:
 
-    python -m tests.interop.vllm_peer record        # needs the venv and ~3 minutes
+    python -m tests.interop.vllm_peer record [sha256|sha256_cbor ...]   # minutes per algorithm
 
 A fixture holds the raw frames exactly as they came off the sockets (the published batches and a
 replay answer), the token ids that produced them, the hash algorithm and seed in force, and the
@@ -191,6 +191,8 @@ def record_events(workdir: Path, hash_algo: str, with_metrics: bool) -> dict[str
                     complete(server, prompt)
                 else:
                     httpx.post(f"{server.url}/reset_prefix_cache", timeout=60).raise_for_status()
+                    # vLLM publishes events at its next step: a one-block-short prompt makes one.
+                    complete(server, [7, 8, 9, 10], max_tokens=1)
                 got = drain(sub, 3.0)
                 steps.append({"name": name, "prompt": prompt, "messages": len(got)})
                 published.extend(got)
@@ -278,8 +280,9 @@ def main(argv: list[str]) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="baton-vllm-"))  # kept: vLLM's logs
     print(f"vLLM logs in {workdir}", file=sys.stderr)
-    for algo, with_metrics in (("sha256", True), ("sha256_cbor", False)):
-        path = write_fixture(record_events(workdir, algo, with_metrics))
+    algos = argv[1:] or ["sha256", "sha256_cbor"]
+    for algo in algos:
+        path = write_fixture(record_events(workdir, algo, with_metrics=algo == "sha256"))
         print(f"wrote {path}", file=sys.stderr)
     return 0
 

@@ -13,17 +13,16 @@ from typing import Any
 import pytest
 
 from baton_operator.kube import FIELD_MANAGER, collection_path
-from tests.operator_tests.apiserver import ApiServer
+from baton_support.apiserver import ApiServer, Rest
+from baton_support.operator_process import OperatorProcess, operator_process
 from tests.operator_tests.cases import VALID_SPEC
 from tests.operator_tests.kube_helpers import (
-    Rest,
     create_foreign_deployment,
     create_infd,
     create_namespace,
     get_infd,
     wait_for,
 )
-from tests.operator_tests.operator_process import OperatorProcess, operator_process
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 

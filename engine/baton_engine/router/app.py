@@ -23,7 +23,7 @@ from baton_engine.router.core import RouterCore
 from baton_engine.router.endpoints import EndpointRegistry
 from baton_engine.router.kv_index import KVEventIndex
 from baton_engine.router.load import LoadTracker
-from baton_engine.router.metrics import KVEventCounters, RouterMetrics
+from baton_engine.router.metrics import RouterMetrics
 from baton_engine.router.prefix import Api, PrefixScorer
 from baton_engine.router.proxy import REQUEST_ID_HEADER, ProxyResponse
 from baton_engine.router.settings import RouterSettings
@@ -60,7 +60,7 @@ def create_app(
     """
     metrics = RouterMetrics()
     if kv_index is not None:
-        metrics.registry.register(KVEventCounters(kv_index.stats))
+        metrics.kv_events_counters.source = kv_index.stats
     state: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager

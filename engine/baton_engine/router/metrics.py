@@ -52,6 +52,10 @@ class RouterMetrics:
             registry=r,
         )
 
+        # Counted by the KV-event subscriber; the app points `source` at its stats.
+        self.kv_events_counters = KVEventCounters(dict)
+        r.register(self.kv_events_counters)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -64,8 +68,8 @@ class KVEventCounters:
     """Per-pod KV-event counters, read from the subscriber's stats when scraped (the subscriber
     counts; this only exposes)."""
 
-    def __init__(self, stats: Callable[[], Mapping[str, _RejectCount]]) -> None:
-        self._stats = stats
+    def __init__(self, source: Callable[[], Mapping[str, _RejectCount]]) -> None:
+        self.source = source
 
     def collect(self) -> Iterator[Metric]:
         rejected = CounterMetricFamily(
@@ -73,6 +77,6 @@ class KVEventCounters:
             "KV-event batches from each pod that did not decode (each drops that pod's index)",
             labels=["pod"],
         )
-        for pod, stats in sorted(self._stats().items()):
+        for pod, stats in sorted(self.source().items()):
             rejected.add_metric([pod], stats.rejected_batches)
         yield rejected

@@ -23,9 +23,8 @@ from typing import Any
 import yaml
 
 from baton_operator.kube import collection_path
-from tests.operator_tests.apiserver import ApiServer, write_kubeconfig
-from tests.operator_tests.kube_helpers import Rest
-from tests.ports import free_port
+from baton_support.apiserver import ApiServer, Rest, write_kubeconfig
+from baton_support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts/baton"

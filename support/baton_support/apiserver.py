@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import json
 import os
 import signal
 import ssl
@@ -23,10 +24,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from tests.ports import free_port
+from baton_support.ports import free_port
 
 BIN_ROOT = Path.home() / ".cache/baton/k8s-bin"
 ADMIN_TOKEN = "admin-token"
@@ -254,3 +256,31 @@ def api_server(workdir: Path, bin_dir: Path, controllers: tuple[str, ...] = ()) 
     finally:
         for proc in reversed(procs):
             _stop(proc)
+
+
+class Rest:
+    """Plain REST calls to a test API server (any kind, any verb), JSON in and out."""
+
+    def __init__(self, server: ApiServer, token: str | None = None) -> None:
+        self.url = server.url
+        self.token = token or server.token
+        self.ctx = ssl.create_default_context(cafile=str(server.ca_file))
+
+    def call(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> tuple[int, dict[str, Any]]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Authorization", f"Bearer {self.token}")
+        req.add_header("Content-Type", content_type)
+        req.add_header("Accept", "application/json")
+        try:
+            with urllib.request.urlopen(req, context=self.ctx, timeout=30) as resp:
+                return resp.status, json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"{}")
+
+    def get(self, path: str) -> dict[str, Any]:
+        status, body = self.call("GET", path)
+        assert status == 200, (path, status, body)
+        return body

@@ -1,0 +1,38 @@
+"""A short `bench.soak` against the tiny model: mixed valid, invalid, cancelled and streaming
+requests leave no KV block in use, no request stuck and every answer as expected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.soak import SoakConfig, run_soak
+
+pytestmark = pytest.mark.slow
+
+
+def test_short_soak_leaks_no_block_and_leaves_no_request_stuck(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = SoakConfig(
+        model=str(tiny_model_dir),
+        seconds=20.0,
+        concurrency=4,
+        sample_seconds=2.0,
+        extra_server_args=("--dtype", "float32"),
+        log_path=tmp_path / "server.log",
+    )
+    result = run_soak(config)
+    assert result["unexpected"] == []
+    assert result["end"] == {
+        "num_used_kv_blocks": 0,
+        "num_kv_blocks": 512,
+        "num_running": 0,
+        "num_waiting": 0,
+        "in_flight": 0,
+        "health": 200,
+        "ready": 200,
+    }
+    assert result["server_exit_code"] == 0
+    kinds = set(result["by_kind"])
+    assert {"completion", "chat_stream", "dropped_stream", "deadline"} <= kinds
+    assert any(kind.startswith("bad:") for kind in kinds)
