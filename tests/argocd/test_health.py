@@ -107,3 +107,34 @@ async def test_fresh_states_on_the_control_plane_match_the_fixtures(
     for name, obj in live.items():
         assert health(obj) == EXPECTED[name], name
         assert states.shape(obj) == states.shape(fixture(name)), name
+
+
+def test_the_documented_install_renders_the_script(tmp_path: Path) -> None:
+    """docs/interop.md's command, run with the built kubectl: an argocd-cm whose key is the one
+    Argo CD reads for baton.dev/InferenceDeployment, holding the chart's script verbatim."""
+    import os
+    import shlex
+    import subprocess
+
+    from baton_support.apiserver import binary_dir
+    from tests.demo.readme import REPO, block_after
+
+    bins = binary_dir()
+    if bins is None:
+        pytest.skip("kubectl not built yet (bash devcluster/scripts/build.sh)")
+    (command,) = block_after("## Argo CD health check", page=REPO / "docs/interop.md")
+    argv = shlex.split(command)
+    assert argv[0] == "kubectl"
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "none")}
+    done = subprocess.run(
+        [str(bins / "kubectl"), *argv[1:]], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    rendered = yaml.safe_load(done.stdout)
+    assert (rendered["kind"], rendered["metadata"]) == (
+        "ConfigMap",
+        {"name": "argocd-cm", "namespace": "argocd"},
+    )
+    assert rendered["data"] == {
+        "resource.customizations.health.baton.dev_InferenceDeployment": HEALTH_LUA.read_text()
+    }
