@@ -27,7 +27,7 @@ import httpx
 import msgpack
 import zmq
 
-from tests.ports import free_port
+from baton_support.ports import free_port
 
 DATA = Path(__file__).resolve().parent / "data"
 CACHE = Path(os.environ.get("BATON_CACHE", Path.home() / ".cache" / "baton"))

@@ -18,9 +18,8 @@ from baton_dev.testing import wait_for
 from baton_engine import contract
 from baton_operator.kube import FIELD_MANAGER, Kube
 from baton_operator.reconcile import OperatorConfig, reconcile
-from tests.operator_tests.apiserver import ApiServer
-from tests.operator_tests.kube_helpers import Rest
-from tests.operator_tests.operator_process import CLUSTER_PATHS, wait_established
+from baton_support.apiserver import ApiServer, Rest
+from baton_support.operator_process import CLUSTER_PATHS, wait_established
 
 pytestmark = pytest.mark.k8s
 
