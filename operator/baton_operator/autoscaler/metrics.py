@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton_engine.contract import LOAD_METRICS, M_KV_BLOCKS_TOTAL, VM_CACHE_CONFIG, PATH_METRICS
+from baton_engine.contract import LOAD_METRICS, M_KV_BLOCKS_TOTAL, PATH_METRICS, VM_CACHE_CONFIG
 
 from .policy_types import EngineLoad, PodSample
 

@@ -72,6 +72,7 @@ def engine_args(ctx: BuildContext, role: str, engine: EngineSpec, model_ref: str
             contract.FLAG_KV_EVENTS_PORT, str(spec.kv_events.port),
             contract.FLAG_KV_EVENTS_REPLAY_PORT, str(spec.kv_events.replay_port),
             contract.FLAG_KV_EVENTS_BUFFER_STEPS, str(spec.kv_events.buffer_steps),
+            contract.FLAG_KV_EVENTS_ENCODING, spec.kv_events.encoding,
         ]  # fmt: skip
     return args + list(engine.extra_args)
 
