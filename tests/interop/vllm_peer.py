@@ -70,13 +70,16 @@ def version() -> str:
 
 
 @contextmanager
-def vllm_server(
-    workdir: Path, hash_algo: str, sub: zmq.Socket, extra_env: dict[str, str] | None = None
-) -> Iterator[VllmServer]:
-    """Start `vllm serve` (stopped by pid on exit). `sub` is bound first: vLLM connects its PUB."""
-    port, pub_port, replay_port = free_port(), free_port(), free_port()
-    pub_endpoint = f"tcp://127.0.0.1:{pub_port}"
-    sub.bind(pub_endpoint)
+def vllm_server(workdir: Path, hash_algo: str, sub: zmq.Socket | None = None) -> Iterator[VllmServer]:
+    """Start `vllm serve` (stopped by pid on exit). With `sub`, that socket is bound first and
+    vLLM's PUB connects to it (vLLM binds only wildcard and ipc endpoints); without, vLLM's PUB
+    binds an ipc endpoint under `workdir` for subscribers to connect to, as on a pod."""
+    port, replay_port = free_port(), free_port()
+    if sub is not None:
+        pub_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        sub.bind(pub_endpoint)
+    else:
+        pub_endpoint = f"ipc://{workdir / f'kv-events-{port}'}"
     replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
     topic = f"kv@127.0.0.1@{SERVED_NAME}"
     events = {
@@ -93,7 +96,6 @@ def vllm_server(
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "2",
         "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache (AllBlocksCleared)
-        **(extra_env or {}),
     }
     env.pop("PYTHONHASHSEED", None)  # vLLM's default root: its fixed seed
     argv = [
