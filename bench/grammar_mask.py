@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [tokenizer.encode(doc, add_special_tokens=False) + [eos] for doc in docs]
     result: dict[str, Any] = {
         "bench": "grammar_mask",
+        "quick": args.quick,
         "batch": batch,
         "vocab_size": vocab_size,
         "tokens_per_row": {"min": min(map(len, rows)), "max": max(map(len, rows))},

@@ -372,6 +372,18 @@ async def _soak(config: SoakConfig, server_pid: int, url: str) -> dict[str, Any]
     }
 
 
+def quick_config(tiny_model: Path, log_path: Path | None = None) -> SoakConfig:
+    """The smoke run's configuration: 20 s against a tiny random chat model."""
+    return SoakConfig(
+        model=str(tiny_model),
+        seconds=20.0,
+        concurrency=4,
+        sample_seconds=2.0,
+        extra_server_args=("--dtype", "float32"),
+        log_path=log_path,
+    )
+
+
 def run_soak(config: SoakConfig) -> dict[str, Any]:
     """Start a server, soak it, stop it; the result (see the module docstring)."""
     with running_server(config) as (process, url):
@@ -402,16 +414,29 @@ def main(argv: list[str] | None = None) -> int:
         "--log", type=Path, default=None, help="Where the server's log goes (default: a temp file)."
     )
     parser.add_argument("--json", action="store_true", help="Print only the JSON result.")
-    args = parser.parse_args(argv)
-    config = SoakConfig(
-        model=args.model,
-        seconds=args.minutes * 60.0,
-        concurrency=args.concurrency,
-        sample_seconds=args.sample_seconds,
-        seed=args.seed,
-        log_path=args.log,
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="20 s against a tiny random chat model, 4 clients, RSS every 2 s: a smoke run "
+        "(tests/server/test_soak.py runs this configuration)",
     )
-    result = run_soak(config)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
+        if args.quick:
+            from baton_support.tiny_models import CHAT
+
+            CHAT.save(Path(tmp) / "tiny-chat")
+            config = quick_config(Path(tmp) / "tiny-chat", args.log)
+        else:
+            config = SoakConfig(
+                model=args.model,
+                seconds=args.minutes * 60.0,
+                concurrency=args.concurrency,
+                sample_seconds=args.sample_seconds,
+                seed=args.seed,
+                log_path=args.log,
+            )
+        result = {**run_soak(config), "quick": args.quick}
     if not args.json:
         rss, end = result["rss_mib"], result["end"]
         print(

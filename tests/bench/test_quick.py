@@ -33,6 +33,9 @@ class Bench:
     local cluster (``--cluster-dir``); "own": starts and stops clusters itself (what it measures)."""
     gpu_only: bool = False
     """Runs only on a GPU: here it is imported and its arguments parsed (``--help``)."""
+    smoke_test: str = ""
+    """A test elsewhere that already runs exactly this benchmark's quick configuration (in
+    process); here the CLI is only argument-parsed, so the suite does not run it twice."""
     extra_args: tuple[str, ...] = field(default=())
 
 
@@ -49,6 +52,11 @@ BENCHMARKS: dict[str, Bench] = {
     "operator": Bench(
         ("apply_to_children_p99_s", "reconcile_4_s", "operator_rss_mb", "api_requests_per_resource"),
         cluster="dev_cluster",
+    ),
+    "grammar_mask": Bench(("llguidance", "xgrammar", "apply", "vocab_size")),
+    "soak": Bench(
+        ("requests", "unexpected", "end", "rss_mib"),
+        smoke_test="tests/server/test_soak.py::test_short_soak_leaks_no_block_and_leaves_no_request_stuck",
     ),
     "gpu": Bench(("engine_vs_sweep",), gpu_only=True),
     "gpu_tune": Bench(("decode_1b_b8_ctx128",), gpu_only=True),
@@ -94,7 +102,7 @@ def run_quick(name: str, *args: str, timeout_s: float = 600) -> tuple[dict[str, 
     return result, done.stderr
 
 
-CPU_BENCHES = [n for n, b in BENCHMARKS.items() if not b.gpu_only and not b.cluster]
+CPU_BENCHES = [n for n, b in BENCHMARKS.items() if not b.gpu_only and not b.cluster and not b.smoke_test]
 
 
 @pytest.mark.slow
@@ -144,6 +152,11 @@ def _speculative(r: dict[str, Any], stderr: str) -> None:
     assert r["speedup_gpu_projected"] > 0
 
 
+def _grammar_mask(r: dict[str, Any], stderr: str) -> None:
+    assert r["batch"] == 8
+    assert r["llguidance"]["mask_us_per_row_token"] > 0 and r["xgrammar"]["mask_us_per_row_token"] > 0
+
+
 def _attention_kernels(r: dict[str, Any], stderr: str) -> None:
     assert sorted(r["us"]) == ["decode_1b_b1_ctx40", "mq_1b_b1_q2_ctx40", "prefill_1b_1x24"]
     assert r["splits"]["prefill_1b_1x24"] == 1
@@ -157,12 +170,17 @@ CHECKS: dict[str, Callable[[dict[str, Any], str], None]] = {
     "cpu_throughput": _cpu_throughput,
     "speculative": _speculative,
     "attention_kernels": _attention_kernels,
+    "grammar_mask": _grammar_mask,
 }
 
 
-@pytest.mark.parametrize("name", [n for n, b in BENCHMARKS.items() if b.gpu_only])
-def test_gpu_benchmark_parses_its_arguments(name: str) -> None:
-    """Without a GPU these cannot run; their imports and argument parsing still must."""
+@pytest.mark.parametrize("name", [n for n, b in BENCHMARKS.items() if b.gpu_only or b.smoke_test])
+def test_benchmark_parses_its_arguments(name: str) -> None:
+    """GPU benchmarks cannot run without a GPU, and those with a smoke test elsewhere already ran
+    there: their imports and argument parsing still must work here."""
+    if BENCHMARKS[name].smoke_test:
+        path, test = BENCHMARKS[name].smoke_test.split("::")
+        assert f"def {test}(" in (REPO / path).read_text(), BENCHMARKS[name].smoke_test
     done = subprocess.run(
         [sys.executable, "-m", f"bench.{name}", "--help"],
         cwd=REPO,

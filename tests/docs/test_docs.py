@@ -6,6 +6,8 @@ plots come from the recorded figures."""
 from __future__ import annotations
 
 import ast
+import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -120,32 +122,83 @@ def test_crd_reference_is_generated_and_current() -> None:
     assert "| `spec.model.source` | string |" in text
 
 
-def _string(node: ast.AST | None) -> str | None:
-    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+def _reason_constants(trees: list[ast.Module]) -> dict[str, set[str]]:
+    """Module-level names bound to reason strings: ``X = "A"``, ``X, Y = "A", "B"``,
+    ``X = frozenset({X, Y})`` and dicts of them (their values)."""
+    consts: dict[str, set[str]] = {}
+
+    def values(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, ast.Name):
+            return consts.get(node.id, set())
+        if isinstance(node, ast.Set | ast.Tuple | ast.List):
+            return set().union(*(values(e) for e in node.elts)) if node.elts else set()
+        if isinstance(node, ast.Dict):
+            return set().union(*(values(v) for v in node.values)) if node.values else set()
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("frozenset", "set")
+        ):
+            return values(node.args[0]) if node.args else set()
+        return set()
+
+    for _ in range(2):  # a second pass resolves names defined in modules read later
+        for tree in trees:
+            for node in tree.body:
+                if not isinstance(node, ast.Assign):
+                    continue
+                target = node.targets[0]
+                if isinstance(target, ast.Name):
+                    consts[target.id] = values(node.value)
+                elif isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    for name, value in zip(target.elts, node.value.elts, strict=True):
+                        if isinstance(name, ast.Name):
+                            consts[name.id] = values(value)
+    return consts
 
 
 def operator_reasons() -> tuple[set[str], set[str]]:
     """(condition reasons, Event reasons) the operator's code writes: the third argument of
-    status._condition, and every `reason=` keyword, `Event(type, reason, ...)` and reason
-    constant (EVENT_REASONS, SCALE_FAILED)."""
-    conditions, events = set(), set()
-    for path in (REPO / "operator" / "baton_operator").rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call):
-                func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
-                if func == "_condition" and len(node.args) >= 3 and (s := _string(node.args[2])):
-                    conditions.add(s)
-                elif func == "Event" and len(node.args) >= 2 and (s := _string(node.args[1])):
-                    events.add(s)
-                for kw in node.keywords:
-                    if kw.arg == "reason" and (s := _string(kw.value)):
-                        events.add(s)
-            elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-                if node.targets[0].id == "SCALE_FAILED" and (s := _string(node.value)):
-                    events.add(s)
-                if node.targets[0].id == "EVENT_REASONS" and isinstance(node.value, ast.Dict):
-                    events |= {s for v in node.value.values if (s := _string(v))}
+    status._condition, the second of ``Event(type, reason, message)``, every ``reason=`` keyword,
+    and the autoscaler's EVENT_REASONS. A reconcile failure's reason (``failure.reason``) is a
+    condition reason when the status records it (one of FAILURE_REASONS) and an Event reason for
+    every ``Failure(reason, ...)`` the code builds."""
+    trees = [ast.parse(p.read_text()) for p in sorted((REPO / "operator" / "baton_operator").rglob("*.py"))]
+    consts = _reason_constants(trees)
+    failures = {"condition": consts["FAILURE_REASONS"], "event": set[str]()}
+
+    def resolve(node: ast.AST, where: str) -> set[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, ast.Name):
+            return consts.get(node.id, set())
+        if isinstance(node, ast.Attribute) and node.attr == "reason":
+            if isinstance(node.value, ast.Name) and node.value.id == "failure":
+                return failures[where]
+        return set()
+
+    calls = [
+        (node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", ""), node)
+        for tree in trees
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+    ]
+    for func, call in calls:
+        if func == "Failure" and call.args:
+            failures["event"] |= resolve(call.args[0], "event")
+
+    conditions: set[str] = set()
+    events: set[str] = set(consts.get("EVENT_REASONS", set()))
+    for func, call in calls:
+        if func == "_condition" and len(call.args) >= 3:
+            conditions |= resolve(call.args[2], "condition")
+        elif func == "Event" and len(call.args) >= 2:
+            events |= resolve(call.args[1], "event")
+        for kw in call.keywords:
+            if kw.arg == "reason":
+                events |= resolve(kw.value, "event")
     return conditions, events
 
 
@@ -156,8 +209,8 @@ def _headings(text: str, section: str) -> set[str]:
 
 def test_troubleshooting_covers_every_reason_the_operator_writes() -> None:
     conditions, events = operator_reasons()
-    assert {"AllPodsReady", "PodsNotReady", "ReconcileFailed"} <= conditions
-    assert {"ScaledUp", "ScaledDown", "ScaleFailed", "InvalidSpec"} <= events
+    assert {"AllPodsReady", "PodsNotReady", "ReconcileFailed", "ChildRefused"} <= conditions
+    assert {"ScaledUp", "ScaledDown", "ScaleFailed", "ChildRefused", "InvalidSpec", "Reconciled"} <= events
     text = (DOCS / "troubleshooting.md").read_text()
     assert _headings(text, "Conditions") == conditions
     assert _headings(text, "Events") == events
@@ -195,3 +248,20 @@ def test_plots_read_the_shapes_they_document(tmp_path: Path) -> None:
     assert summary["gpu_step_vs_limit"] == {"records": 1, "missing": []}
     assert summary["scheduler_cost"] == {"records": 2, "missing": []}
     assert summary["kv_transfer_vs_tcp"] == {"records": 0, "missing": ["bench.kv_transfer runs"]}
+
+
+def test_recorded_results_are_json_of_existing_benchmarks() -> None:
+    """bench/RESULTS.md: every section and every command of the figures table names a benchmark
+    that exists, and every recorded line (also in the history) is one JSON object."""
+    from tests.bench.test_quick import BENCHMARKS
+
+    results = (REPO / "bench" / "RESULTS.md").read_text()
+    sections = [line.removeprefix("## bench.") for line in results.splitlines() if line.startswith("## ")]
+    assert sections and set(sections) <= set(BENCHMARKS), sections
+    table = results.split("<!-- --8<-- [start:current] -->", 1)[1].split("<!-- --8<-- [end:current] -->")[0]
+    commands = re.findall(r"`python -m bench\.(\w+)[^`]*`", table)
+    assert commands and set(commands) <= set(BENCHMARKS), commands
+    for path in [REPO / "bench" / "RESULTS.md", *sorted((REPO / "bench" / "history").glob("*.md"))]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.startswith("{"):
+                assert isinstance(json.loads(line), dict), f"{rel(path)}:{number}"

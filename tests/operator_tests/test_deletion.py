@@ -21,10 +21,10 @@ import pytest
 
 from baton_operator import models
 from baton_operator.kube import collection_path
-from tests.operator_tests.apiserver import ApiServer, api_server, binary_dir
+from baton_support.apiserver import ApiServer, Rest, api_server, binary_dir
+from baton_support.operator_process import OperatorProcess, operator_process
 from tests.operator_tests.cases import merged
-from tests.operator_tests.kube_helpers import Rest, create_infd, create_namespace, get_infd, wait_for
-from tests.operator_tests.operator_process import OperatorProcess, operator_process
+from tests.operator_tests.kube_helpers import create_infd, create_namespace, get_infd, wait_for
 from tests.operator_tests.watching import Watch, resource_version
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]

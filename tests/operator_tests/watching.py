@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from tests.operator_tests.apiserver import ApiServer
+from baton_support.apiserver import ApiServer
 
 #: Longer than any test holds a watch: the server must not end it first.
 WATCH_SECONDS = 600

@@ -1,5 +1,6 @@
-"""A short `bench.soak` against the tiny model: mixed valid, invalid, cancelled and streaming
-requests leave no KV block in use, no request stuck and every answer as expected."""
+"""A short `bench.soak` against the tiny model (the configuration of `python -m bench.soak
+--quick`): mixed valid, invalid, cancelled and streaming requests leave no KV block in use, no
+request stuck and every answer as expected."""
 
 from __future__ import annotations
 
@@ -7,21 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import SoakConfig, run_soak
+from bench.soak import quick_config, run_soak
 
 pytestmark = pytest.mark.slow
 
 
 def test_short_soak_leaks_no_block_and_leaves_no_request_stuck(tiny_model_dir: Path, tmp_path: Path) -> None:
-    config = SoakConfig(
-        model=str(tiny_model_dir),
-        seconds=20.0,
-        concurrency=4,
-        sample_seconds=2.0,
-        extra_server_args=("--dtype", "float32"),
-        log_path=tmp_path / "server.log",
-    )
-    result = run_soak(config)
+    result = run_soak(quick_config(tiny_model_dir, tmp_path / "server.log"))
     assert result["unexpected"] == []
     assert result["end"] == {
         "num_used_kv_blocks": 0,
