@@ -114,6 +114,7 @@ def test_engine_args_flags_and_kv_roles() -> None:
         "--kv-events-port", "5557",
         "--kv-events-replay-port", "5558",
         "--kv-events-buffer-steps", "10000",
+        "--kv-events-encoding", "map",
     ]  # fmt: skip
     assert flag(decode["args"], "--kv-role") == "consumer"
     assert [(p["name"], p["containerPort"]) for p in prefill["ports"]] == [

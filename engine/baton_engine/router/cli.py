@@ -65,7 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PREFIX_HASHES,
         default=PREFIX_HASH_NONE,
         help="the engines' --prefix-hash, to compute their KV-event block keys from prompts; "
-        "none: route by load only (vllm-sha256-cbor also needs the engines' PYTHONHASHSEED)",
+        "none: route by load only (vllm-sha256 is what vLLM pods use by default)",
+    )
+    p.add_argument(
+        "--prefix-hash-seed",
+        default=None,
+        help="the engines' root seed of the vllm-* hashes (default: PYTHONHASHSEED if set, else "
+        "vLLM's own default, as on the engines)",
     )
     p.add_argument(
         "--kv-events",
@@ -252,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from baton_engine.router.kv_index import KVEventIndex
     from baton_engine.router.prefix import PrefixScorer
 
-    hasher = block_hasher(args.prefix_hash, args.block_size)
+    hasher = block_hasher(args.prefix_hash, args.block_size, args.prefix_hash_seed)
     kv_index = KVEventIndex() if hasher is not None and args.kv_events and args.routing == "prefix" else None
     scorer = PrefixScorer(tokenizer=request_tokenizer, hasher=hasher, index=kv_index)
     app = create_app(settings, registry, discovery=discovery, scorer=scorer, kv_index=kv_index)

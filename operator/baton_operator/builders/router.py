@@ -49,6 +49,8 @@ def router_args(ctx: BuildContext, tokenizer: str) -> list[str]:
         contract.FLAG_ROUTER_BLOCK_SIZE, str(spec.engine.block_size),
         contract.FLAG_ROUTER_PREFIX_HASH, spec.engine.prefix_hash,
     ]  # fmt: skip
+    if spec.engine.prefix_hash_seed is not None:
+        args += [contract.FLAG_ROUTER_PREFIX_HASH_SEED, spec.engine.prefix_hash_seed]
     events = contract.FLAG_ROUTER_KV_EVENTS
     args.append(events if spec.kv_events.enabled else contract.negated(events))
     return args
