@@ -339,7 +339,9 @@ M_ROUTER_LEG_SECONDS: Final = "baton_router_leg_duration_seconds"
 #: Seconds from the client request arriving to the first response byte sent back.
 M_ROUTER_TTFB_SECONDS: Final = "baton_router_time_to_first_byte_seconds"
 #: Requests sent whole to a decode pod because the prefill leg failed (label "reason":
-#: connect, timeout, status, bad_response, no_prefill_pod).
+#: connect, timeout, status, bad_response, no_prefill_pod, no_paired_prefill (no prefill pod of a
+#: decode pod's KV-compatibility key), no_paired_decode (the prefill pod's key lost its last
+#: decode pod between the legs)).
 M_ROUTER_FALLBACKS: Final = "baton_router_fallbacks_total"
 #: Cached prompt tokens on the pods chosen (matched blocks x block size), summed over requests.
 M_ROUTER_PREFIX_HIT_TOKENS: Final = "baton_router_prefix_hit_tokens_total"
@@ -349,7 +351,7 @@ M_ROUTER_ENDPOINTS: Final = "baton_router_endpoints"
 M_ROUTER_KV_EVENTS_NEXT_SEQ: Final = "baton_router_kv_events_next_sequence"
 #: Requests the router holds right now because a pool they need has no ready pod (scaled to zero,
 #: or starting): the operator's autoscaler reads this to wake the pools at once.
-M_ROUTER_HELD: Final = "baton_router_held_requests"
+M_ROUTER_HELD: Final = "baton_router_requests_held"
 #: Held requests by how their wait ended (label "outcome": released, timeout, rejected (queue
 #: full), cancelled (client gone)).
 M_ROUTER_HELD_TOTAL: Final = "baton_router_held_requests_total"
@@ -373,8 +375,8 @@ FLAG_ROUTER_MODEL: Final = "--model"  # served model name (what clients send)
 FLAG_ROUTER_TOKENIZER: Final = "--tokenizer"  # model reference or local path holding the tokenizer
 FLAG_ROUTER_HOST: Final = "--host"
 FLAG_ROUTER_PORT: Final = "--port"
-FLAG_ROUTER_BLOCK_SIZE: Final = "--block-size"  # must equal the engines' block size
-FLAG_ROUTER_PREFIX_HASH: Final = "--prefix-hash"  # must equal the engines' prefix hash
+FLAG_ROUTER_BLOCK_SIZE: Final = "--block-size"  # for pods without ANNOTATION_BLOCK_SIZE (static)
+FLAG_ROUTER_PREFIX_HASH: Final = "--prefix-hash"  # for pods without ANNOTATION_PREFIX_HASH
 FLAG_ROUTER_KV_EVENTS: Final = "--kv-events"  # BooleanOptionalAction: subscribe to pods' KV events
 #: Requests held at most at once while a needed pool has no ready pod (0: answer 503 at once).
 FLAG_ROUTER_HOLD_QUEUE: Final = "--hold-queue"
