@@ -11,7 +11,9 @@ export PATH="$root/.venv/bin:$PATH"
 echo "== ruff"
 ruff check .
 ruff format --check engine operator devcluster support bench tests
-echo "== mypy (operator, devcluster)"
+echo "== mypy (operator, devcluster, support)"
 mypy
+echo "== docs (mkdocs build --strict: a broken link or a page missing from the nav fails)"
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet
 echo "== pytest"
 python -m pytest "$@"

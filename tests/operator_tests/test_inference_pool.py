@@ -21,10 +21,10 @@ from baton_operator.builders import BuildContext, Owner, desired_children
 from baton_operator.kube import FIELD_MANAGER, Kube
 from baton_operator.models import InferenceDeploymentSpec
 from baton_operator.reconcile import OperatorConfig, reconcile
-from tests.operator_tests.apiserver import ApiServer
+from baton_support.apiserver import ApiServer, Rest
+from baton_support.operator_process import CLUSTER_PATHS, wait_established
 from tests.operator_tests.cases import VALID_SPEC, merged
-from tests.operator_tests.kube_helpers import Rest, async_kube, create_infd, create_namespace
-from tests.operator_tests.operator_process import CLUSTER_PATHS, wait_established
+from tests.operator_tests.kube_helpers import async_kube, create_infd, create_namespace
 
 CRD = ecosystem_crds.GIE_INFERENCE_POOL
 POOLS = "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools"
