@@ -128,13 +128,12 @@ def advance(sequence: list[Step], observed: Observed, applied: Step) -> Decision
     total = len(sequence)
     index = next((i for i, s in enumerate(sequence) if not reached(s, observed)), total)
     if index == total:
-        final = sequence[-1] if sequence else applied
-        return Decision(step=final, index=total, total=total, done=True)
-    want, final = sequence[index], sequence[-1].new
+        return Decision(step=sequence[-1] if sequence else applied, index=total, total=total, done=True)
+    want, target = sequence[index], sequence[-1].new
     step = Step(
         new=Counts(
-            min(final.prefill, max(want.new.prefill, applied.new.prefill)),
-            min(final.decode, max(want.new.decode, applied.new.decode)),
+            min(target.prefill, max(want.new.prefill, applied.new.prefill)),
+            min(target.decode, max(want.new.decode, applied.new.decode)),
         ),
         old=Counts(min(want.old.prefill, applied.old.prefill), min(want.old.decode, applied.old.decode)),
     )
