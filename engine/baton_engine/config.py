@@ -102,6 +102,12 @@ class EngineConfig(BaseModel):
     kv_transfer_on_failure: Literal["recompute", "fail"] = Field(
         "recompute", description="When a pull fails: recompute the prefill locally, or fail the request."
     )
+    kv_compat_key: str = Field(
+        "",
+        max_length=63,
+        description="KV-compatibility key (the operator's digest of the settings that shape the KV "
+        "cache): a consumer pulls only from producers with the same key, and recomputes otherwise.",
+    )
     kv_events: bool = Field(False, description="Publish KV-cache events (vLLM wire format) over ZMQ.")
     kv_events_port: int = Field(contract.DEFAULT_KV_EVENTS_PORT, ge=1, le=65535, description="PUB port.")
     kv_events_replay_port: int = Field(

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from baton_engine import contract
+from baton_engine.contract import KVTransferParams
 from baton_support.wait import wait_for
 from tests.kv_transfer.helpers import KEY
 from tests.pd_setup import MODEL, PREFIXED, SHARED_PREFIX, TEXTS, pd_environment, serve_args
@@ -247,6 +248,40 @@ def test_release_endpoint_frees_a_lease_before_it_expires(servers: Servers) -> N
     again = producer.http.post(path, json={"kv_transfer_params": kv})
     assert again.json() == {"transfer_id": kv["transfer_id"], "released": False}
     assert _metric(producer, contract.M_KV_LEASES_EXPIRED) == expired
+
+
+def test_params_of_another_kv_key_are_refused_and_recomputed(servers: Servers) -> None:
+    """Params from a producer of another KV-compatibility key (a pod of the other generation of a
+    rollout, signed by the same deployment key): the consumer pulls nothing, releases the lease,
+    recomputes, and answers exactly what one engine answers."""
+    prompt = "The longest river in Africa is"
+    want = _complete(servers.producer, prompt).json()["choices"][0]["text"]
+    expired = _metric(servers.producer, contract.M_KV_LEASES_EXPIRED)
+    received = _metric(servers.consumer, contract.M_KV_TRANSFER_BYTES, direction="received")
+    kv = _complete(servers.producer, prompt, kv_transfer_params={"do_remote_decode": True}).json()
+    params = {k: v for k, v in kv["kv_transfer_params"].items() if k != "signature"}
+    other = KVTransferParams.from_dict({**params, "kv_key": "0123456789abcdef"}).signed(KEY).to_dict()
+
+    answer = _complete(servers.consumer, prompt, kv_transfer_params=other)
+
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == want
+    servers.consumer.wait_idle()
+    wait_for(
+        lambda: _failures(servers.consumer, "kv_key_mismatch") == 1,
+        timeout=30,
+        message="one kv_key_mismatch on the consumer",
+    )
+    assert _metric(servers.consumer, contract.M_KV_TRANSFER_BYTES, direction="received") == received
+    servers.producer.wait_idle(timeout=LEASE_SECONDS + 10)
+    assert _metric(servers.producer, contract.M_KV_LEASES_EXPIRED) == expired  # released, not expired
+
+
+def _failures(server: ServerProcess, reason: str) -> float:
+    try:
+        return _metric(server, contract.M_KV_TRANSFER_FAILURES, reason=reason)
+    except AssertionError:  # no sample before the first failure of that reason
+        return 0.0
 
 
 def test_producer_killed_between_the_legs_recomputes(servers: Servers) -> None:

@@ -215,8 +215,16 @@ def create_app(
 
     @app.get("/ready", response_model=None)
     async def ready() -> Response:
-        counts = state["core"].ready_roles()
-        missing = [role for role, n in counts.items() if n == 0]
+        core: RouterCore = state["core"]
+        counts = core.ready_roles()
+        # A pool with no pod at all is no reason to leave the Service while requests can be held
+        # (scaled to zero: the held requests are what wakes it); pods that exist and cannot be
+        # reached are.
+        missing = [
+            role
+            for role, n in counts.items()
+            if n == 0 and (core.registry.by_role(role) or settings.hold_queue == 0)
+        ]
         if missing:
             return _error(503, f"not ready: no reachable {' or '.join(missing)} pod", errors.UNAVAILABLE)
         body: dict[str, object] = {"status": "ready", "pods": counts}
