@@ -55,8 +55,8 @@ def make_workload(
 
 
 def run_baton(work: Workload, max_num_seqs: int, max_num_batched_tokens: int) -> dict[str, Any]:
-    from baton_engine.llm import LLM
-    from baton_engine.sampling_params import SamplingParams
+    from baton_engine.core.sampling_params import SamplingParams
+    from baton_engine.entrypoints.llm import LLM
 
     longest = max(len(p) + m for p, m in zip(work.prompts, work.max_tokens, strict=True))
     blocks = sum(-(-(len(p) + m) // 16) for p, m in zip(work.prompts, work.max_tokens, strict=True)) + 64
@@ -83,7 +83,7 @@ def run_baton(work: Workload, max_num_seqs: int, max_num_batched_tokens: int) ->
 def run_hf(work: Workload, batch_size: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    from baton_engine.loader import resolve_model
+    from baton_engine.model.loader.reference import resolve_model
 
     resolved = resolve_model(MODEL)
     model = AutoModelForCausalLM.from_pretrained(

@@ -42,8 +42,8 @@ class EngineConfig(BaseModel):
         0.9, gt=0.0, le=1.0, description="Fraction of device memory the engine may use (weights + KV)."
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
-    prefix_hash: Literal["fast", "vllm-sha256-cbor"] = Field(
-        "fast",
+    prefix_hash: contract.PrefixHashName = Field(
+        contract.PREFIX_HASH_FAST,
         description="Prefix-block hash: fast (default) or vllm-sha256-cbor, which reproduces vLLM's keys "
         "so that indexers computing vLLM keys from prompts find Baton's blocks.",
     )

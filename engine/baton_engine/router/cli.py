@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from baton_engine import contract
-from baton_engine.router.block_hashes import PREFIX_HASH_NONE, PREFIX_HASHES
 from baton_engine.router.discovery import (
     KubernetesDiscovery,
     default_namespace,
@@ -26,6 +25,10 @@ if TYPE_CHECKING:
     from baton_engine.router.request_tokens import EngineRequestTokenizer
 
 ENV_API_KEY = "BATON_ROUTER_API_KEY"
+
+
+PREFIX_HASH_NONE = "none"
+"""``--prefix-hash none``: compute no block keys, route by load only."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="KV block size of the engines, in tokens")
     p.add_argument(
         "--prefix-hash",
-        choices=PREFIX_HASHES,
+        choices=(PREFIX_HASH_NONE, *contract.PREFIX_HASHES),
         default=PREFIX_HASH_NONE,
         help="the engines' --prefix-hash, to compute their KV-event block keys from prompts; "
         "none: route by load only (vllm-sha256-cbor also needs the engines' PYTHONHASHSEED)",
@@ -205,7 +208,7 @@ def _request_tokenizer(reference: str | None, p: argparse.ArgumentParser) -> Eng
     """The engines' tokenizer and chat template (torch-free); None routes text prompts by load."""
     if reference is None:
         return None
-    from baton_engine.loader.tokenizer_loading import load_tokenizer
+    from baton_engine.model.loader.tokenizer_loading import load_tokenizer
     from baton_engine.router.request_tokens import EngineRequestTokenizer
 
     try:
@@ -247,12 +250,16 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import uvicorn  # imported after the flags are checked: a typo fails fast
 
+    from baton_engine.prefix.hashing import EventKeyHasher
     from baton_engine.router.app import create_app
-    from baton_engine.router.block_hashes import block_hasher
     from baton_engine.router.kv_index import KVEventIndex
     from baton_engine.router.prefix import PrefixScorer
 
-    hasher = block_hasher(args.prefix_hash, args.block_size)
+    hasher = (
+        None
+        if args.prefix_hash == PREFIX_HASH_NONE
+        else EventKeyHasher.named(args.prefix_hash, args.block_size)
+    )
     kv_index = KVEventIndex() if hasher is not None and args.kv_events and args.routing == "prefix" else None
     scorer = PrefixScorer(tokenizer=request_tokenizer, hasher=hasher, index=kv_index)
     app = create_app(settings, registry, discovery=discovery, scorer=scorer, kv_index=kv_index)

@@ -32,8 +32,8 @@ class BlockHasher(Protocol):
     def block_hashes(self, token_ids: Sequence[int]) -> list[int]: ...
 
 
-class PrefixIndex(Protocol):
-    """The KV-event subscriber's view: pod -> number of leading ``block_hashes`` it caches."""
+class PrefixMatcher(Protocol):
+    """The KV-event index's view: pod -> number of leading ``block_hashes`` it caches."""
 
     def longest_prefix_match(self, block_hashes: Sequence[int]) -> Mapping[str, int]: ...
 
@@ -56,7 +56,7 @@ class PrefixScorer:
         *,
         tokenizer: RequestTokenizer | None = None,
         hasher: BlockHasher | None = None,
-        index: PrefixIndex | None = None,
+        index: PrefixMatcher | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.hasher = hasher

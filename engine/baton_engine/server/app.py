@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton_engine import contract
-from baton_engine.sampling_params import SamplingParams
+from baton_engine.core.sampling_params import SamplingParams
 from baton_engine.server import errors
 from baton_engine.server.engine_client import EngineDeadError
 from baton_engine.server.errors import APIError, bad_request

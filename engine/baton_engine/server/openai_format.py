@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from baton_engine.engine_outputs import TokenLogprobs
-from baton_engine.tokenizer import Tokenizer
+from baton_engine.core.outputs import TokenLogprobs
+from baton_engine.text.tokenizer import Tokenizer
 
 
 class TokenText:

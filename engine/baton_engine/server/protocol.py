@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from baton_engine.sampling_params import MAX_LOGPROBS, MAX_N
+from baton_engine.core.sampling_params import MAX_LOGPROBS, MAX_N
 from baton_engine.server.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16

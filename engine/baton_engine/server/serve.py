@@ -18,10 +18,10 @@ from collections.abc import Iterator
 import uvicorn
 
 from baton_engine.config import EngineConfig
-from baton_engine.engine_factory import load_tokenizer
-from baton_engine.metrics import EngineMetrics
+from baton_engine.model.loader.tokenizer_loading import load_tokenizer
 from baton_engine.server.app import build_app
 from baton_engine.server.engine_client import EngineClient
+from baton_engine.server.metrics import EngineMetrics
 from baton_engine.server.state import ServerState
 
 log = logging.getLogger("baton_engine.server")

@@ -19,7 +19,7 @@ DEFAULT_ENGINE_IMAGE = "ghcr.io/baton-llm/baton-engine:0.1.0"
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 Device = Literal["cuda", "cpu"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
-PrefixHash = Literal["fast", "vllm-sha256-cbor"]
+PrefixHash = contract.PrefixHashName
 
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
