@@ -7,8 +7,8 @@ from typing import Any
 
 import uvicorn
 
+from baton_support.ports import bound_socket, free_port
 from baton_support.wait import wait_for
-from tests.ports import bound_socket, free_port
 
 
 def dead_url() -> str:

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from baton_support.ports import free_port
 from baton_support.wait import wait_for
-from tests.ports import free_port
 
 
 @pytest.fixture

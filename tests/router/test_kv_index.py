@@ -12,7 +12,7 @@ import pytest
 from baton_engine import contract
 from baton_engine.prefix.hashing import EventKeyHasher, fast_prefix_hash
 from baton_engine.prefix.publisher import KVEventPublisher
-from baton_engine.prefix.vllm_hash import VllmSha256CborHasher
+from baton_engine.prefix.vllm_hash import VllmPrefixHasher, VllmSha256CborHasher
 from baton_engine.router.endpoints import Endpoint, EndpointRegistry
 from baton_engine.router.kv_index import KVEventIndex, zmq_address
 from baton_engine.router.prefix import PrefixScorer
@@ -40,10 +40,18 @@ def test_block_keys_chain_vllm_digests_and_keep_their_low_64_bits() -> None:
 def test_block_hasher_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONHASHSEED", "7")
     vllm = EventKeyHasher.named("vllm-sha256-cbor", BLOCK)
-    assert isinstance(vllm.hasher, VllmSha256CborHasher) and vllm.block_size == BLOCK
+    assert isinstance(vllm.hasher, VllmPrefixHasher) and vllm.block_size == BLOCK
     assert vllm.block_hashes(PROMPT) == EventKeyHasher(VllmSha256CborHasher("7"), BLOCK).block_hashes(PROMPT)
+    seeded = EventKeyHasher.named("vllm-sha256-cbor", BLOCK, seed="8").block_hashes(PROMPT)
+    assert (
+        seeded
+        == EventKeyHasher(VllmSha256CborHasher("8"), BLOCK).block_hashes(PROMPT)
+        != vllm.block_hashes(PROMPT)
+    )
     assert EventKeyHasher.named("fast", BLOCK).hasher is fast_prefix_hash
-    with pytest.raises(ValueError, match="prefix hash: 'fastest' is not one of fast, vllm-sha256-cbor"):
+    with pytest.raises(
+        ValueError, match="prefix hash: 'fastest' is not one of fast, vllm-sha256, vllm-sha256-cbor"
+    ):
         EventKeyHasher.named("fastest", BLOCK)
 
 

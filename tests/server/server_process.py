@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 
+from baton_support.ports import free_port
 from baton_support.wait import wait_for
-from tests.ports import free_port
 
 BATON_ENGINE = str(Path(sys.executable).with_name("baton-engine"))
 

@@ -19,6 +19,16 @@ MODEL = "tiny-chat"
 pytestmark = pytest.mark.slow
 
 
+def _exited(pid: int) -> bool:
+    """`pid` has exited as its parent's waitpid sees it: gone, or a zombie with no thread left
+    (a killed process's main thread turns zombie before its other threads have exited)."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    return not pid_alive(pid) and len(threads) <= 1
+
+
 def test_sigterm_during_load_finishes_in_flight_and_exits_0(
     start_tiny_server: Callable[..., ServerProcess],
 ) -> None:
@@ -99,10 +109,47 @@ def test_not_ready_while_loading_then_idle_sigterm_exits_0(
     assert (ready.status_code, ready.json()) == (503, {"ready": False, "reason": "loading"})
     refused = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert (refused.status_code, refused.json()["error"]["code"]) == (503, "loading")
+    models = server.http.get("/v1/models")
+    assert (models.status_code, models.json()["error"]["code"]) == (503, "loading")
     server.wait_ready()
+    assert [m["id"] for m in server.http.get("/v1/models").json()["data"]] == [MODEL]
+    log = server.log_text()
+    assert "running on" not in log.lower()  # uvicorn's banner would precede the model's loading
+    progress = [
+        "loading the tokenizer of",
+        "starting the engine core",
+        "core: engine core",
+        f"core: loading {MODEL} from",
+        "core: engine core ready in",
+        "ready in ",
+    ]
+    positions = [log.find(line) for line in progress]
+    assert -1 not in positions and positions == sorted(positions), log
+    assert f"serving {MODEL} on http://127.0.0.1:{server.port} (" in log
     core_pid = server.stats()["core_pid"]
     assert server.stop(signal.SIGTERM) == 0
     assert not pid_alive(core_pid)
+
+
+def test_not_ready_the_moment_the_engine_core_is_gone(
+    start_tiny_server: Callable[..., ServerProcess],
+) -> None:
+    server = start_tiny_server()
+    core_pid = server.stats()["core_pid"]
+    assert server.http.get("/ready").status_code == 200
+    os.kill(core_pid, signal.SIGKILL)
+    wait_for(lambda: _exited(core_pid), timeout=30, message="the killed core to have exited")
+    ready = server.http.get("/ready")  # the first ask after the exit, whatever the watchdog's period
+    assert (ready.status_code, ready.json()) == (
+        503,
+        {"ready": False, "reason": "engine dead: engine core exited with code -9"},
+    )
+    assert server.http.get("/health").status_code == 503
+    models = server.http.get("/v1/models")
+    assert (models.status_code, models.json()["error"]["code"]) == (503, "engine_dead")
+    refused = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert (refused.status_code, refused.json()["error"]["code"]) == (503, "engine_dead")
+    assert server.stop(signal.SIGTERM) == 0
 
 
 def test_engine_core_crash_fails_open_requests_cleanly(

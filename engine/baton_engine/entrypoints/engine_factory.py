@@ -53,7 +53,7 @@ def build_engine_core(
         config.model_copy(update={"max_model_len": max_model_len, "num_speculative_tokens": speculative_k}),
         num_blocks=runner.num_blocks,
         eos_token_id=eos_ids[0] if eos_ids else None,
-        prefix_hasher=prefix_hasher(config.prefix_hash),
+        prefix_hasher=prefix_hasher(config.prefix_hash, config.prefix_hash_seed),
     )
     info = ModelInfo(
         name=config.served_model_name or runner.loaded.name,

@@ -11,7 +11,8 @@ callable ``(parent_hash, token_ids) -> BlockHash``:
 Keys are only an index: the KV-cache manager compares stored token ids on every hit, so a
 collision costs a miss, never wrong KV. The algorithms, by their ``--prefix-hash`` name
 (`contract.PREFIX_HASHES`), are built by `prefix_hasher`: ``fast`` (`fast_prefix_hash`, 64-bit
-BLAKE2b, the default) and ``vllm-sha256-cbor`` (`vllm_hash.VllmSha256CborHasher`, vLLM's keys).
+BLAKE2b, the default), ``vllm-sha256`` and ``vllm-sha256-cbor`` (`vllm_hash.VllmPrefixHasher`:
+vLLM's keys, rooted in a seed).
 KV events carry every key in its 64-bit form (`to_event_hash`); `EventKeyHasher` computes those
 for a prompt, as the router does to score pods.
 """
@@ -95,16 +96,16 @@ def to_event_hash(block_hash: BlockHash) -> int:
     return block_hash
 
 
-def prefix_hasher(name: str) -> PrefixHasher:
-    """The block-key algorithm called `name` (a `contract.PREFIX_HASHES` value, the engines' and
-    the router's ``--prefix-hash``). ``vllm-sha256-cbor`` takes its root from ``PYTHONHASHSEED``
-    as vLLM does (`VllmSha256CborHasher.from_environment`)."""
+def prefix_hasher(name: str, seed: str | None = None) -> PrefixHasher:
+    """The block-key algorithm called `name` (a `contract.PREFIX_HASHES` value: the engines' and
+    the router's ``--prefix-hash``). The ``vllm-*`` ones are rooted in `seed`
+    (``--prefix-hash-seed``); None resolves it as vLLM does (`vllm_hash.resolve_seed`)."""
     if name == contract.PREFIX_HASH_FAST:
         return fast_prefix_hash
-    if name == contract.PREFIX_HASH_VLLM:
-        from baton_engine.prefix.vllm_hash import VllmSha256CborHasher
+    if name in (contract.PREFIX_HASH_VLLM, contract.PREFIX_HASH_VLLM_SHA256):
+        from baton_engine.prefix.vllm_hash import VllmPrefixHasher
 
-        return VllmSha256CborHasher.from_environment()
+        return VllmPrefixHasher(name, seed)
     raise ValueError(f"prefix hash: {name!r} is not one of {', '.join(contract.PREFIX_HASHES)}")
 
 
@@ -119,9 +120,9 @@ class EventKeyHasher:
         self.block_size = block_size
 
     @classmethod
-    def named(cls, name: str, block_size: int) -> EventKeyHasher:
-        """For an engines' ``--prefix-hash`` value (see `prefix_hasher`)."""
-        return cls(prefix_hasher(name), block_size)
+    def named(cls, name: str, block_size: int, seed: str | None = None) -> EventKeyHasher:
+        """For the engines' ``--prefix-hash`` value and seed (see `prefix_hasher`)."""
+        return cls(prefix_hasher(name, seed), block_size)
 
     def block_hashes(self, token_ids: Sequence[int]) -> list[int]:
         return [to_event_hash(key) for key in chain_hashes(self.hasher, token_ids, self.block_size)]
