@@ -18,7 +18,7 @@ from baton_engine.router.discovery import (
 )
 from baton_engine.router.endpoints import EndpointRegistry
 from baton_engine.router.policy import ROUTINGS, PrefillWeights
-from baton_engine.router.prefix import PREFIX_HASH_NONE, PREFIX_HASHES
+from baton_engine.router.prefix import PREFIX_HASH_NONE, PREFIX_HASHES, block_hasher
 from baton_engine.router.settings import MODES, RouterSettings
 
 if TYPE_CHECKING:
@@ -280,17 +280,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import uvicorn  # imported after the flags are checked: a typo fails fast
 
-    from baton_engine.prefix.hashing import EventKeyHasher
     from baton_engine.router.app import create_app
     from baton_engine.router.kv_index import KVEventIndex
-    from baton_engine.router.prefix import PrefixScorer
+    from baton_engine.router.prefix import BlockHasher, PrefixScorer
 
-    def block_hasher(prefix_hash: str, block_size: int) -> EventKeyHasher | None:
-        if prefix_hash == PREFIX_HASH_NONE:
-            return None
-        return EventKeyHasher.named(prefix_hash, block_size, args.prefix_hash_seed)
+    def pod_hasher(prefix_hash: str, block_size: int) -> BlockHasher | None:
+        return block_hasher(prefix_hash, block_size, args.prefix_hash_seed)
 
-    hasher = block_hasher(args.prefix_hash, args.block_size)
+    hasher = pod_hasher(args.prefix_hash, args.block_size)
     # Discovered pods declare their own hashing (annotations), so they may be prefix-routed even
     # when the flags' hash is none; static pods use the flags'.
     prefix_capable = hasher is not None or bool(discovery)
@@ -299,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tokenizer=request_tokenizer,
         hasher=hasher,
         index=kv_index,
-        hasher_factory=block_hasher,
+        hasher_factory=pod_hasher,
         default_prefix_hash=args.prefix_hash,
         default_block_size=args.block_size,
     )

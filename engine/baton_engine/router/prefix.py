@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 from baton_engine import contract
+from baton_engine.prefix.hashing import EventKeyHasher
 from baton_engine.router.endpoints import Endpoint
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,14 @@ PREFIX_HASH_NONE = "none"
 """``--prefix-hash none``: compute no block keys, route by load only."""
 PREFIX_HASHES: tuple[str, ...] = (PREFIX_HASH_NONE, *contract.PREFIX_HASHES)
 """What the router's ``--prefix-hash`` (and a pod's hashing annotation) may name."""
+
+
+def block_hasher(prefix_hash: str, block_size: int, seed: str | None = None) -> EventKeyHasher | None:
+    """The event keys of a pod hashing with `prefix_hash` (and `seed`, for the vllm-* ones); None
+    for ``none`` (that pod is routed by load only)."""
+    if prefix_hash == PREFIX_HASH_NONE:
+        return None
+    return EventKeyHasher.named(prefix_hash, block_size, seed)
 
 
 class RequestTokenizer(Protocol):
