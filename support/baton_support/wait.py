@@ -19,7 +19,9 @@ from typing import TypeVar
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 30.0
-DEFAULT_INTERVAL_S = 0.01
+DEFAULT_INTERVAL_S = 0.05
+"""Polls a loaded machine can afford: a condition often asks another process (an HTTP stats call
+that waits for the engine core's step), and polling faster only steals that process's CPU."""
 
 
 class WaitTimeout(AssertionError):
