@@ -30,6 +30,7 @@ from baton_support.fake_engines import (
 from baton_support.operator_process import OperatorProcess, operator_process
 from tests.operator_tests.autoscaler.admission import Refusal, refused, replicas_cap
 from tests.operator_tests.kube_helpers import create_infd, create_namespace, get_infd, wait_for
+from tests.operator_tests.watching import Watch
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -177,6 +178,40 @@ def test_external_mode_never_writes_replicas(
     }
     assert AUTOSCALER_MANAGER not in managers
     assert "autoscaling" not in (get_infd(kube, NS, "ext").get("status") or {})
+
+
+def test_a_steady_load_does_not_rewrite_the_resource(
+    own_apiserver: ApiServer, own_kube: Any, operator: OperatorProcess, loads: dict[str, Load]
+) -> None:
+    """Builtin mode at a steady load: after the first decision is written, five more decisions
+    (and the resyncs between them) leave the resource untouched: no watch event, no new
+    resourceVersion for GitOps tools to see."""
+    rest = Rest(own_apiserver)
+    create_infd(own_kube, NS, "steady", SPEC)
+    wait_for(
+        lambda: rest.call("GET", deployment_path(NS, "steady-decode"))[0] == 200, 30, "the role Deployments"
+    )
+    for role, load in loads.items():
+        add_ready_pod(rest, NS, "steady", role, load.port)
+
+    def held() -> dict[str, Any] | None:
+        body = get_infd(own_kube, NS, "steady")
+        auto = (body.get("status") or {}).get("autoscaling") or {}
+        ready = any(c["type"] == "Ready" for c in body["status"].get("conditions", []))
+        return body if auto.get("action") == "hold" and auto.get("scrapedAt") and ready else None
+
+    body = wait_for(held, 30, "a first 'hold' decision in status.autoscaling")
+
+    def decisions() -> float:
+        return counter(operator.metrics(), "baton_autoscaler_decisions_total", deployment="steady")
+
+    infds = f"/apis/baton.dev/v1alpha1/namespaces/{NS}/inferencedeployments"
+    with Watch(
+        own_apiserver, infds, body["metadata"]["resourceVersion"], field_selector="metadata.name=steady"
+    ) as w:
+        start = decisions()
+        wait_for(lambda: decisions() >= start + 5, 60, "five more decisions")
+    assert [(kind, obj["metadata"]["resourceVersion"]) for kind, obj in w.events()] == []
 
 
 #: A down-window longer than the test: a second prefill action inside it would be the bug.
