@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import kopf
@@ -43,17 +42,6 @@ def get_infd(kube: Any, namespace: str, name: str) -> dict[str, Any]:
         models.GROUP, models.VERSION, namespace, models.PLURAL, name
     )
     return got
-
-
-def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
-    """Poll `predicate` until it returns something truthy; fail naming `what` after the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def create_foreign_deployment(rest: Rest, namespace: str, name: str) -> None:

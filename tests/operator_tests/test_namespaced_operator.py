@@ -19,8 +19,9 @@ from baton_support.operator_process import (
     operator_kubeconfig,
     operator_process,
 )
+from baton_support.wait import wait_for
 from tests.operator_tests.cases import VALID_SPEC
-from tests.operator_tests.kube_helpers import create_infd, create_namespace, get_infd, wait_for
+from tests.operator_tests.kube_helpers import create_infd, create_namespace, get_infd
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -52,8 +53,9 @@ def test_the_operator_reconciles_its_namespace_only(
     create_infd(own_kube, WATCHED, "demo", VALID_SPEC)
     wait_for(
         lambda: get_infd(own_kube, WATCHED, "demo").get("status", {}).get("observedGeneration") == 1,
-        60,
-        "the watched namespace's resource reconciled",
+        timeout=60,
+        interval=0.1,
+        message="the watched namespace's resource reconciled",
     )
     rest = Rest(own_apiserver)
     deployments = rest.get(collection_path("apps/v1", "Deployment", WATCHED))["items"]
@@ -63,7 +65,12 @@ def test_the_operator_reconciles_its_namespace_only(
         "demo-router",
     ]
     # Periodic reconciles of the watched resource run, and the other namespace's is never touched.
-    wait_for(lambda: _timer_reconciles(operator) >= 3, 60, "three periodic reconciles")
+    wait_for(
+        lambda: _timer_reconciles(operator) >= 3,
+        timeout=60,
+        interval=0.1,
+        message="three periodic reconciles",
+    )
     assert "status" not in get_infd(own_kube, OTHER, "ignored")
     assert rest.get(collection_path("apps/v1", "Deployment", OTHER))["items"] == []
 
