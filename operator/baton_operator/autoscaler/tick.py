@@ -25,7 +25,7 @@ from .policy import decide
 from .policy_types import Decision, History, PodSample
 from .settle import Settled, WriteFailure, resized, settle
 from .spec_adapter import policy_from_spec
-from .status import history_from_dict, history_to_dict, material_change, rfc3339, status_summary
+from .status_record import history_from_dict, history_to_dict, material_change, rfc3339, status_summary
 
 FIELD_MANAGER = "baton-autoscaler"
 #: History older than the longest window plus this margin is dropped before it is stored.

@@ -1,4 +1,5 @@
-"""Decisions and history as JSON for the InferenceDeployment status (camelCase, RFC 3339 times).
+"""What the autoscaler records in `status.autoscaling`: its decisions and history as JSON
+(camelCase, RFC 3339 times), and when a decision is worth rewriting the resource for.
 
 Keeping the history in status lets a restarted operator honour windows it had already begun.
 """

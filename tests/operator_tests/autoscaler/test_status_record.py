@@ -9,7 +9,7 @@ import pytest
 
 from baton_operator.autoscaler.policy import decide
 from baton_operator.autoscaler.policy_types import History, Recommendation, ScaleAction
-from baton_operator.autoscaler.status import (
+from baton_operator.autoscaler.status_record import (
     decision_status,
     history_from_dict,
     history_to_dict,
