@@ -80,13 +80,14 @@ def test_pod_wanting_more_gpus_than_any_node_stays_pending(
             "kind": "Pod",
             "metadata": {"name": "too-big"},
             "spec": {
+                "tolerations": [KWOK_TOLERATION],  # every node is a candidate: none has 9 GPUs
                 "containers": [
                     {
                         "name": "c",
                         "image": "example.invalid/x:1",
                         "resources": {"limits": {"amd.com/gpu": "9"}},
                     }
-                ]
+                ],
             },
         },
         k8s_namespace,

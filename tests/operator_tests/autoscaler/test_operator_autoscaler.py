@@ -240,8 +240,9 @@ def test_a_steady_load_does_not_rewrite_the_resource(
 
     def held() -> dict[str, Any] | None:
         body = get_infd(own_kube, NS, "steady")
-        auto = (body.get("status") or {}).get("autoscaling") or {}
-        ready = any(c["type"] == "Ready" for c in body["status"].get("conditions", []))
+        status = body.get("status") or {}
+        auto = status.get("autoscaling") or {}
+        ready = any(c["type"] == "Ready" for c in status.get("conditions", []))
         return body if auto.get("action") == "hold" and auto.get("scrapedAt") and ready else None
 
     body = wait_for(held, timeout=30, interval=0.1, message="a first 'hold' decision in status.autoscaling")
