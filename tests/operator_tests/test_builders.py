@@ -111,9 +111,11 @@ def test_engine_args_flags_and_kv_roles() -> None:
         "--kv-lease-seconds", "30",
         "--kv-transfer-on-failure", "recompute",
         "--kv-events",
+        "--kv-compat-key", "a2cd80ac3dae1fc6",
         "--kv-events-port", "5557",
         "--kv-events-replay-port", "5558",
         "--kv-events-buffer-steps", "10000",
+        "--kv-events-encoding", "map",
     ]  # fmt: skip
     assert flag(decode["args"], "--kv-role") == "consumer"
     assert [(p["name"], p["containerPort"]) for p in prefill["ports"]] == [
@@ -316,8 +318,6 @@ def test_router_discovery_flags_and_rbac() -> None:
         "--tokenizer", "builtin:smollm2-135m-instruct",
         "--host", "$(BATON_POD_IP)",
         "--port", "9000",
-        "--block-size", "16",
-        "--prefix-hash", "fast",
         "--kv-events",
     ]  # fmt: skip
     pod = by_kind(children, "Deployment")["demo-router"]["spec"]["template"]["spec"]
@@ -339,6 +339,14 @@ def test_router_discovery_flags_and_rbac() -> None:
     )
     spec = InferenceDeploymentSpec.model_validate(VALID_SPEC)
     assert router_endpoint(BuildContext(OWNER, spec)) == "http://demo-router.llm.svc:80"
+
+
+def test_a_kv_layout_change_leaves_the_router_pod_alone() -> None:
+    """Block size and prefix hash reach the router through each engine pod's annotations, so a
+    rollout of either does not restart the router (it routes both generations meanwhile)."""
+    before = by_kind(build(), "Deployment")["demo-router"]
+    after = by_kind(build({"engine": {"blockSize": 32, "prefixHash": "vllm-sha256-cbor"}}), "Deployment")
+    assert after["demo-router"] == before
 
 
 def test_engine_services_are_headless() -> None:

@@ -19,7 +19,7 @@ DEFAULT_ENGINE_IMAGE = "ghcr.io/baton-llm/baton-engine:0.1.0"
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 Device = Literal["cuda", "cpu"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
-PrefixHash = Literal["fast", "vllm-sha256-cbor"]
+PrefixHash = Literal["fast", "vllm-sha256", "vllm-sha256-cbor"]
 
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 #: An image reference: no whitespace (the API server refuses leading and trailing whitespace).
@@ -164,8 +164,15 @@ class EngineSpec(CrdModel):
     )
     prefix_hash: PrefixHash = Field(
         "fast",
-        description="Prefix-block hash: fast, or vllm-sha256-cbor (vLLM-compatible keys for external "
-        "KV-event indexers).",
+        description="Prefix-block hash: fast, or vLLM's keys for external KV-event indexers: "
+        "vllm-sha256 (vLLM's default) or vllm-sha256-cbor.",
+    )
+    prefix_hash_seed: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="Root seed of the vllm-* prefix hashes (vLLM's PYTHONHASHSEED); default: vLLM's "
+        "own default root, as vLLM pods without PYTHONHASHSEED use.",
     )
     max_num_seqs: int = Field(256, ge=1, le=65536, description=_D["max_num_seqs"])
     max_num_batched_tokens: int = Field(2048, ge=1, le=1048576, description=_D["max_num_batched_tokens"])

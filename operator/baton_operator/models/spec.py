@@ -111,7 +111,7 @@ class KVTransferSpec(CrdModel):
 
 
 class KVEventsSpec(CrdModel):
-    """KV-cache events (vLLM wire format) the router indexes for prefix-aware routing."""
+    """KV-cache events (vLLM's wire format) the router indexes for prefix-aware routing."""
 
     enabled: bool = Field(True, description="Publish KV-cache events from every engine pod.")
     port: int = Field(
@@ -121,6 +121,11 @@ class KVEventsSpec(CrdModel):
         contract.DEFAULT_KV_EVENTS_REPLAY_PORT, ge=1, le=65535, description="ZMQ replay port ('kv-replay')."
     )
     buffer_steps: int = Field(10000, ge=1, le=1000000, description="Event batches kept for replay.")
+    encoding: Literal["map", "array"] = Field(
+        "map",
+        description="Event encoding: map (vLLM 0.32's, replays carry the topic) or array (vLLM v0.22's, for "
+        "indexers of that time such as llm-d-kv-cache v0.8).",
+    )
 
 
 class NetworkPolicySpec(CrdModel):
