@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
+from baton_engine import __version__
 from baton_engine.config import EngineConfig
 
 DEFAULT_GRACE_SECONDS = 30.0
@@ -59,6 +60,7 @@ def _add_field(parser: argparse.ArgumentParser, name: str, info: FieldInfo) -> N
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton-engine", description="Baton inference engine.")
+    parser.add_argument("--version", action="version", version=f"baton-engine {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
@@ -115,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{flag_name(str(e['loc'][0])) if e['loc'] else 'config'}: {e['msg']}" for e in exc.errors()
             )
             parser.error(problems)
+        from baton_engine.loader.reference import ModelNotFoundError, resolve_model
+
+        try:  # before anything starts: a wrong --model is one line, not a failed load
+            resolve_model(config.model)
+        except ModelNotFoundError as exc:
+            print(f"baton-engine serve: error: --model: {exc}", file=sys.stderr)
+            return 2
         from baton_engine.server.serve import serve
 
         return serve(config, grace_seconds=args.shutdown_grace_seconds, log_level=args.log_level)

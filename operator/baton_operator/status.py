@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from baton_engine import contract
 from baton_operator.models import Condition, RoleStatus
+from baton_operator.pod_problems import pool_problems, summary
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 #: Status keys per contract role (the aggregated pool is `status.pool`).
@@ -57,12 +59,28 @@ def _failing(deployment: Mapping[str, Any]) -> str | None:
     return None
 
 
+#: Condition reasons of a reconcile that did not finish: a child the API server refused (it will
+#: be refused again until the spec or the cluster changes), or any other failure (retried).
+FAILURE_REASONS = frozenset({"ChildRefused", "ReconcileFailed"})
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why the last reconcile did not finish, as Ready and Degraded report it (and its Warning
+    Event)."""
+
+    reason: str  # one of FAILURE_REASONS
+    message: str
+
+
 @dataclass(frozen=True)
 class Observed:
-    """What one reconcile saw: the child Deployments by role, and the reconcile's own error."""
+    """What one reconcile saw: the child Deployments by role, their pods, and the reconcile's own
+    failure."""
 
     deployments: Mapping[str, Mapping[str, Any] | None]  # role -> Deployment (None: not found)
-    error: str | None = None  # the reconcile failed with this message
+    failure: Failure | None = None
+    pods: Mapping[str, Sequence[Mapping[str, Any]]] = field(default_factory=dict)  # role -> its pods
 
 
 def _condition(
@@ -87,6 +105,10 @@ def _condition(
     )
 
 
+def _parse_time(now: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(now.replace("Z", "+00:00"))
+
+
 def conditions(
     observed: Observed,
     roles: Mapping[str, RoleStatus],
@@ -95,24 +117,28 @@ def conditions(
     previous: Sequence[Mapping[str, Any]],
 ) -> list[Condition]:
     """Ready, Progressing and Degraded; a transition time moves only when its status flips."""
-    summary = ", ".join(f"{role} {s.ready}" for role, s in roles.items())
+    counts = ", ".join(f"{role} {s.ready}" for role, s in roles.items())
     missing = [role for role, d in observed.deployments.items() if d is None]
     not_ready = [
         role for role, s in roles.items() if s.desired_replicas == 0 or s.ready_replicas < s.desired_replicas
     ]
     rolling = [role for role, d in observed.deployments.items() if d is not None and _rolling(d)]
     failures = [f for d in observed.deployments.values() if d is not None and (f := _failing(d))]
+    stuck = summary(pool_problems(observed.pods, _parse_time(now)))
 
-    if observed.error:
-        ready = _condition(READY, False, "ReconcileFailed", observed.error, generation, now, previous)
+    failure = observed.failure
+    if failure is not None:
+        ready = _condition(READY, False, failure.reason, failure.message, generation, now, previous)
     elif missing:
         ready = _condition(
             READY, False, "Creating", f"waiting for {', '.join(missing)}", generation, now, previous
         )
+    elif not_ready and stuck is not None:
+        ready = _condition(READY, False, stuck.reason, stuck.message, generation, now, previous)
     elif not_ready:
-        ready = _condition(READY, False, "PodsNotReady", summary, generation, now, previous)
+        ready = _condition(READY, False, "PodsNotReady", counts, generation, now, previous)
     else:
-        ready = _condition(READY, True, "AllPodsReady", summary, generation, now, previous)
+        ready = _condition(READY, True, "AllPodsReady", counts, generation, now, previous)
 
     if missing or rolling:
         waiting = ", ".join(missing + rolling)
@@ -124,8 +150,10 @@ def conditions(
             PROGRESSING, False, "Stable", "every pool is at its spec", generation, now, previous
         )
 
-    if observed.error:
-        degraded = _condition(DEGRADED, True, "ReconcileFailed", observed.error, generation, now, previous)
+    if failure is not None:
+        degraded = _condition(DEGRADED, True, failure.reason, failure.message, generation, now, previous)
+    elif stuck is not None:
+        degraded = _condition(DEGRADED, True, stuck.reason, stuck.message, generation, now, previous)
     elif failures:
         degraded = _condition(
             DEGRADED, True, "DeploymentFailing", "; ".join(failures), generation, now, previous
@@ -163,17 +191,18 @@ def compute_status(
         for c in conditions(observed, roles, generation, now, previous.get("conditions", []))
     ]
     patch["endpoint"] = endpoint
-    if observed.error is None and record_generation:
+    if observed.failure is None and record_generation:
         patch["observedGeneration"] = generation
     return patch
 
 
-def stored_error(stored: Mapping[str, Any]) -> str | None:
-    """The error a stored status reports from a failed reconcile (Degraded, ReconcileFailed)."""
+def stored_failure(stored: Mapping[str, Any]) -> Failure | None:
+    """The failure a stored status reports from the last reconcile (Degraded with a failure
+    reason), kept by status refreshes until a reconcile succeeds."""
     for cond in stored.get("conditions") or []:
-        failed = cond.get("status") == "True" and cond.get("reason") == "ReconcileFailed"
-        if cond.get("type") == DEGRADED and failed:
-            return str(cond.get("message") or "reconcile failed")
+        reason = cond.get("reason")
+        if cond.get("type") == DEGRADED and cond.get("status") == "True" and reason in FAILURE_REASONS:
+            return Failure(str(reason), str(cond.get("message") or "reconcile failed"))
     return None
 
 

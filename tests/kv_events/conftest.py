@@ -4,33 +4,28 @@ import hashlib
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from baton_engine.kv_events_publisher import KVEventPublisher
+from baton_engine.kv_events_wire import ENCODING_ARRAY
 
 GO_DECODER_SRC = Path(__file__).parent / "go_decoder"
 CACHE_ROOT = Path.home() / ".cache" / "baton"
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
-
-
 @pytest.fixture
 def make_publisher() -> Iterator[Callable[..., KVEventPublisher]]:
-    """KVEventPublisher on free loopback ports, shut down at teardown."""
+    """KVEventPublisher on free loopback ports, shut down at teardown. These tests pin the
+    array encoding (vLLM v0.22's, and what llm-d-kv-cache v0.8 reads); the current map encoding
+    is tested against real vLLM bytes in tests/interop."""
     made: list[KVEventPublisher] = []
 
     def make(topic: str = "kv@127.0.0.1:8000@smollm2", **kwargs: object) -> KVEventPublisher:
         kwargs.setdefault("replay_endpoint", "tcp://127.0.0.1:*")
+        kwargs.setdefault("encoding", ENCODING_ARRAY)
         endpoint = str(kwargs.pop("endpoint", "tcp://127.0.0.1:*"))
         pub = KVEventPublisher(endpoint, topic, **kwargs)  # type: ignore[arg-type]
         made.append(pub)

@@ -19,9 +19,11 @@ from typing import Any
 import pytest
 
 from baton_engine import contract
+from baton_engine.contract import KVTransferParams
+from baton_support.wait import wait_for
 from tests.kv_transfer.helpers import KEY
 from tests.pd_setup import MODEL, PREFIXED, SHARED_PREFIX, TEXTS, pd_environment, serve_args
-from tests.server.server_process import ServerProcess, pid_alive, wait_for
+from tests.server.server_process import ServerProcess, pid_alive
 
 # Two model loads and ~60 requests: minutes on a loaded 2-core machine.
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(1800)]
@@ -54,7 +56,9 @@ class Servers:
             server.stop(signal.SIGKILL, timeout=10)
             core_pid = self.core_pids.get(server.pid)
             if core_pid is not None and pid_alive(core_pid):
-                wait_for(lambda pid=core_pid: not pid_alive(pid), 10, f"core {core_pid} to exit")
+                wait_for(
+                    lambda pid=core_pid: not pid_alive(pid), timeout=10, message=f"core {core_pid} to exit"
+                )
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +110,65 @@ def test_pd_matches_single_engine(servers: Servers) -> None:
     assert received > 0
     wait_for(
         lambda: _metric(servers.producer, contract.M_KV_TRANSFER_BYTES, direction="sent") == received,
-        30,
-        "the producer's sent bytes to match the consumer's received bytes",
+        timeout=30,
+        message="the producer's sent bytes to match the consumer's received bytes",
     )
     assert _metric(servers.consumer, contract.M_KV_TRANSFER_SECONDS + "_count", role="consumer") == len(
         prompts
     )
+
+
+def _streamed_text(server: ServerProcess, body: dict[str, Any]) -> str:
+    import json
+
+    text = []
+    with server.http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line.removeprefix("data: "))
+                text += [c["text"] for c in chunk.get("choices", [])]
+    return "".join(text)
+
+
+def test_vllm_proxy_request_shapes(servers: Servers) -> None:
+    """What vLLM's P/D proxy sends (its toy proxy): the prefill leg is the client's body with
+    stream off, max_tokens 1, no stream_options and the connector's request-side params (every
+    remote_* key null); the decode leg is the client's body plus the prefill answer's
+    kv_transfer_params, passed through untouched (opaque to the proxy)."""
+    client_body = {
+        "model": NAME,
+        "prompt": TEXTS[1],
+        "temperature": 0,
+        "max_tokens": 10,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    want = _complete(servers.producer, TEXTS[1]).json()["choices"][0]["text"]
+    expired = _metric(servers.producer, contract.M_KV_LEASES_EXPIRED)
+    prefill_body = {
+        **client_body,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+        "stream": False,
+        "max_tokens": 1,
+    }
+    del prefill_body["stream_options"]
+    headers = {"Authorization": "Bearer EMPTY", "X-Request-Id": "vllm-proxy-1"}
+    first = servers.producer.http.post("/v1/completions", json=prefill_body, headers=headers)
+    assert first.status_code == 200, first.text
+    kv = first.json()["kv_transfer_params"]
+    assert first.json()["usage"]["completion_tokens"] == 1
+    got = _streamed_text(servers.consumer, {**client_body, "kv_transfer_params": kv})
+    assert got == want
+    servers.producer.wait_idle()  # every block freed: by the consumer's pull, not by expiry
+    assert _metric(servers.producer, contract.M_KV_LEASES_EXPIRED) == expired
 
 
 def _metric(server: ServerProcess, name: str, **labels: str) -> float:
@@ -159,7 +216,9 @@ def test_unpulled_lease_is_freed_at_expiry(servers: Servers) -> None:
     before = _metric(servers.producer, contract.M_KV_LEASES_EXPIRED)
     servers.producer.wait_idle(timeout=LEASE_SECONDS + 10)
     wait_for(
-        lambda: _metric(servers.producer, contract.M_KV_LEASES_EXPIRED) == before + 1, 30, "expiry metric"
+        lambda: _metric(servers.producer, contract.M_KV_LEASES_EXPIRED) == before + 1,
+        timeout=30,
+        message="expiry metric",
     )
 
 
@@ -191,6 +250,40 @@ def test_release_endpoint_frees_a_lease_before_it_expires(servers: Servers) -> N
     assert _metric(producer, contract.M_KV_LEASES_EXPIRED) == expired
 
 
+def test_params_of_another_kv_key_are_refused_and_recomputed(servers: Servers) -> None:
+    """Params from a producer of another KV-compatibility key (a pod of the other generation of a
+    rollout, signed by the same deployment key): the consumer pulls nothing, releases the lease,
+    recomputes, and answers exactly what one engine answers."""
+    prompt = "The longest river in Africa is"
+    want = _complete(servers.producer, prompt).json()["choices"][0]["text"]
+    expired = _metric(servers.producer, contract.M_KV_LEASES_EXPIRED)
+    received = _metric(servers.consumer, contract.M_KV_TRANSFER_BYTES, direction="received")
+    kv = _complete(servers.producer, prompt, kv_transfer_params={"do_remote_decode": True}).json()
+    params = {k: v for k, v in kv["kv_transfer_params"].items() if k != "signature"}
+    other = KVTransferParams.from_dict({**params, "kv_key": "0123456789abcdef"}).signed(KEY).to_dict()
+
+    answer = _complete(servers.consumer, prompt, kv_transfer_params=other)
+
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == want
+    servers.consumer.wait_idle()
+    wait_for(
+        lambda: _failures(servers.consumer, "kv_key_mismatch") == 1,
+        timeout=30,
+        message="one kv_key_mismatch on the consumer",
+    )
+    assert _metric(servers.consumer, contract.M_KV_TRANSFER_BYTES, direction="received") == received
+    servers.producer.wait_idle(timeout=LEASE_SECONDS + 10)
+    assert _metric(servers.producer, contract.M_KV_LEASES_EXPIRED) == expired  # released, not expired
+
+
+def _failures(server: ServerProcess, reason: str) -> float:
+    try:
+        return _metric(server, contract.M_KV_TRANSFER_FAILURES, reason=reason)
+    except AssertionError:  # no sample before the first failure of that reason
+        return 0.0
+
+
 def test_producer_killed_between_the_legs_recomputes(servers: Servers) -> None:
     prompt = "The tallest mountain on Earth is"
     want = _complete(servers.producer, prompt).json()["choices"][0]["text"]
@@ -198,7 +291,7 @@ def test_producer_killed_between_the_legs_recomputes(servers: Servers) -> None:
     kv = first.json()["kv_transfer_params"]
     core_pid = servers.core_pids[servers.producer.pid]
     servers.producer.stop(signal.SIGKILL, timeout=10)
-    wait_for(lambda: not pid_alive(core_pid), 10, "the producer's core to exit")
+    wait_for(lambda: not pid_alive(core_pid), timeout=10, message="the producer's core to exit")
     second = _complete(servers.consumer, prompt, kv_transfer_params=kv)
     assert second.status_code == 200
     assert second.json()["choices"][0]["text"] == want

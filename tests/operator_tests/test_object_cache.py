@@ -6,7 +6,14 @@ from typing import Any
 
 import pytest
 
-from baton_operator.object_cache import ObjectCache, deployment_view, owner_view, resource_version, slim
+from baton_operator.object_cache import (
+    ObjectCache,
+    deployment_view,
+    owner_view,
+    replicas_managers,
+    resource_version,
+    slim,
+)
 
 
 def deployment(rv: str | None, ready: int = 0, uid: str = "u1", replicas: int = 1) -> dict[str, Any]:
@@ -47,8 +54,30 @@ def test_deployment_view_keeps_identity_counts_and_conditions_without_timestamps
         },
         "spec": {"replicas": 1},
         "status": {"readyReplicas": 1, "conditions": [AVAILABLE]},
+        "replicasManagers": [],
     }
-    assert deployment_view({"metadata": {"name": "x"}}) == {"metadata": {"name": "x"}, "status": {}}
+    assert deployment_view({"metadata": {"name": "x"}}) == {
+        "metadata": {"name": "x"},
+        "status": {},
+        "replicasManagers": [],
+    }
+
+
+def test_replicas_managers_are_the_managers_owning_spec_replicas() -> None:
+    obj = deployment("1")
+    obj["metadata"]["managedFields"] = [
+        {"manager": "baton-operator", "operation": "Apply", "fieldsV1": {"f:spec": {"f:template": {}}}},
+        {
+            "manager": "hpa",
+            "operation": "Update",
+            "subresource": "scale",
+            "fieldsV1": {"f:spec": {"f:replicas": {}}},
+        },
+        {"manager": "baton-autoscaler", "operation": "Apply", "fieldsV1": {"f:spec": {"f:replicas": {}}}},
+        {"manager": "kube-controller-manager", "operation": "Update", "fieldsV1": {"f:status": {}}},
+    ]
+    assert replicas_managers(obj) == ["baton-autoscaler", "hpa"]
+    assert deployment_view(obj)["replicasManagers"] == ["baton-autoscaler", "hpa"]
 
 
 def test_owner_view_keeps_what_a_refresh_reads_and_the_operators_status_only() -> None:
@@ -99,7 +128,8 @@ def test_resource_version(rv: str | None, expected: int | None) -> None:
         ([deployment("5"), deployment("6", ready=1)], True, 1),
         ([deployment("5"), deployment("6", replicas=3)], True, 0),  # spec.replicas counts
         ([deployment("6", ready=1), deployment("5")], False, 1),  # a late, older event is ignored
-        ([deployment("6", ready=1), deployment("5", uid="u2")], True, 0),  # recreated: new uid
+        ([deployment("6", ready=1), deployment("7", uid="u2")], True, 0),  # recreated: new uid
+        ([deployment("7", uid="u2"), deployment("6", ready=1)], False, 0),  # the predecessor, late
         ([deployment("6", ready=1), deployment(None)], True, 0),  # no resourceVersion: replaces
         ([deployment("9"), deployment("10", ready=1)], True, 1),  # compared as numbers, not text
     ],
@@ -111,6 +141,16 @@ def test_observe(seen: list[dict[str, Any]], changed: bool, ready: int) -> None:
     held = cache.get("ns", "demo-decode")
     assert held is not None and held["status"]["readyReplicas"] == ready
     assert len(cache) == 1
+
+
+def test_a_deleted_uid_is_never_taken_back() -> None:
+    cache = ObjectCache(deployment_view)
+    cache.observe(deployment("5"))
+    cache.forget(deployment("6"))
+    assert cache.observe(deployment("6")) is False  # a handler's late copy of the deleted object
+    assert cache.get("ns", "demo-decode") is None and cache.uid("ns", "demo-decode") is None
+    assert cache.observe(deployment("8", uid="u2")) is True  # re-created under the same name
+    assert cache.uid("ns", "demo-decode") == "u2"
 
 
 def test_forget_only_the_deleted_object() -> None:

@@ -17,14 +17,14 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton_engine import contract
-from baton_engine.kv_events_wire import WireBlockStored, decode_batch, decode_sequence, encode_sequence
+from baton_engine.kv_events_wire import WireBlockStored, decode_batch, encode_sequence, parse_replay_answer
+from baton_support.wait import wait_for
 from tests.server.server_process import (
     LoopbackProcess,
     ServerProcess,
     child_pids,
     free_port,
     pid_alive,
-    wait_for,
 )
 
 BATON_ROUTER = str(Path(sys.executable).with_name("baton-router"))
@@ -75,7 +75,7 @@ def stop_engines(engines: Sequence[ServerProcess]) -> None:
         children = child_pids(engine.pid) if engine.proc.poll() is None else []
         engine.stop(signal.SIGKILL, timeout=10)
         for pid in children:
-            wait_for(lambda pid=pid: not pid_alive(pid), 20, f"engine core {pid} to exit")
+            wait_for(lambda pid=pid: not pid_alive(pid), timeout=20, message=f"engine core {pid} to exit")
 
 
 def kv_event_ports() -> tuple[str, ...]:
@@ -100,8 +100,7 @@ def replayed_block_stored(replay_port: int, timeout_s: float = 5.0) -> tuple[lis
         while True:
             if not dealer.poll(int(timeout_s * 1000)):
                 raise AssertionError(f"no replay answer from port {replay_port} within {timeout_s} s")
-            _, seq_frame, payload = dealer.recv_multipart()
-            seq = decode_sequence(seq_frame)
+            seq, payload = parse_replay_answer(dealer.recv_multipart())
             if seq == -1:
                 return stored, last_seq
             last_seq = seq

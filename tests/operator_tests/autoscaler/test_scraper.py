@@ -10,10 +10,10 @@ import pytest
 from baton_engine import contract
 from baton_operator.autoscaler.metrics import ScrapeTarget, scrape_pods
 from baton_operator.autoscaler.policy_types import EngineLoad
-from tests.ports import free_port
+from baton_support.metrics_servers import Behaviour, MetricsServer, answer, hang, held, trickle
+from baton_support.ports import free_port
 
 from .exposition import engine_exposition
-from .metrics_servers import Behaviour, MetricsServer, answer, hang, held, trickle
 
 StartServer = Callable[[Behaviour], MetricsServer]
 
@@ -81,7 +81,10 @@ async def test_a_slow_trickle_is_cut_at_the_total_timeout(start_server: StartSer
 async def test_an_incomplete_answer_is_unknown_with_the_missing_metric(start_server: StartServer) -> None:
     partial = start_server(answer(200, engine_exposition(omit=(contract.M_KV_USAGE,))))
     [sample] = await scrape_pods([ScrapeTarget("p", "prefill", partial.url)])
-    assert (sample.load, sample.error) == (None, f"{contract.M_KV_USAGE}: missing from /metrics")
+    assert (sample.load, sample.error) == (
+        None,
+        f"{contract.M_KV_USAGE}: missing from /metrics (and vllm:kv_cache_usage_perc)",
+    )
 
 
 async def test_a_bad_pod_address_is_unknown_and_does_not_spoil_the_others(start_server: StartServer) -> None:
