@@ -1,0 +1,233 @@
+"""Registers, spills, LDS and occupancy of every engine Triton kernel on AMD and NVIDIA GPUs.
+
+``python -m bench.amd_compile --json`` compiles every launch the engine's kernel modules declare
+(`baton_engine.attention.kernel_registry`) for gfx942 (MI300X), gfx950 (MI355X), gfx90a (MI250X),
+sm_90 (H100/H200) and sm_80 (A100) on this machine — no GPU needed — and reports per kernel and
+target: VGPRs / registers per thread, SGPRs (AMD), spills, scratch, LDS / shared bytes per
+program, and the estimated waves per SIMD (warps per SM sub-partition on NVIDIA) against the
+target's maximum. The reference in the same run: the AMD targets compiled with the NVIDIA
+launch table (what the H200-tuned values would do on AMD), with its spills and LDS overflows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from typing import Any
+
+from baton_engine.attention.kernel_compile import (
+    TARGETS,
+    TARGETS_BY_NAME,
+    CompileRun,
+    KernelReport,
+    compile_reports,
+)
+from baton_engine.attention.launch_table import LaunchTable, table_for_arch
+
+#: Candidates (num_warps, num_stages, block_n) of `--sweep` for the attention entries of the AMD
+#: table: the H200's lanes per program (half its warps) and its neighbours, with 1 and 2 stages.
+SWEEP: dict[str, list[tuple[int, int, int]]] = {
+    "decode_unsplit": [(1, 1, 64), (1, 2, 64), (2, 1, 64), (2, 2, 64), (4, 1, 64), (4, 2, 64), (2, 1, 32)],
+    "decode_split": [(2, 1, 64), (2, 2, 64), (4, 1, 64), (4, 2, 64), (8, 1, 64), (4, 1, 32), (8, 2, 64)],
+    "verify_unsplit": [(2, 1, 64), (2, 2, 64), (4, 1, 64), (4, 2, 64), (2, 1, 32), (4, 1, 32), (8, 1, 32)],
+    "verify_split": [(4, 1, 64), (4, 2, 64), (8, 1, 64), (4, 1, 32), (8, 1, 32), (8, 2, 32), (2, 1, 32)],
+    "prefill_small_head": [
+        (2, 1, 64),
+        (2, 2, 64),
+        (4, 1, 64),
+        (4, 2, 64),
+        (8, 1, 64),
+        (4, 1, 32),
+        (8, 2, 64),
+    ],
+    "prefill_large_head": [
+        (2, 1, 32),
+        (2, 2, 32),
+        (4, 1, 32),
+        (4, 2, 32),
+        (8, 1, 32),
+        (4, 1, 16),
+        (8, 2, 32),
+    ],
+}
+
+
+def table_entry(report: KernelReport) -> str:
+    """The launch-table entry a compiled launch came from."""
+    constants = report.constants
+    if report.kernel == "_decode_split_kernel":
+        return "decode_unsplit" if constants["NUM_SPLITS"] == 1 else "decode_split"
+    if report.kernel == "_multi_query_split_kernel":
+        return "verify_unsplit" if constants["NUM_SPLITS"] == 1 else "verify_split"
+    if report.kernel == "_prefill_kernel":
+        return "prefill_small_head" if constants["HEAD_DIM_PAD"] <= 64 else "prefill_large_head"
+    return {
+        "_decode_reduce_kernel": "split_reduce",
+        "_rms_norm_kernel": "rms_norm",
+        "_rotary_cache_kernel": "rotary",
+        "_silu_mul_kernel": "silu",
+    }[report.kernel]
+
+
+def sweep(targets: list[str], workers: int) -> dict[str, Any]:
+    """Each `SWEEP` candidate on the AMD targets: clean or not, and its worst occupancy and LDS
+    over every dtype, head dim and tile the engine launches; which one the table holds."""
+    import dataclasses
+
+    table = table_for_arch(targets[0])
+    rounds = max(len(candidates) for candidates in SWEEP.values())
+    results: dict[str, list[dict[str, Any]]] = {entry: [] for entry in SWEEP}
+    for index in range(rounds):
+        changes = {}
+        for entry, candidates in SWEEP.items():
+            warps, stages, block_n = candidates[min(index, len(candidates) - 1)]
+            changes[entry] = dataclasses.replace(
+                getattr(table, entry), num_warps=warps, num_stages=stages, block_n=block_n
+            )
+        variant: LaunchTable = dataclasses.replace(table, **changes)
+        run = compile_reports(targets, workers=workers, table=variant)
+        for entry, candidates in SWEEP.items():
+            if index >= len(candidates):
+                continue
+            reports = [r for r in run.reports if table_entry(r) == entry]
+            current = getattr(table, entry)
+            results[entry].append(
+                {
+                    "num_warps": candidates[index][0],
+                    "num_stages": candidates[index][1],
+                    "block_n": candidates[index][2],
+                    "launches": len(reports),
+                    "failures": sum(1 for r in reports if r.failure(TARGETS_BY_NAME[r.target]) is not None),
+                    "max_registers": max(r.registers for r in reports),
+                    "max_lds_bytes": max(r.shared_bytes for r in reports),
+                    "min_waves_per_simd": min(
+                        r.occupancy.waves_per_simd if r.occupancy else 0.0 for r in reports
+                    ),
+                    "in_table": candidates[index] == (current.num_warps, current.num_stages, current.block_n),
+                }
+            )
+    return results
+
+
+def _rows(run: CompileRun) -> list[dict[str, Any]]:
+    rows = []
+    for report in run.reports:
+        occupancy = report.occupancy
+        rows.append(
+            {
+                "kernel": report.kernel,
+                "target": report.target,
+                "cases": report.cases,
+                "constants": report.constants,
+                "num_warps": report.num_warps,
+                "num_stages": report.num_stages,
+                "registers": report.registers,
+                "sgprs": report.sgprs,
+                "spills": report.spills,
+                "sgpr_spills": report.sgpr_spills,
+                "scratch_bytes": report.scratch_bytes,
+                "lds_bytes": report.shared_bytes,
+                "waves_per_simd": None if occupancy is None else occupancy.waves_per_simd,
+                "occupancy": None if occupancy is None else occupancy.fraction,
+                "limiter": None if occupancy is None else occupancy.limiter,
+                "llvm_occupancy": report.llvm_occupancy,
+                "cpu_s": report.cpu_seconds,
+                "failure": report.failure(TARGETS_BY_NAME[report.target]),
+            }
+        )
+    return rows
+
+
+def _summary(run: CompileRun) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for target in dict.fromkeys(report.target for report in run.reports):
+        reports = run.for_target(target)
+        limits = TARGETS_BY_NAME[target]
+        per_kernel: dict[str, Any] = {}
+        for report in reports:
+            entry = per_kernel.setdefault(
+                report.kernel,
+                {"launches": 0, "max_registers": 0, "max_lds_bytes": 0, "min_waves_per_simd": None},
+            )
+            entry["launches"] += 1
+            entry["max_registers"] = max(entry["max_registers"], report.registers)
+            entry["max_lds_bytes"] = max(entry["max_lds_bytes"], report.shared_bytes)
+            if report.occupancy is not None:
+                waves = report.occupancy.waves_per_simd
+                low = entry["min_waves_per_simd"]
+                entry["min_waves_per_simd"] = waves if low is None else min(low, waves)
+        summary[target] = {
+            "launches": len(reports),
+            "failures": sum(1 for r in reports if r.failure(limits) is not None),
+            "spilling": sum(1 for r in reports if r.spills),
+            "over_lds": sum(1 for r in reports if r.shared_bytes > limits.max_shared_per_program),
+            "errors": sum(1 for r in reports if r.error is not None),
+            "max_waves_per_simd": limits.max_waves_per_simd,
+            "kernels": per_kernel,
+        }
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument(
+        "--targets", default=",".join(t.name for t in TARGETS), help="comma-separated targets"
+    )
+    parser.add_argument("--workers", type=int, default=2, help="compile processes")
+    parser.add_argument(
+        "--no-reference", action="store_true", help="skip the AMD targets under the NVIDIA table"
+    )
+    args = parser.parse_args()
+    import torch
+    import triton
+
+    targets = args.targets.split(",")
+    run = compile_reports(targets, workers=args.workers)
+    result: dict[str, Any] = {
+        "bench": "amd_compile",
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "targets": {
+            name: {
+                "gpus": TARGETS_BY_NAME[name].gpus,
+                "max_waves_per_simd": TARGETS_BY_NAME[name].max_waves_per_simd,
+                "lds_bytes_per_cu": TARGETS_BY_NAME[name].shared_bytes,
+                "fp8": TARGETS_BY_NAME[name].fp8_dtype,
+            }
+            for name in targets
+        },
+        "summary": _summary(run),
+        "problems": run.problems,
+        "cost": {
+            "launches": len(run.reports),
+            "workers": run.workers,
+            "wall_s": run.wall_seconds,
+            "cpu_s": round(sum(r.cpu_seconds for r in run.reports), 1),
+        },
+        "kernels": _rows(run),
+    }
+    amd = [name for name in targets if TARGETS_BY_NAME[name].backend == "hip"]
+    if amd and not args.no_reference:
+        reference = compile_reports(amd, workers=args.workers, table="cuda")
+        result["reference_cuda_table_on_amd"] = {
+            name: {key: value for key, value in stats.items() if key != "kernels"}
+            for name, stats in _summary(reference).items()
+        }
+        result["cost"]["reference_wall_s"] = reference.wall_seconds
+    if not args.json:
+        for row in result["kernels"]:
+            print(
+                f"{row['target']:7} {row['kernel']:26} w{row['num_warps']} s{row['num_stages']} "
+                f"regs={row['registers']} spills={row['spills']} lds={row['lds_bytes']} "
+                f"waves/simd={row['waves_per_simd']} {row['failure'] or ''}"
+            )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Launch parameters of the engine's Triton kernels, per GPU backend, each with its reason.
+
+Triton's ``num_warps`` counts 32-thread warps on NVIDIA but 64-lane wavefronts on AMD, so a value
+tuned on an H200 launches twice the lanes on an MI300X; its ``num_stages`` pipelines loads
+through shared memory (NVIDIA) or LDS (AMD), whose size differs per target (64 KiB per CU on
+CDNA2/CDNA3, 160 KiB on CDNA4, 228 KiB per SM on sm_90). The NVIDIA table holds the values
+measured on the H200 (`bench.gpu_tune`); the AMD tables are derived from the compiled kernels'
+registers and LDS (`python -m bench.amd_compile`, docs/amd.md) until an AMD GPU measures them.
+
+The launchers take a `LaunchTable`; `launch_table_for` picks the one of the device they run on.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one kernel is launched on one backend, and why."""
+
+    #: Warps per program: 32 threads each on NVIDIA, 64-lane wavefronts on AMD.
+    num_warps: int
+    #: Software-pipelining depth of the kernel's key loop (loads staged in shared memory / LDS).
+    num_stages: int
+    #: Why these values: where they were measured, or what the compiled kernel's occupancy says.
+    reason: str
+    #: Keys per tile of an attention kernel's key loop (None: the kernel has no such loop).
+    block_n: int | None = None
+    #: Verify attention: the most (token, query head) rows one program holds (None: no cap).
+    block_m: int | None = None
+
+
+@dataclass(frozen=True)
+class LaunchTable:
+    """The launch parameters of every kernel of the decoder step on one backend."""
+
+    #: The table's name: "cuda", or an AMD architecture ("gfx942") or "rocm" for other AMD GPUs.
+    name: str
+    #: Decode attention when each program walks a whole row (no split of the key axis).
+    decode_unsplit: Launch
+    #: Decode attention over one slice of a row's keys (split-K, small batches).
+    decode_split: Launch
+    #: The reduce that merges split-K partial results (decode and verify).
+    split_reduce: Launch
+    #: Verify (multi-query) attention without split-K.
+    verify_unsplit: Launch
+    #: Verify attention with split-K.
+    verify_split: Launch
+    #: Prefill attention for head dims up to 64.
+    prefill_small_head: Launch
+    #: Prefill attention for head dims above 64.
+    prefill_large_head: Launch
+    #: RMSNorm and fused add + RMSNorm (one program per token row).
+    rms_norm: Launch
+    #: Rotary embedding with the K/V cache write (one program per token).
+    rotary: Launch
+    #: silu(gate) * up; `block_n` is the columns each program handles.
+    silu: Launch
+
+    def prefill(self, head_dim_pad: int) -> Launch:
+        return self.prefill_small_head if head_dim_pad <= 64 else self.prefill_large_head
+
+
+_H200 = "measured on the H200 (bench.gpu_tune, bf16)"
+
+CUDA = LaunchTable(
+    name="cuda",
+    decode_unsplit=Launch(2, 2, f"{_H200}: few warps and 2 stages when each program walks a whole row", 64),
+    decode_split=Launch(8, 4, f"{_H200}: 8 warps and 4 stages for short split-K slices", 64),
+    split_reduce=Launch(4, 3, "Triton's defaults (4 warps, 3 stages): a single pass over S x D partials"),
+    verify_unsplit=Launch(
+        4,
+        2,
+        f"{_H200}: multi-query tiles without split-K; at most 64 rows per program: 128 rows "
+        "spill on sm_90 (bench.amd_compile)",
+        64,
+        64,
+    ),
+    verify_split=Launch(
+        8,
+        3,
+        f"{_H200}: multi-query tiles with split-K; 64 rows per program: 256 rows spill on sm_90",
+        64,
+        64,
+    ),
+    prefill_small_head=Launch(4, 2, f"{_H200}: 64 x 64 tiles fit 2 stages", 64),
+    prefill_large_head=Launch(4, 2, f"{_H200}: 32-key tiles keep head dim 128 in registers", 32),
+    rms_norm=Launch(4, 3, "Triton's defaults: one row per program, memory-bound"),
+    rotary=Launch(4, 3, "Triton's defaults: one token per program, memory-bound"),
+    silu=Launch(4, 3, "Triton's defaults with 1024 columns per program, memory-bound", 1024),
+)
+
+#: AMD GPUs (64-lane wavefronts), until measured on one: see docs/amd.md for the occupancy of
+#: each entry on gfx90a, gfx942 and gfx950.
+ROCM = CUDA.__class__(**{**CUDA.__dict__, "name": "rocm"})
+
+#: By table name; AMD architectures without their own entry use "rocm".
+LAUNCH_TABLES: dict[str, LaunchTable] = {table.name: table for table in (CUDA, ROCM)}
+
+
+def table_for_arch(arch: str) -> LaunchTable:
+    """The table of a device architecture: "sm_90", "sm_80"... (NVIDIA) or "gfx942"... (AMD)."""
+    if arch.startswith("gfx"):
+        return LAUNCH_TABLES.get(arch, ROCM)
+    return CUDA
+
+
+def arch_from_properties(hip_version: str | None, gcn_arch_name: str, major: int, minor: int) -> str:
+    """The architecture name of a GPU from what torch reports about it.
+
+    ROCm builds of torch name AMD GPUs "cuda" too; `torch.version.hip` (set only on them) tells
+    them apart, and `gcnArchName` ("gfx942:sramecc+:xnack-") names the architecture before its
+    feature flags. NVIDIA GPUs are named by compute capability.
+    """
+    if hip_version:
+        return gcn_arch_name.split(":")[0]
+    return f"sm_{major}{minor}"
+
+
+def device_arch(device: torch.device) -> str:
+    """The architecture of a GPU device as `table_for_arch` names it."""
+    properties = torch.cuda.get_device_properties(device)
+    gcn_arch_name = str(getattr(properties, "gcnArchName", ""))
+    return arch_from_properties(torch.version.hip, gcn_arch_name, properties.major, properties.minor)
+
+
+@functools.cache
+def _table_for_device(device: torch.device) -> LaunchTable:
+    return table_for_arch(device_arch(device))
+
+
+def launch_table_for(device: torch.device) -> LaunchTable:
+    """The launch table for kernels running on `device`.
+
+    Off a GPU the kernels run in Triton's interpreter, which ignores warps and stages; it gets the
+    CUDA table, whose tiles the CPU tests have always checked.
+    """
+    if device.type != "cuda":
+        return CUDA
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _table_for_device(device)

@@ -1,0 +1,227 @@
+"""The kernel registry's pure parts: finding ``@triton.jit`` functions, the coverage walk, the cases,
+the occupancy model, and the launch table each device gets."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from baton_engine.attention import kernel_registry
+from baton_engine.attention.kernel_compile import TARGETS_BY_NAME, occupancy, uncovered_jit_functions
+from baton_engine.attention.kernel_registry import CASE_VERIFY_QUERY_LENS, find_jit_functions
+from baton_engine.attention.launch_table import CUDA, LAUNCH_TABLES, arch_from_properties, table_for_arch
+from baton_engine.verify_batch import verify_query_lens
+
+PACKAGE = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def helper(x):
+    return x * 2
+
+
+@triton.jit
+def nested_helper(x):
+    return helper(x) + 1
+
+
+@triton.jit
+def launched(ptr, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    tl.store(ptr + offsets, nested_helper(tl.load(ptr + offsets)))
+
+
+@triton.jit(do_not_specialize=["n"])
+def forgotten(ptr, n):
+    tl.store(ptr, n)
+
+
+def not_a_kernel():
+    pass
+"""
+
+
+@pytest.fixture
+def kernel_package(tmp_path: Path) -> Path:
+    root = tmp_path / "fake_kernels"
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "kernels.py").write_text(PACKAGE)
+    (root / "plain.py").write_text("def f():\n    return 'triton.jit in a string only'\n")
+    sys.path.insert(0, str(tmp_path))
+    yield root
+    sys.path.remove(str(tmp_path))
+    for name in [m for m in sys.modules if m.startswith("fake_kernels")]:
+        del sys.modules[name]
+
+
+def test_find_jit_functions_reads_the_decorators_from_source(kernel_package: Path) -> None:
+    found = find_jit_functions(kernel_package)
+    assert [(ref.module, ref.name, ref.line) for ref in found] == [
+        ("fake_kernels.kernels", "helper", 7),
+        ("fake_kernels.kernels", "nested_helper", 12),
+        ("fake_kernels.kernels", "launched", 17),
+        ("fake_kernels.kernels", "forgotten", 23),
+    ]
+
+
+def test_coverage_follows_calls_and_names_the_forgotten_kernel(kernel_package: Path) -> None:
+    import fake_kernels.kernels as kernels  # type: ignore[import-not-found]
+
+    missing = uncovered_jit_functions([kernels.launched], kernel_package)
+    where = kernel_package / "kernels.py"
+    assert missing == [f"fake_kernels.kernels.forgotten ({where}:23) is launched by no declared scenario"]
+    assert len(uncovered_jit_functions([kernels.launched, kernels.forgotten], kernel_package)) == 0
+
+
+def test_the_engine_package_has_the_jit_functions_the_compile_test_expects() -> None:
+    names = sorted(ref.name for ref in find_jit_functions())
+    assert names == [
+        "_decode_reduce_kernel",
+        "_decode_split_kernel",
+        "_multi_query_split_kernel",
+        "_prefill_kernel",
+        "_rms_norm_kernel",
+        "_rotary_cache_kernel",
+        "_silu_mul_kernel",
+        "attend_paged_keys",
+        "split_k_program",
+        "store_attention_rows",
+    ]
+
+
+def test_verify_cases_are_the_query_lengths_the_runner_captures() -> None:
+    assert CASE_VERIFY_QUERY_LENS == tuple(sorted(set(verify_query_lens(3)) | set(verify_query_lens(16))))
+
+
+def test_fp8_cases_take_each_targets_format() -> None:
+    """e4m3fnuz on MI300X (CDNA3), OCP e4m3fn on MI355X and H100; none on MI250X and A100."""
+    formats = {name: target.fp8_dtype for name, target in TARGETS_BY_NAME.items()}
+    assert formats == {
+        "gfx942": "float8_e4m3fnuz",
+        "gfx950": "float8_e4m3fn",
+        "gfx90a": None,
+        "sm_90": "float8_e4m3fn",
+        "sm_80": None,
+    }
+    cases = list(kernel_registry.engine_cases(CUDA, torch.float8_e4m3fnuz, ("bfloat16", "fp8")))
+    assert [(c.model.name, c.dtype) for c in cases] == [
+        ("smollm2-135m", torch.bfloat16),
+        ("smollm2-135m", torch.float8_e4m3fnuz),
+        ("llama-3.1-70b", torch.bfloat16),
+        ("llama-3.1-70b", torch.float8_e4m3fnuz),
+    ]
+    assert [c.case_dtype for c in kernel_registry.engine_cases(CUDA, None, ("float16", "fp8"))] == [
+        "float16",
+        "float16",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("target", "warps", "registers", "shared", "sgprs", "expected"),
+    [
+        # MI300X, 8 waves, 120 VGPRs (4 waves/SIMD by registers), the CU's whole 64 KiB of LDS:
+        # one workgroup per CU, 2 waves per SIMD.
+        ("gfx942", 8, 120, 65536, 89, (1, 2.0, 0.25, "shared", 4)),
+        # Same kernel on MI355X: 160 KiB of LDS hold two workgroups; registers then cap at 2.
+        ("gfx950", 8, 120, 65536, 89, (2, 4.0, 0.5, "registers", 4)),
+        # 4 waves, 24 VGPRs: the wave slots (8 per SIMD) are the limit.
+        ("gfx942", 4, 24, 2048, 20, (8, 8.0, 1.0, "waves", 8)),
+        # SGPRs over 100 allow 7 waves per SIMD on CDNA even with few VGPRs.
+        ("gfx90a", 4, 32, 0, 104, (7, 7.0, 0.875, "sgprs", 7)),
+        # One-wave workgroups: 40 per CU at most.
+        ("gfx942", 1, 16, 0, 20, (32, 8.0, 1.0, "waves", 8)),
+        # H200, 8 warps of 73 registers (80 allocated: 2560 per warp, 6 warps per sub-partition).
+        ("sm_90", 8, 73, 39168, 0, (3, 6.0, 0.375, "registers", 6)),
+        # A100, 4 warps of 255 registers and 98 KiB of shared memory: one block.
+        ("sm_80", 4, 255, 100352, 0, (1, 1.0, 0.0625, "shared", 2)),
+    ],
+)
+def test_occupancy(
+    target: str,
+    warps: int,
+    registers: int,
+    shared: int,
+    sgprs: int,
+    expected: tuple[int, float, float, str, int],
+) -> None:
+    result = occupancy(TARGETS_BY_NAME[target], warps, registers, shared, sgprs)
+    assert (
+        result.programs,
+        result.waves_per_simd,
+        result.fraction,
+        result.limiter,
+        result.waves_by_registers,
+    ) == (expected)
+
+
+@pytest.mark.parametrize(
+    ("hip", "gcn_arch_name", "capability", "arch", "table"),
+    [
+        ("6.4.43482", "gfx942:sramecc+:xnack-", (9, 4), "gfx942", "gfx942"),
+        ("7.0.1", "gfx950:sramecc+:xnack-", (9, 5), "gfx950", "gfx950"),
+        ("6.2.41133", "gfx90a:sramecc+:xnack-", (9, 0), "gfx90a", "gfx90a"),
+        ("6.4.43482", "gfx1100", (11, 0), "gfx1100", "rocm"),
+        (None, "", (9, 0), "sm_90", "cuda"),
+        (None, "", (8, 0), "sm_80", "cuda"),
+    ],
+)
+def test_each_device_gets_its_backends_table(
+    hip: str | None, gcn_arch_name: str, capability: tuple[int, int], arch: str, table: str
+) -> None:
+    assert arch_from_properties(hip, gcn_arch_name, *capability) == arch
+    assert table_for_arch(arch) is LAUNCH_TABLES[table]
+
+
+def test_every_table_entry_has_a_reason() -> None:
+    for table in LAUNCH_TABLES.values():
+        for name, launch in vars(table).items():
+            if name != "name":
+                assert launch.reason.strip(), (table.name, name)
+
+
+def test_nvidia_entries_are_the_h200_tuned_values() -> None:
+    """The values measured on the H200 (bench.gpu_tune) before the table existed."""
+    entries = {
+        name: (e.num_warps, e.num_stages, e.block_n, e.block_m)
+        for name, e in vars(CUDA).items()
+        if name != "name"
+    }
+    assert entries == {
+        "decode_unsplit": (2, 2, 64, None),
+        "decode_split": (8, 4, 64, None),
+        "split_reduce": (4, 3, None, None),
+        "verify_unsplit": (4, 2, 64, 64),
+        "verify_split": (8, 3, 64, 64),
+        "prefill_small_head": (4, 2, 64, None),
+        "prefill_large_head": (4, 2, 32, None),
+        "rms_norm": (4, 3, None, None),
+        "rotary": (4, 3, None, None),
+        "silu": (4, 3, 1024, None),
+    }
+
+
+def test_scenario_sources_compile_the_launch_table_of_their_case() -> None:
+    """Every declared scenario names only kernels the package defines."""
+    kernel_registry.import_kernel_modules()
+    defined = {ref.name for ref in find_jit_functions()}
+    declared = {kernel for decl in kernel_registry.scenarios() for kernel in decl.kernels}
+    assert declared <= defined
+    assert {decl.name for decl in kernel_registry.scenarios()} == {
+        "_decode_launches",
+        "_prefill_launches",
+        "_verify_launches",
+        "_rms_norm_launches",
+        "_rotary_launches",
+        "_silu_launches",
+    }
+
+
+def test_fixture_source_is_valid() -> None:
+    compile(textwrap.dedent(PACKAGE), "kernels.py", "exec")
