@@ -231,20 +231,23 @@ def _decision_reaction_s(interval_s: float, phases: tuple[float, ...] = (0.1, 0.
         server.stop()
 
 
-def run() -> dict[str, object]:
+def run(quick: bool = False) -> dict[str, object]:
+    """The full measurement; ``quick`` runs every part with fewer calls and trials (a smoke run)."""
+    scale = 10 if quick else 1
     policy = _policy(window_s=300)
     obs, hist = _inputs(prefill=8, decode=16, window_s=300, interval_s=15)
-    decide_us = _per_call_us(lambda: decide(policy, obs, hist, NOW), calls=2000)
+    decide_us = _per_call_us(lambda: decide(policy, obs, hist, NOW), calls=2000 // scale)
     long_obs, long_hist = _inputs(prefill=32, decode=64, window_s=600, interval_s=5)
-    decide_large_us = _per_call_us(lambda: decide(_policy(600), long_obs, long_hist, NOW), calls=300)
+    decide_large_us = _per_call_us(lambda: decide(_policy(600), long_obs, long_hist, NOW), calls=300 // scale)
     text = engine_exposition()
-    parse_us = _per_call_us(lambda: parse_engine_metrics(text), calls=500)
+    parse_us = _per_call_us(lambda: parse_engine_metrics(text), calls=500 // scale)
     pods = 24
     interval_s = 1.0
-    reactions = _decision_reaction_s(interval_s)
-    patched = autoscaler_reaction.measure(interval_s=1)
+    reactions = _decision_reaction_s(interval_s, (0.5,) if quick else (0.1, 0.5, 0.9))
+    patched = autoscaler_reaction.measure(interval_s=1, trials=2 if quick else 6)
     return {
         "bench": "autoscaler",
+        "quick": quick,
         "decide_cpu_us": decide_us,
         "decide_inputs": "8 prefill + 16 decode pods, 300 s window at 15 s (21 recommendations/role)",
         "decide_large_cpu_us": decide_large_us,
@@ -277,8 +280,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument("--quick", action="store_true", help="fewer calls and trials: a smoke run")
     args = parser.parse_args()
-    result = run()
+    result = run(args.quick)
     if not args.json:
         for key, value in result.items():
             print(f"{key:32} {value}")

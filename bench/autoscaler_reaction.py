@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.operator_tests.apiserver import api_server, binary_dir
-from tests.operator_tests.autoscaler.test_operator_autoscaler import Load, add_ready_pod, deployment_path
-from tests.operator_tests.kube_helpers import Rest, wait_for
-from tests.operator_tests.operator_process import install_chart, operator_kubeconfig, operator_process
+from baton_support.apiserver import Rest, api_server, binary_dir
+from baton_support.fake_engines import Load, add_ready_pod, deployment_path, replicas
+from baton_support.operator_process import install_chart, operator_kubeconfig, operator_process
+from baton_support.wait import wait_for
 
-NS = "autoscale"  # the namespace the imported helpers write into
+NS = "autoscale-bench"
 
 
 def _spec(interval_s: int) -> dict[str, Any]:
@@ -70,22 +70,24 @@ def measure(interval_s: int = 1, trials: int = 6, poll_s: float = 0.01) -> list[
                 if status != 201:
                     raise RuntimeError(f"creating the InferenceDeployment: HTTP {status} {answer}")
                 wait_for(
-                    lambda: rest.call("GET", deployment_path("r-prefill"))[0] == 200, 60, "the Deployments"
+                    lambda: rest.call("GET", deployment_path(NS, "r-prefill"))[0] == 200,
+                    60,
+                    message="the Deployments",
                 )
                 for role, load in loads.items():
-                    add_ready_pod(rest, "r", role, load.port)
+                    add_ready_pod(rest, NS, "r", role, load.port)
 
-                def replicas() -> int:
-                    return int(rest.get(deployment_path("r-prefill"))["spec"]["replicas"])
+                def prefill() -> int:
+                    return replicas(rest, NS, "r-prefill")
 
                 reactions = []
                 for _ in range(trials):
                     loads["prefill"].waiting = 0
-                    wait_for(lambda: replicas() == 1, 30, "prefill back at 1", interval_s=0.05)
+                    wait_for(lambda: prefill() == 1, 30, 0.05, "prefill back at 1")
                     time.sleep(rng.uniform(0.0, interval_s))  # a random phase of the interval
                     loads["prefill"].waiting = 12  # 12 waiting / target 4 -> 3 pods
                     crossed = time.monotonic()
-                    wait_for(lambda: replicas() > 1, 30, "prefill scaled up", interval_s=poll_s)
+                    wait_for(lambda: prefill() > 1, 30, poll_s, "prefill scaled up")
                     reactions.append(time.monotonic() - crossed)
                 return reactions
     finally:

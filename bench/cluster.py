@@ -53,10 +53,15 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--kwok-nodes", type=int, default=2)
     parser.add_argument("--process-nodes", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="one start and stop, 1 kwok node: a smoke run")
     args = parser.parse_args()
+    if args.quick:
+        args.runs, args.kwok_nodes = 1, 1
     spec = ClusterSpec(name="bench", kwok_nodes=args.kwok_nodes, process_nodes=args.process_nodes)
     ups, downs = measure_warm_up(args.runs, spec)
     result = {
+        "bench": "cluster",
+        "quick": args.quick,
         **recorded_cold_build(find_binaries().directory),
         "warm_up_s": round(statistics.median(ups), 2),
         "warm_up_runs_s": [round(u, 2) for u in ups],

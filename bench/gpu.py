@@ -497,6 +497,8 @@ def main() -> None:
     import triton
 
     result: dict[str, Any] = {
+        "bench": "gpu",
+        "quick": args.quick,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

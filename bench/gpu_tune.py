@@ -106,17 +106,25 @@ def _prefill_case(dim: int, kv_heads: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true")
-    parser.parse_args()
-    result = {
-        "decode_1b_b256_ctx640": _decode_case(256, 640, 8, 64),
-        "decode_8b_b1_ctx512": _decode_case(1, 512, 8, 128),
-        "decode_8b_b32_ctx1024": _decode_case(32, 1024, 8, 128),
-        "prefill_1b": _prefill_case(64, 8),
-        "prefill_8b": _prefill_case(128, 8),
-    }
-    for name, case in result.items():
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one decode case at batch 8 (a smoke run; needs a GPU like the rest)",
+    )
+    args = parser.parse_args()
+    if args.quick:
+        cases = {"decode_1b_b8_ctx128": _decode_case(8, 128, 8, 64)}
+    else:
+        cases = {
+            "decode_1b_b256_ctx640": _decode_case(256, 640, 8, 64),
+            "decode_8b_b1_ctx512": _decode_case(1, 512, 8, 128),
+            "decode_8b_b32_ctx1024": _decode_case(32, 1024, 8, 128),
+            "prefill_1b": _prefill_case(64, 8),
+            "prefill_8b": _prefill_case(128, 8),
+        }
+    for name, case in cases.items():
         print(name, case["best"], case["best_ms"], case.get("best_gbps", ""), flush=True)
-    print(json.dumps(result))
+    print(json.dumps({"bench": "gpu_tune", "quick": args.quick, **cases}))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ CASES = {
     "smollm2_4k_tokens": 4096 // BLOCK_SIZE,
     "64MiB": (64 << 20) // BLOCK_BYTES,
 }
+QUICK_CASES = {"smollm2_256_tokens": 256 // BLOCK_SIZE}
 CACHE_BLOCKS = 320
 KEY = b"bench-key"
 
@@ -111,11 +112,11 @@ def _raw_receive(port: int, buffer: memoryview) -> float:
     return time.perf_counter() - started
 
 
-def run(repeats: int, device: str, chunk_bytes: int) -> dict[str, Any]:
+def run(repeats: int, device: str, chunk_bytes: int, cases: dict[str, int] = CASES) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     prod_conn, prod_child = ctx.Pipe()
     raw_conn, raw_child = ctx.Pipe()
-    max_bytes = max(CASES.values()) * BLOCK_BYTES
+    max_bytes = max(cases.values()) * BLOCK_BYTES
     producer = ctx.Process(target=_producer_main, args=(prod_child, device, chunk_bytes), daemon=True)
     sender = ctx.Process(target=_raw_sender_main, args=(raw_child, max_bytes), daemon=True)
     producer.start()
@@ -128,7 +129,7 @@ def run(repeats: int, device: str, chunk_bytes: int) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     results: dict[str, Any] = {}
     try:
-        for name, num_blocks in CASES.items():
+        for name, num_blocks in cases.items():
             nbytes = num_blocks * BLOCK_BYTES
             ours: list[float] = []
             raw: list[float] = []
@@ -180,8 +181,8 @@ def run(repeats: int, device: str, chunk_bytes: int) -> dict[str, Any]:
             }
         prod_conn.send(("ended",))
         ended = prod_conn.recv()
-        if len(ended) != (repeats + 1) * len(CASES):
-            raise RuntimeError(f"producer ended {len(ended)} leases, expected {(repeats + 1) * len(CASES)}")
+        if len(ended) != (repeats + 1) * len(cases):
+            raise RuntimeError(f"producer ended {len(ended)} leases, expected {(repeats + 1) * len(cases)}")
     finally:
         prod_conn.send(("stop",))
         with socket.create_connection(("127.0.0.1", raw_port)):
@@ -212,8 +213,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--chunk-bytes", type=int, default=4 << 20)
+    parser.add_argument("--quick", action="store_true", help="one 256-token case, 2 runs: a smoke run")
     args = parser.parse_args()
-    result = run(args.repeats, args.device, args.chunk_bytes)
+    if args.quick:
+        result = {**run(2, args.device, args.chunk_bytes, QUICK_CASES), "quick": True}
+    else:
+        result = {**run(args.repeats, args.device, args.chunk_bytes), "quick": False}
     if args.json:
         print(json.dumps(result))
     else:

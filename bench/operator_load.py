@@ -32,6 +32,7 @@ from baton_dev.cluster import leftover_pod_processes, start_cluster, stop_cluste
 from baton_dev.demo_manifests import PROCESS_NODES, chart_values
 from baton_dev.kubeapi import ApiError
 from baton_dev.spec import NODE_TYPE_LABEL, ClusterSpec
+from baton_dev.state import ClusterState
 from baton_dev.testing import DevCluster, is_ready, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,6 +44,8 @@ SPEC = {
 }
 INFDS = "/apis/baton.dev/v1alpha1/namespaces/{ns}/inferencedeployments"
 PODS_PER_RESOURCE = 3  # prefill, decode, router: one each by default
+SEQ_NS, BURST_NS = "bench-operator-seq", "bench-operator-burst"
+NAMESPACES = (SEQ_NS, BURST_NS)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -130,6 +133,24 @@ def install_operator(cluster: DevCluster, workdir: Path) -> None:
     )
 
 
+def leave_cluster(cluster: DevCluster) -> None:
+    """Undo what the bench did to a cluster it did not start: its namespaces, then the chart."""
+    for ns in NAMESPACES:
+        try:
+            cluster.admin.delete(f"/api/v1/namespaces/{ns}")
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+    cluster.helm("uninstall", "baton", "-n", "baton-system", "--wait", "--timeout", "120s")
+
+    def namespaces_gone() -> bool:
+        items = cluster.admin.get("/api/v1/namespaces")["items"]
+        return not {n["metadata"]["name"] for n in items} & set(NAMESPACES)
+
+    wait_for("the bench's namespaces deleted", namespaces_gone, 180, 0.5)
+    cluster.close()
+
+
 def create_namespace(cluster: DevCluster, name: str) -> None:
     try:
         cluster.admin.post("/api/v1/namespaces", {"metadata": {"name": name}})
@@ -138,40 +159,52 @@ def create_namespace(cluster: DevCluster, name: str) -> None:
             raise
 
 
-def run(sequential: int, burst: int, kwok_nodes: int, kwok_gpus: int) -> dict[str, Any]:
-    spec = ClusterSpec(name="bench-operator", kwok_nodes=kwok_nodes, kwok_gpus=kwok_gpus, process_nodes=1)
+def run(
+    sequential: int, burst: int, kwok_nodes: int, kwok_gpus: int, cluster_dir: Path | None = None
+) -> dict[str, Any]:
+    """Measure on a private cluster, or on the running one in ``cluster_dir`` (left running: the
+    chart is uninstalled and the bench's namespaces deleted afterwards)."""
     with tempfile.TemporaryDirectory(prefix="bench-operator-") as tmp:
-        state = start_cluster(spec, find_binaries(), directory=Path(tmp) / "cluster", timeout_s=180.0)
+        if cluster_dir is None:
+            spec = ClusterSpec(
+                name="bench-operator", kwok_nodes=kwok_nodes, kwok_gpus=kwok_gpus, process_nodes=1
+            )
+            state = start_cluster(spec, find_binaries(), directory=Path(tmp) / "cluster", timeout_s=180.0)
+        else:
+            state = ClusterState.load(cluster_dir)
         cluster = DevCluster.attach(state)
         try:
             install_operator(cluster, Path(tmp))
-            for ns in ("seq", "burst"):
+            for ns in NAMESPACES:
                 create_namespace(cluster, ns)
             pid = operator_pid(cluster)
             latencies = []
             for i in range(sequential):
                 name = f"seq-{i}"
                 start = time.monotonic()
-                create(cluster, "seq", name)
-                wait_all(cluster, "seq", {name}, 60, 0.02)
+                create(cluster, SEQ_NS, name)
+                wait_all(cluster, SEQ_NS, {name}, 60, 0.02)
                 latencies.append(time.monotonic() - start)
             names = {f"burst-{i}" for i in range(burst)}
             start = time.monotonic()
             for name in sorted(names):
-                create(cluster, "burst", name)
+                create(cluster, BURST_NS, name)
             create_s = time.monotonic() - start
-            wait_all(cluster, "burst", names, 600, 0.2)
+            wait_all(cluster, BURST_NS, names, 600, 0.2)
             burst_s = time.monotonic() - start
             rss = peak_rss_mb(pid)
             pods = burst * PODS_PER_RESOURCE
             wait_for(
-                f"{pods} pods Running and Ready", lambda: running_pods(cluster, "burst") >= pods, 600, 1.0
+                f"{pods} pods Running and Ready", lambda: running_pods(cluster, BURST_NS) >= pods, 600, 1.0
             )
             pods_s = time.monotonic() - start
             counts = operator_counts(operator_metrics(cluster))
         finally:
-            cluster.close()
-            stop_cluster(state)
+            if cluster_dir is None:
+                cluster.close()
+                stop_cluster(state)
+            else:
+                leave_cluster(cluster)
     resources = sequential + burst
     requests = counts.get("baton_operator_api_requests_total", Counter())
     patches = counts.get("baton_operator_status_patches_total", Counter())
@@ -207,8 +240,23 @@ def main() -> int:
     # 110 pods per kwok node: 8 nodes hold the 750 pods of 250 resources, 64 GPUs each their 500.
     parser.add_argument("--kwok-nodes", type=int, default=8)
     parser.add_argument("--kwok-gpus", type=int, default=64)
+    parser.add_argument(
+        "--cluster-dir",
+        type=Path,
+        help="measure on this running local cluster (baton-dev's state directory; it needs kwok nodes "
+        "and a process node) instead of starting one",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="2 sequential + 4 burst resources on 1 kwok node: a smoke run"
+    )
     args = parser.parse_args()
-    result = run(args.sequential, args.burst, args.kwok_nodes, args.kwok_gpus)
+    if args.quick:
+        args.sequential, args.burst, args.kwok_nodes, args.kwok_gpus = 2, 4, 1, 16
+    result = {
+        "bench": "operator",
+        "quick": args.quick,
+        **run(args.sequential, args.burst, args.kwok_nodes, args.kwok_gpus, args.cluster_dir),
+    }
     if args.json:
         print(json.dumps(result))
     else:

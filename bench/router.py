@@ -20,7 +20,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,14 +29,10 @@ from contextlib import contextmanager
 
 import httpx
 
+from baton_support.ports import free_port
+
 _STAMP = re.compile(rb'"t":(\d+)')
 BODY = {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 100}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
@@ -157,9 +152,12 @@ def main() -> None:
     p.add_argument("--interval-ms", type=float, default=20.0, help="time between events of one stream")
     p.add_argument("--rounds", type=int, default=5, help="direct and routed phases, alternating")
     p.add_argument("--json", action="store_true", help="print only the JSON result line")
+    p.add_argument("--quick", action="store_true", help="4 streams x 20 events, one round: a smoke run")
     args = p.parse_args()
+    if args.quick:
+        args.streams, args.chunks, args.interval_ms, args.rounds = 4, 20, 5.0, 1
 
-    upstream_port, router_port = _free_port(), _free_port()
+    upstream_port, router_port = free_port(), free_port()
     upstream = f"http://127.0.0.1:{upstream_port}"
     router = f"http://127.0.0.1:{router_port}"
     path = "/v1/chat/completions"
@@ -204,6 +202,7 @@ def main() -> None:
     direct, routed = samples["direct"], samples["router"]
     result = {
         "bench": "router",
+        "quick": args.quick,
         "mode": "disaggregated",
         "streams": args.streams,
         "interval_ms": args.interval_ms,

@@ -143,9 +143,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--sizes", type=str, default=",".join(str(n) for n in SIZES))
+    parser.add_argument("--quick", action="store_true", help="N = 16 and 64, 2 windows each: a smoke run")
     args = parser.parse_args()
-    sizes = tuple(int(x) for x in args.sizes.split(","))
-    result = run(args.repeats, sizes)
+    sizes = (16, 64) if args.quick else tuple(int(x) for x in args.sizes.split(","))
+    result = {"bench": "scheduler", "quick": args.quick, **run(2 if args.quick else args.repeats, sizes)}
     if not args.json:
         for key in ("us_per_step", "us_per_seq_step"):
             print(key, result[key], "mixed:", result["mixed"][key])  # type: ignore[index]

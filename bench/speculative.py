@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -142,14 +143,14 @@ def timed_generate(
     return elapsed, cpu, [out.outputs[0].token_ids for out in outputs]
 
 
-def cpu_part(args: argparse.Namespace) -> tuple[dict[str, Any], Trace]:
+def cpu_part(args: argparse.Namespace, model: str = MODEL) -> tuple[dict[str, Any], Trace]:
     from baton_engine.llm import LLM
     from baton_engine.sampling_params import SamplingParams
 
     common = dict(dtype="float32", num_kv_blocks=1024, max_num_seqs=64, max_num_batched_tokens=2048)
-    off = LLM(MODEL, **common)
+    off = LLM(model, **common)
     on = LLM(
-        MODEL,
+        model,
         **common,
         speculative="ngram",
         num_speculative_tokens=args.k,
@@ -174,7 +175,7 @@ def cpu_part(args: argparse.Namespace) -> tuple[dict[str, Any], Trace]:
         cpu_on.append(c)
     generated = sum(len(o) for o in outputs_on)
     result = {
-        "model": MODEL,
+        "model": model if model == MODEL else "tiny random Llama (chat tokenizer)",
         "num_prompts": len(prompts),
         "mean_prompt_tokens": round(statistics.mean(len(p) for p in prompts), 1),
         "max_tokens": args.max_tokens,
@@ -379,12 +380,22 @@ def main() -> None:
         help="skip the CPU part and project from a trace saved by --save-trace (for a GPU machine that "
         "lacks the SmolLM2 package)",
     )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run of both parts on this device: a tiny random chat model, 2 prompts x 16 tokens, "
+        "K=4, and the verify-step projection on the tiny shape (2 rows x 32 tokens, 2 repeats)",
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.num_prompts, args.max_tokens, args.k, args.repeats = 2, 16, 4, 1
+        args.gpu_shape, args.gpu_batch_size, args.gpu_context, args.gpu_repeats = "tiny", 2, 32, 2
     if args.threads:
         torch.set_num_threads(args.threads)
 
     result: dict[str, Any] = {
         "bench": "speculative",
+        "quick": args.quick,
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
@@ -398,6 +409,12 @@ def main() -> None:
         cpu, trace = saved["cpu"], Trace(**saved["trace"])
         args.k = saved["k"]
         cpu["cpu_part_from"] = args.trace_from
+    elif args.quick:  # a tiny random chat model: the whole path in seconds, no figure
+        from baton_support.tiny_models import CHAT
+
+        with tempfile.TemporaryDirectory(prefix="bench-speculative-") as tmp:
+            CHAT.save(Path(tmp))
+            cpu, trace = cpu_part(args, tmp)
     else:
         cpu, trace = cpu_part(args)
     if args.save_trace:
@@ -415,7 +432,7 @@ def main() -> None:
         "speedup_gpu_projected": None,
         "speedup_gpu_is_projection": True,
     }
-    if args.device != "cpu":
+    if args.device != "cpu" or args.quick:
         shape = LLAMA_32_1B_SHAPE if args.gpu_shape == "llama-3.2-1b" else TINY_SHAPE
         batch = args.gpu_batch_size or args.num_prompts
         runner_info: dict[str, Any] = {}

@@ -10,8 +10,10 @@ bash devcluster/scripts/build.sh
 export PATH="$root/.venv/bin:$PATH"
 echo "== ruff"
 ruff check .
-ruff format --check engine operator devcluster bench tests
-echo "== mypy (operator, devcluster)"
+ruff format --check engine operator devcluster support bench tests
+echo "== mypy (operator, devcluster, support)"
 mypy
+echo "== docs (mkdocs build --strict: a broken link or a page missing from the nav fails)"
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet
 echo "== pytest"
 python -m pytest "$@"

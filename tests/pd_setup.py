@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from baton_engine import contract
-from tests.ports import free_port
+from baton_support.ports import free_port
 
 KEY = "pd-test-deployment-key"
 BLOCK_SIZE = 16

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
+from baton_engine import __version__
 from baton_engine.config import EngineConfig
 
 DEFAULT_GRACE_SECONDS = 30.0
@@ -59,6 +60,7 @@ def _add_field(parser: argparse.ArgumentParser, name: str, info: FieldInfo) -> N
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton-engine", description="Baton inference engine.")
+    parser.add_argument("--version", action="version", version=f"baton-engine {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
@@ -79,6 +81,23 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="Log verbosity."
     )
+    export = commands.add_parser(
+        "export",
+        help="Write a GGUF model as a Hugging Face folder (config.json, safetensors, tokenizer).",
+        description="Write a GGUF model as a Hugging Face folder that vLLM and transformers load: "
+        "the weights Baton dequantizes and the tokenizer Baton rebuilds. A re-run on the same "
+        "source and dtype keeps the existing folder; any other non-empty folder is refused.",
+    )
+    export.add_argument(
+        "--model", required=True, help="A GGUF model reference (builtin:<name> or a .gguf path)."
+    )
+    export.add_argument("--output", required=True, help="The folder to write.")
+    export.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="Weights dtype (default: float32).",
+    )
     return parser
 
 
@@ -98,9 +117,27 @@ def main(argv: list[str] | None = None) -> int:
                 f"{flag_name(str(e['loc'][0])) if e['loc'] else 'config'}: {e['msg']}" for e in exc.errors()
             )
             parser.error(problems)
+        from baton_engine.loader.reference import ModelNotFoundError, resolve_model
+
+        try:  # before anything starts: a wrong --model is one line, not a failed load
+            resolve_model(config.model)
+        except ModelNotFoundError as exc:
+            print(f"baton-engine serve: error: --model: {exc}", file=sys.stderr)
+            return 2
         from baton_engine.server.serve import serve
 
         return serve(config, grace_seconds=args.shutdown_grace_seconds, log_level=args.log_level)
+    if args.command == "export":
+        from pathlib import Path
+
+        from baton_engine.loader.hf_export import ExportError, export_hf_folder
+        from baton_engine.loader.reference import ModelNotFoundError
+
+        try:
+            print(export_hf_folder(args.model, Path(args.output), args.dtype))
+        except (ExportError, ModelNotFoundError) as exc:
+            parser.error(str(exc))
+        return 0
     parser.error(f"unknown command {args.command!r}")
     return 2
 

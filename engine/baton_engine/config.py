@@ -76,6 +76,11 @@ class EngineConfig(BaseModel):
     # -- server
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(contract.DEFAULT_HTTP_PORT, ge=1, le=65535, description="HTTP port.")
+    max_request_body_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=1024,
+        description="Largest HTTP request body accepted; larger ones get HTTP 413 before they are read.",
+    )
 
     # -- P/D and KV events
     kv_role: Literal["producer", "consumer", "both", "none"] = Field(

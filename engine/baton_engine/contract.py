@@ -113,6 +113,27 @@ def pod_selector(deployment: str, role: str) -> dict[str, str]:
     return {LABEL_DEPLOYMENT: deployment, LABEL_ROLE: role}
 
 
+#: On every engine pod (not the router's): what an InferencePool selects.
+LABEL_ENGINE: Final = "baton.dev/engine"
+#: The role label llm-d's scheduler (its prefill and decode filters) reads, and its values.
+LABEL_LLMD_ROLE: Final = "llm-d.ai/role"
+LLMD_ROLE_OF: Final[dict[str, str]] = {
+    ROLE_PREFILL: "prefill",
+    ROLE_DECODE: "decode",
+    ROLE_AGGREGATED: "prefill-decode",
+}
+
+
+def engine_pods_selector(deployment: str) -> dict[str, str]:
+    """The label selector of every engine pod (all roles, no router) of one InferenceDeployment."""
+    return {LABEL_DEPLOYMENT: deployment, LABEL_ENGINE: "true"}
+
+
+def engine_pod_labels(deployment: str, role: str) -> dict[str, str]:
+    """Labels an engine pod of `role` carries beyond its Deployment's selector."""
+    return {**engine_pods_selector(deployment), LABEL_LLMD_ROLE: LLMD_ROLE_OF[role]}
+
+
 # --------------------------------------------------------------------------- HTTP paths
 
 PATH_HEALTH: Final = "/health"

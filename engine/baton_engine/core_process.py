@@ -24,6 +24,8 @@ from baton_engine import ipc
 from baton_engine.config import EngineConfig
 from baton_engine.engine_core import EngineCore
 from baton_engine.engine_outputs import RequestOutput
+from baton_engine.loader.reference import ModelNotFoundError
+from baton_engine.model.config import UnsupportedArchitectureError
 from baton_engine.sampling_params import SamplingParams
 
 log = logging.getLogger("baton_engine.core")
@@ -38,6 +40,8 @@ class _LoopState:
     was_busy: bool = False
     utility_results: list[list[Any]] = field(default_factory=list)
     rejected: list[RequestOutput] = field(default_factory=list)
+    vocab_size: int | None = None
+    """Token ids must be below it (the server checks first; a bad id would fail the forward)."""
 
 
 def _handle(core: EngineCore, kind: str, payload: Any, state: _LoopState) -> None:
@@ -45,6 +49,10 @@ def _handle(core: EngineCore, kind: str, payload: Any, state: _LoopState) -> Non
         request_id, prompt_ids, params, arrival, *rest = payload
         kv_transfer_params = rest[0] if rest else None
         try:
+            vocab = state.vocab_size
+            bad = None if vocab is None else next((t for t in prompt_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
             core.add_request(
                 request_id,
                 prompt_ids,
@@ -80,9 +88,15 @@ def _handle(core: EngineCore, kind: str, payload: Any, state: _LoopState) -> Non
         log.error("unknown message kind %r", kind)
 
 
-def serve_core(core: EngineCore, pull: zmq.Socket[bytes], push: zmq.Socket[bytes], parent_pid: int) -> None:
+def serve_core(
+    core: EngineCore,
+    pull: zmq.Socket[bytes],
+    push: zmq.Socket[bytes],
+    parent_pid: int,
+    vocab_size: int | None = None,
+) -> None:
     """The core's loop; returns on shutdown or when the parent is gone."""
-    state = _LoopState()
+    state = _LoopState(vocab_size=vocab_size)
     next_parent_check = time.monotonic() + PARENT_CHECK_SECONDS
     while not state.shutdown:
         now = time.monotonic()
@@ -161,21 +175,31 @@ def main(argv: list[str] | None = None) -> int:
     push.connect(args.output)
     push.setsockopt(zmq.LINGER, 2000)
     pull.setsockopt(zmq.LINGER, 0)
+    started = time.monotonic()
     try:
         from baton_engine.engine_factory import build_engine_core
 
         config = EngineConfig.model_validate_json(args.config_json)
+        log.info("engine core %d: loading %s on %s", os.getpid(), config.model, config.device)
         core, info = build_engine_core(config)
         publisher = _start_kv_event_publisher(config, info.name)
         if publisher is not None:
             core.kv_event_sink = publisher.publish
     except Exception as exc:  # report any loading failure to the server, then exit
-        log.exception("engine core failed to start")
+        if isinstance(exc, ModelNotFoundError | UnsupportedArchitectureError | FileNotFoundError):
+            log.error("engine core failed to start: %s", exc)  # the message says it all
+        else:
+            log.exception("engine core failed to start")
         push.send(ipc.encode(ipc.FAILED, f"{type(exc).__name__}: {exc}"))
         push.close()
         pull.close()
         ctx.term()
         return 1
+    log.info(
+        "engine core ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d",
+        time.monotonic() - started, core.scheduler.block_manager.num_blocks, core.scheduler.block_size,
+        info.max_model_len,
+    )  # fmt: skip
     push.send(
         ipc.encode(
             ipc.READY,
@@ -191,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     try:
-        serve_core(core, pull, push, args.parent_pid)
+        serve_core(core, pull, push, args.parent_pid, info.vocab_size)
     finally:
         if publisher is not None:
             publisher.shutdown()

@@ -162,7 +162,11 @@ class EngineCore:
             self.kv_connector.after_schedule()
         touched: dict[int, _Request] = {}
         if out.num_rows:
-            result = self.runner.execute(out)
+            try:
+                result = self.runner.execute(out)
+            except BaseException:
+                sched.discard_step(out)  # the scheduler stays usable: the next step recomputes these tokens
+                raise
             step = sched.postprocess(out, result)
             self._num_steps += 1
             logprobs = result.logprobs

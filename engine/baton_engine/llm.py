@@ -1,7 +1,12 @@
 """The offline API: ``LLM(model=..., **engine settings).generate(prompts, params)``.
 
-Drives the same `EngineCore` as the server, in-process, and matches stop strings with the same
-`IncrementalDetokenizer`. Imports nothing server-only (FastAPI, uvicorn, pyzmq).
+``from baton_engine import LLM, SamplingParams``. Drives the same `EngineCore` as the server,
+in-process, and matches stop strings with the same `IncrementalDetokenizer`. Imports nothing
+server-only (FastAPI, uvicorn, pyzmq).
+
+Bad input raises `ValueError` (or `TypeError` for a wrong type) naming the argument, before
+anything reaches the engine. A call that fails later (an error in a forward, KeyboardInterrupt)
+aborts its requests and frees their KV blocks, so the `LLM` stays usable.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class GenerationOutput:
 
 class LLM:
     def __init__(self, model: str = "builtin:smollm2-135m-instruct", **engine_settings: Any) -> None:
+        """`engine_settings`: any `EngineConfig` field (``max_model_len=...``, ``device="cuda"``);
+        an unknown or invalid one raises pydantic's ValidationError naming it."""
         self.config = EngineConfig(model=model, **engine_settings)
         self.core, self.info = build_engine_core(self.config)
         self.tokenizer = self.core.runner.loaded.tokenizer  # type: ignore[attr-defined]
@@ -56,17 +63,42 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
-        else:
+        elif isinstance(sampling_params, Sequence):
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(
                     f"got {len(params_list)} sampling params for {len(prompt_list)} prompts; pass one or "
                     "one per prompt"
                 )
+        else:
+            raise TypeError(
+                "sampling_params must be a SamplingParams or a list of them, got "
+                f"{type(sampling_params).__name__}"
+            )
+        for i, params in enumerate(params_list):
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
+        # Every prompt is checked before any request reaches the engine: a bad one queues nothing.
+        encoded = [self._encode(prompt, i) for i, prompt in enumerate(prompt_list)]
         results: list[GenerationOutput] = []
         streams: dict[str, tuple[CompletionOutput, IncrementalDetokenizer | None, GenerationOutput]] = {}
-        for prompt, params in zip(prompt_list, params_list, strict=True):
-            ids = self._encode(prompt)
+        try:
+            self._add_requests(prompt_list, encoded, params_list, results, streams)
+            self._run(streams)
+        except BaseException:
+            self._abort(list(streams))
+            raise
+        return results
+
+    def _add_requests(
+        self,
+        prompt_list: list[Prompt],
+        encoded: list[list[int]],
+        params_list: list[SamplingParams],
+        results: list[GenerationOutput],
+        streams: dict[str, tuple[CompletionOutput, IncrementalDetokenizer | None, GenerationOutput]],
+    ) -> None:
+        for prompt, ids, params in zip(prompt_list, encoded, params_list, strict=True):
             result = GenerationOutput(prompt if isinstance(prompt, str) else None, ids)
             results.append(result)
             for j in range(params.n):
@@ -84,6 +116,9 @@ class LLM:
                 streams[request_id] = (completion, text, result)
                 self.core.add_request(request_id, ids, self.info.with_extra_eos(child))
 
+    def _run(
+        self, streams: dict[str, tuple[CompletionOutput, IncrementalDetokenizer | None, GenerationOutput]]
+    ) -> None:
         def on_outputs(outputs: list[RequestOutput]) -> None:
             stopped: list[str] = []
             for out in outputs:
@@ -123,22 +158,44 @@ class LLM:
                 self.core.abort_requests(stopped, "stop string matched")
 
         run_until_idle(self.core, on_outputs)
-        return results
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _abort(self, request_ids: list[str]) -> None:
+        """After a failed call: finish its requests and free their KV blocks (the core's step
+        loop runs until they are gone)."""
+        self.core.abort_requests(request_ids, "generate() failed")
+        run_until_idle(self.core, lambda outputs: None)
+
+    def _encode(self, prompt: Prompt, index: int) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompts as token id lists")
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
+                raise ValueError(
+                    f"prompts[{index}]: this model has no tokenizer; pass prompts as token id lists"
+                )
+            ids: list[int] = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and all(_is_token_id(t) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            raise TypeError(f"prompts[{index}] must be a string or a list of token ids (ints)")
         if not ids:
-            raise ValueError("a prompt must not be empty")
+            raise ValueError(f"prompts[{index}]: a prompt must not be empty")
+        vocab = self.info.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompts[{index}]: token id {bad} is out of range [0, {vocab})")
         return ids
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(
+            f"prompts must be a string, a list of token ids or a list of those, got {type(prompts).__name__}"
+        )
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [list(items)]  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
@@ -9,6 +10,13 @@ MAX_LOGPROBS = 20
 
 MAX_N = 16
 """Most parallel completions (`n`) one request may ask for."""
+
+MAX_INT32 = 2**31 - 1
+"""Largest `top_k`, `max_tokens` and token id: the persistent batch keeps them in int32 columns."""
+
+MAX_TEMPERATURE = 1e4
+"""Largest temperature: far past the point where sampling is uniform, and finite in float32
+(the batch's column) so that ``logits / temperature`` never divides by zero or infinity."""
 
 
 def _is_number(value: object) -> bool:
@@ -28,11 +36,11 @@ class SamplingParams:
     """
 
     temperature: float = 1.0
-    """0 means greedy."""
+    """0 means greedy; finite, at most `MAX_TEMPERATURE`."""
     top_p: float = 1.0
     """Nucleus mass in (0, 1]; 1 disables it."""
     top_k: int = -1
-    """Keep the k most likely tokens; -1 or 0 disables it."""
+    """Keep the k most likely tokens; -1 or 0 disables it; at most `MAX_INT32` (k >= vocab keeps all)."""
     max_tokens: int = 16
     """Most generated tokens."""
     stop: tuple[str, ...] = ()
@@ -59,23 +67,31 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if not _is_number(self.temperature) or not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if (
+            not _is_number(self.temperature)
+            or not math.isfinite(self.temperature)
+            or not 0.0 <= self.temperature <= MAX_TEMPERATURE
+        ):
+            raise ValueError(
+                f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}"
+            )
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (-1 or 0 disables it), got {self.top_k!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT32:
+            raise ValueError(
+                f"top_k must be an integer in [-1, {MAX_INT32}] (-1 or 0 disables it), got {self.top_k!r}"
+            )
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32:
+            raise ValueError(f"max_tokens must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}")
         if not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop must not contain empty strings")
         if not isinstance(self.stop_token_ids, tuple) or not all(
-            _is_int(t) and t >= 0 for t in self.stop_token_ids
+            _is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids
         ):
             raise ValueError(
-                f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}"
+                f"stop_token_ids must be a list of integers in [0, {MAX_INT32}], got {self.stop_token_ids!r}"
             )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")

@@ -40,7 +40,9 @@ class Tokenizer:
         return None if found is None else int(found)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch releases the GIL while it runs (encode holds it): a long prompt tokenized
+        # in a worker thread then leaves the server's event loop free.
+        ids = list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)

@@ -1,7 +1,8 @@
 """The InferenceDeployment reference in Markdown, rendered from the CRD schema that
 `baton_operator.crd` derives from the pydantic models (so the reference cannot drift from them).
 
-``python -m baton_operator.crd_reference`` rewrites the block between the markers in README.md;
+``python -m baton_operator.crd_reference`` rewrites the block between the markers in
+docs/reference/inferencedeployment.md (the docs site's reference page);
 ``--check`` exits 1 when the committed block is stale; ``--stdout`` prints the block.
 """
 
@@ -142,7 +143,12 @@ def replace_block(document: str, block: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m baton_operator.crd_reference", description=__doc__)
-    parser.add_argument("--readme", type=Path, default=Path("README.md"), help="document holding the block")
+    parser.add_argument(
+        "--readme",
+        type=Path,
+        default=Path("docs/reference/inferencedeployment.md"),
+        help="document holding the block",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="exit 1 if the committed block is stale")
     mode.add_argument("--stdout", action="store_true", help="print the block only")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -16,3 +17,6 @@ class Event:
 #: Called with each Event the moment what it reports has happened, so that work that fails later
 #: still reports it (and a retry, which finds it done, does not report it again).
 EventSink = Callable[[Event], None]
+
+#: Posts an Event about the resource whose body is given (the operator: through Kopf).
+Poster = Callable[[Mapping[str, Any], Event], None]

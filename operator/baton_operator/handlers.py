@@ -1,38 +1,26 @@
-"""Kopf handlers: thin wrappers that call `reconcile` and record metrics and Events.
+"""Kopf handlers: thin wrappers that hand each resource's work to its jobs (`workers`) and keep
+the watch caches.
 
-Handlers are registered into a given registry by `register()` (not at import), so the resync
-interval is a run-time option and tests can build their own operator.
+Kopf's own handlers only ask: a created, changed (spec) or resumed resource gets a reconcile
+from its reconcile job at once. The owner watch starts, updates and ends the resource's jobs;
+the child Deployment watch triggers coalesced status refreshes. Handlers are registered into a
+given registry by `register()` (not at import), so tests can build their own operator.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
 from baton_engine import contract
-from baton_operator import autoscale_handler, metrics, models
+from baton_operator import metrics, models
 from baton_operator.coalesce import Coalescer
-from baton_operator.events import Event
 from baton_operator.kube import Kube, KubeError
-from baton_operator.reconcile import (
-    Caches,
-    InvalidSpec,
-    OperatorConfig,
-    reconcile,
-    refresh_status,
-)
+from baton_operator.memo import OperatorMemo
+from baton_operator.reconcile import Caches, refresh_status
 
-RETRY_DELAY_S = 10.0
-#: Reconciles running at once. The API server sets the pace of a burst anyway; past this, more
-#: at once only hold more state, and finish together, when Kopf opens a TLS connection (a few
-#: hundred kB each) per concurrent bookkeeping patch.
-MAX_CONCURRENT_RECONCILES = 32
 #: A child's status changes arrive in bursts (pods scheduled, started, Ready, for three
 #: Deployments): the owner's status is recomputed once per burst, this long after its start.
 REFRESH_DELAY_S = 0.5
@@ -54,39 +42,6 @@ def status_refresher(kube: Kube, caches: Caches, delay_s: float = REFRESH_DELAY_
     return Coalescer(refresh, delay_s)
 
 
-async def _reconcile(trigger: str, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | Any) -> None:
-    kube: Kube = memo["kube"]
-    cfg: OperatorConfig = memo["config"]
-    slots: asyncio.Semaphore = memo["reconcile_slots"]
-    started = time.perf_counter()
-    result = "ok"
-
-    def post(event: Event) -> None:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
-
-    try:
-        async with slots:
-            outcome = await reconcile(kube, body, cfg, caches=memo["caches"], on_event=post)
-    except InvalidSpec as exc:
-        result = "invalid"
-        metrics.RECONCILE_ERRORS.labels("InvalidSpec").inc()
-        kopf.warn(body, reason="InvalidSpec", message=str(exc)[:1024])
-        raise kopf.PermanentError(str(exc)) from exc
-    except KubeError as exc:
-        result = "error"
-        metrics.RECONCILE_ERRORS.labels(f"HTTP{exc.status}").inc()
-        kopf.warn(body, reason="ReconcileFailed", message=str(exc)[:1024])
-        raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
-    finally:
-        metrics.RECONCILES.labels(trigger, result).inc()
-        metrics.RECONCILE_SECONDS.labels(trigger).observe(time.perf_counter() - started)
-    metrics.CHILDREN_APPLIED.inc(outcome.applied)
-    if trigger in ("create", "update"):
-        message = f"applied {outcome.applied} children ({trigger})"
-        kopf.event(body, type="Normal", reason="Reconciled", message=message)
-    logger.debug("reconciled (%s): %d children applied", trigger, outcome.applied)
-
-
 def owner_key(child: Mapping[str, Any]) -> tuple[str, str] | None:
     """(namespace, name) of the InferenceDeployment owning a child, None if none does."""
     meta = child.get("metadata", {})
@@ -96,58 +51,36 @@ def owner_key(child: Mapping[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def _without_finalizer(registry: kopf.OperatorRegistry, fn: Any) -> None:
-    # Kopf marks every timer and daemon as needing a finalizer (to stop it before deletion).
-    # Baton's only re-apply children or patch replicas, which is harmless if it races a
-    # deletion, and Baton promises no finalizers (garbage collection deletes the children), so
-    # the flag is cleared.
-    spawning = registry._spawning
-    spawning._handlers = [
-        dataclasses.replace(h, requires_finalizer=False) if h.fn is fn else h for h in spawning._handlers
-    ]
-
-
-def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
+def register(registry: kopf.OperatorRegistry) -> None:
     """Register Baton's handlers into `registry`."""
     group, version, plural = models.GROUP, models.VERSION, models.PLURAL
 
     @kopf.on.create(group, version, plural, registry=registry, id="reconcile")
-    async def on_create(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-        await _reconcile("create", body, memo, logger)
+    async def on_create(body: kopf.Body, memo: OperatorMemo, **_: Any) -> None:
+        memo.workers.request(dict(body), "create")
 
     @kopf.on.update(group, version, plural, registry=registry, id="reconcile", field="spec")
-    async def on_update(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-        await _reconcile("update", body, memo, logger)
+    async def on_update(body: kopf.Body, memo: OperatorMemo, **_: Any) -> None:
+        memo.workers.request(dict(body), "update")
 
     @kopf.on.resume(group, version, plural, registry=registry, id="reconcile")
-    async def on_resume(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-        await _reconcile("resume", body, memo, logger)
-
-    @kopf.timer(
-        group,
-        version,
-        plural,
-        registry=registry,
-        id="resync",
-        interval=resync_seconds,
-        initial_delay=resync_seconds,
-    )
-    async def resync(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-        await _reconcile("timer", body, memo, logger)
-
-    _without_finalizer(registry, resync)
-    _without_finalizer(registry, autoscale_handler.register(registry))
+    async def on_resume(body: kopf.Body, memo: OperatorMemo, **_: Any) -> None:
+        memo.workers.request(dict(body), "resume")
 
     @kopf.on.event(group, version, plural, registry=registry, id=OWNER_EVENTS_ID)
-    async def owner_seen(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
-        # Every version of every InferenceDeployment, our own status patches included, so that
-        # a status refresh reads its spec and stored status from memory.
-        caches: Caches = memo["caches"]
+    async def owner_seen(body: kopf.Body, type: str | None, memo: OperatorMemo, **_: Any) -> None:
+        # Every version of every InferenceDeployment, our own status patches included: the
+        # cache lets a status refresh read spec and stored status from memory, and tells the
+        # jobs which UID is live. The jobs' tasks start here, inside Kopf's handling of this
+        # resource, so that their Events go out through Kopf's posting queue.
+        snapshot = dict(body)
         if type == "DELETED":
-            caches.owners.forget(body)
-            memo["refresher"].cancel((body["metadata"]["namespace"], body["metadata"]["name"]))
+            memo.caches.owners.forget(snapshot)
+            memo.workers.forget(snapshot)
+            memo.refresher.cancel((body["metadata"]["namespace"], body["metadata"]["name"]))
         else:
-            caches.owners.observe(body)
+            memo.caches.owners.observe(snapshot)
+            memo.workers.observe(snapshot)
 
     @kopf.on.event(
         "apps",
@@ -157,8 +90,8 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
         labels={contract.LABEL_MANAGED_BY: contract.MANAGED_BY},
         id=CHILD_EVENTS_ID,
     )
-    async def child_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
-        caches: Caches = memo["caches"]
+    async def child_changed(body: kopf.Body, type: str | None, memo: OperatorMemo, **_: Any) -> None:
+        caches = memo.caches
         if type == "DELETED":
             caches.deployments.forget(body)
             changed = True
@@ -168,5 +101,4 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
             changed = caches.deployments.observe(body)
         key = owner_key(body)
         if changed and key is not None and type is not None:  # None: the initial listing
-            refresher: Coalescer = memo["refresher"]
-            refresher.request(key)
+            memo.refresher.request(key)

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import kopf
 
-from baton_operator import metrics, models
+from baton_operator import models
 
 FIELD_MANAGER = "baton-operator"
 #: Optional CRDs (PodMonitor) are looked up at most this often per operator.
@@ -26,6 +26,9 @@ CRD_CACHE_SECONDS = 60.0
 #: waits here rather than in memory; more would not help an API server on a few cores anyway.
 MAX_IN_FLIGHT = 32
 JSON = dict[str, Any]
+#: Told of every request sent, with its verb and the resource its path names (see `resource_of`);
+#: the operator counts them in a metric.
+RequestHook = Callable[[str, str], None]
 
 #: (apiVersion, kind) -> plural of every kind the operator writes or reads.
 PLURALS: dict[tuple[str, str], str] = {
@@ -39,6 +42,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     (models.API_VERSION, models.KIND): models.PLURAL,
 }
 
@@ -118,10 +122,14 @@ class Kube:
     once however many concurrent requests got that 401."""
 
     def __init__(
-        self, credentials: Callable[[], kopf.ConnectionInfo] = login, field_manager: str = FIELD_MANAGER
+        self,
+        credentials: Callable[[], kopf.ConnectionInfo] = login,
+        field_manager: str = FIELD_MANAGER,
+        on_request: RequestHook | None = None,
     ) -> None:
         self.credentials = credentials
         self.field_manager = field_manager
+        self.on_request = on_request
         self._session: aiohttp.ClientSession | None = None
         self._info: kopf.ConnectionInfo | None = None
         self._auth_headers: dict[str, str] = {}
@@ -185,7 +193,8 @@ class Kube:
         for attempt in (1, 2):
             session = self._connect()
             generation = self._login_generation
-            metrics.API_REQUESTS.labels(method, resource_of(path)).inc()
+            if self.on_request is not None:
+                self.on_request(method, resource_of(path))
             headers = {**self._auth_headers, "Content-Type": content_type, "Accept": "application/json"}
             try:
                 async with session.request(
@@ -255,6 +264,15 @@ class Kube:
                 return None
             raise
 
+    async def get_path(self, path: str) -> JSON | None:
+        """GET any API path; None when it is not found."""
+        try:
+            return await self._call("GET", path)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     async def list(
         self, api_version: str, kind: str, namespace: str, labels: Mapping[str, str]
     ) -> list[JSON]:
@@ -281,7 +299,26 @@ class Kube:
         self._crds[name] = (exists, now)
         return exists
 
-    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> JSON:
-        """Merge-patch the InferenceDeployment's status subresource (other status keys are kept)."""
+    def forget_crd(self, name: str) -> None:
+        """Drop the cached answer about a CRD (the API has just contradicted it)."""
+        self._crds.pop(name, None)
+
+    async def patch_status(
+        self, namespace: str, name: str, status: Mapping[str, Any], field_manager: str | None = None
+    ) -> JSON:
+        """Merge-patch the InferenceDeployment's status subresource (other status keys are kept),
+        under the operator's field manager (or `field_manager`)."""
         path = object_path(models.API_VERSION, models.KIND, namespace, name) + "/status"
-        return await self._call("PATCH", path, {"status": dict(status)}, None, "application/merge-patch+json")
+        query = [("fieldManager", field_manager or self.field_manager)]
+        return await self._call(
+            "PATCH", path, {"status": dict(status)}, query, "application/merge-patch+json"
+        )
+
+    async def set_owner(self, manifest: Mapping[str, Any]) -> None:
+        """Make `manifest`'s owner references the only ones of the existing object (a merge
+        patch: the list is replaced), without reading it (the operator may not read Secrets)."""
+        owners = {"metadata": {"ownerReferences": manifest["metadata"]["ownerReferences"]}}
+        query = [("fieldManager", self.field_manager)]
+        await self._call(
+            "PATCH", path_of(manifest), owners, query, "application/merge-patch+json", answer=False
+        )

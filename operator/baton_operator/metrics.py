@@ -33,6 +33,13 @@ API_REQUESTS = Counter(
     "Requests the operator's own client sent to the API server (Kopf's watches not included).",
     ["verb", "resource"],
 )
+
+
+def count_api_request(verb: str, resource: str) -> None:
+    """The operator's `Kube` request hook."""
+    API_REQUESTS.labels(verb, resource).inc()
+
+
 CHILDREN_APPLIED = Counter("baton_operator_children_applied", "Child objects server-side applied.")
 ACTIVE = Gauge("baton_operator_active", "1 while this replica is the active peer (processing events).")
 AUTOSCALER = AutoscalerMetrics(REGISTRY)

@@ -90,13 +90,20 @@ def _copy(value: Any) -> Any:
     return value
 
 
+#: Deleted objects remembered per cache (their names' last deleted UIDs), so that a late copy of
+#: one (a handler still holding its body) is not taken for a live object. Oldest forgotten first.
+MAX_TOMBSTONES = 4096
+
+
 class ObjectCache:
     """Views (`view(obj)`: small copies) of one kind's objects by (namespace, name); the newest
-    resourceVersion wins."""
+    resourceVersion wins, across UIDs too (a re-created object has a higher one than its
+    predecessor's last), and a UID once deleted is never taken back."""
 
     def __init__(self, view: View) -> None:
         self.view = view
         self._objects: dict[Key, dict[str, Any]] = {}
+        self._deleted: dict[Key, str] = {}  # key -> UID of the object last deleted there
 
     def __len__(self) -> int:
         return len(self._objects)
@@ -104,26 +111,40 @@ class ObjectCache:
     def get(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._objects.get((namespace, name))
 
+    def uid(self, namespace: str, name: str) -> str | None:
+        """UID of the object held under that name (the live one, as far as this cache knows)."""
+        held = self._objects.get((namespace, name))
+        return None if held is None else held["metadata"].get("uid")
+
     def observe(self, obj: Mapping[str, Any]) -> bool:
-        """Store `obj` unless the cache holds a newer version of it. True when the cached fields
-        (all but metadata) changed: a first sight, a new object of that name, or new content."""
+        """Store `obj` unless the cache holds a newer version of it (or of a newer object of its
+        name), or it was deleted. True when the cached fields (all but metadata) changed: a first
+        sight, a new object of that name, or new content."""
         meta = obj.get("metadata", {})
         key = (meta.get("namespace", ""), meta.get("name", ""))
-        held = self._objects.get(key)
-        fresh = self.view(obj)
-        if held is None or held["metadata"].get("uid") != meta.get("uid"):
-            self._objects[key] = fresh
-            return True
-        old, new = resource_version(held), resource_version(obj)
-        if old is not None and new is not None and new < old:
+        if meta.get("uid") is not None and self._deleted.get(key) == meta.get("uid"):
             return False
+        held = self._objects.get(key)
+        old, new = (None if held is None else resource_version(held)), resource_version(obj)
+        if held is not None and old is not None and new is not None and new < old:
+            return False
+        fresh = self.view(obj)
         self._objects[key] = fresh
+        if held is None or held["metadata"].get("uid") != meta.get("uid"):
+            return True
         return _content(held) != _content(fresh)
 
     def forget(self, obj: Mapping[str, Any]) -> None:
-        """Drop the object (it was deleted) unless a newer one of that name (another uid) is held."""
+        """Drop the object (it was deleted) unless a newer one of that name (another uid) is
+        held; either way its UID is never taken back."""
         meta = obj.get("metadata", {})
         key = (meta.get("namespace", ""), meta.get("name", ""))
+        uid = meta.get("uid")
         held = self._objects.get(key)
-        if held is not None and held["metadata"].get("uid") == meta.get("uid"):
+        if held is not None and held["metadata"].get("uid") == uid:
             del self._objects[key]
+        if uid is not None:
+            self._deleted.pop(key, None)
+            self._deleted[key] = uid
+            while len(self._deleted) > MAX_TOMBSTONES:
+                del self._deleted[next(iter(self._deleted))]

@@ -23,7 +23,16 @@ from baton_operator.events import Event, EventSink
 from baton_operator.kube import Kube, KubeError
 from baton_operator.models import InferenceDeploymentSpec
 from baton_operator.object_cache import ObjectCache, deployment_view, owner_view
-from baton_operator.status import Observed, compute_status, status_changed, stored_error
+from baton_operator.status import (
+    CHILD_REFUSED,
+    RECONCILE_FAILED,
+    Failure,
+    Observed,
+    compute_status,
+    status_changed,
+    stored_failure,
+)
+from baton_operator.workers import ResourceGone, ResourceId
 
 
 @dataclass(frozen=True)
@@ -43,8 +52,40 @@ class InvalidSpec(ValueError):
     """The stored spec fails the models (the CRD should have refused it): not retried."""
 
 
+#: HTTP statuses of a child write that the same write will get again (the spec, or something in
+#: the cluster such as an admission policy or a foreign object of that name, must change first).
+REFUSED_STATUSES = frozenset({400, 403, 422})
+
+
+class ChildWriteError(KubeError):
+    """A child's write failed; names the child."""
+
+    def __init__(self, manifest: Mapping[str, Any], error: KubeError) -> None:
+        self.kind = str(manifest["kind"])
+        self.child = str(manifest["metadata"]["name"])
+        self.api_message = error.message
+        super().__init__(error.status, f"{self.kind} {self.child}: {error.message}", error.reason)
+
+    @property
+    def refused(self) -> bool:
+        return self.status in REFUSED_STATUSES
+
+
+def failure_of(exc: BaseException) -> Failure:
+    """How Ready and Degraded report a reconcile that stopped with `exc`."""
+    if isinstance(exc, ChildWriteError) and exc.refused:
+        refusal = f"{exc.reason or 'refused'} (HTTP {exc.status})"
+        return Failure(CHILD_REFUSED, f"{exc.kind} {exc.child}: {refusal}: {exc.api_message}")
+    if isinstance(exc, KubeError):
+        return Failure(RECONCILE_FAILED, str(exc))
+    return Failure(RECONCILE_FAILED, f"{type(exc).__name__}: {exc}")
+
+
 #: Called before each child write with its index; tests use it to stop a reconcile part-way.
 BeforeWrite = Callable[[int, Mapping[str, Any]], Awaitable[None]]
+#: Called before every write made for the resource: raises ResourceGone once it is not the live
+#: one (deleted, or another UID took its name), so that nothing is written for a dead UID.
+Guard = Callable[[], None]
 
 
 def now_rfc3339() -> str:
@@ -64,6 +105,10 @@ def parse_spec(body: Mapping[str, Any]) -> InferenceDeploymentSpec:
 
 
 async def _no_hook(index: int, manifest: Mapping[str, Any]) -> None:
+    return None
+
+
+def _no_guard() -> None:
     return None
 
 
@@ -129,9 +174,11 @@ async def reconcile(
     before_write: BeforeWrite = _no_hook,
     caches: Caches | None = None,
     on_event: EventSink | None = None,
+    guard: Guard = _no_guard,
 ) -> Outcome:
-    """Bring the children to the spec, then report status. Raises on API errors (status first).
-    Events go to `on_event` as they happen, and into the outcome.
+    """Bring the children to the spec, then report status. Raises on API errors (status first),
+    and ResourceGone, writing nothing more, once `guard` says the resource is not the live one
+    or the API no longer has it. Events go to `on_event` as they happen, and into the outcome.
 
     Independent children go first, several at once (the signing key, the ServiceAccount, the
     Role, Services, policies), then those that need them (DEPENDENT_KINDS)."""
@@ -151,11 +198,23 @@ async def reconcile(
             on_event(event)
 
     async def create_once(manifest: Mapping[str, Any]) -> None:
-        if await kube.create_if_absent(manifest):
-            name = manifest["metadata"]["name"]
-            emit(Event("Normal", "SigningKeyCreated", f"created Secret {name}"))
+        for attempt in (1, 2):
+            if await kube.create_if_absent(manifest):
+                name = manifest["metadata"]["name"]
+                emit(Event("Normal", "SigningKeyCreated", f"created Secret {name}"))
+                return
+            # It exists, maybe left by an earlier resource of this name (deleted and re-created):
+            # adopted, so that the garbage collector keeps it and running pods keep their key.
+            guard()
+            try:
+                await kube.set_owner(manifest)
+                return
+            except KubeError as exc:
+                if exc.status != 404 or attempt == 2:
+                    raise
+                # The garbage collector deleted it in between: create it after all.
 
-    async def apply(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    async def apply(manifest: Mapping[str, Any]) -> Any:
         # Only the Deployments' answers are read (their status feeds the status computation).
         result = await kube.apply(manifest, answer=manifest["kind"] == "Deployment")
         outcome.applied += 1
@@ -164,29 +223,53 @@ async def reconcile(
     created_once = {id(m) for m in children.created_once}
 
     async def write(manifest: Mapping[str, Any]) -> Any:
-        return await (create_once(manifest) if id(manifest) in created_once else apply(manifest))
+        guard()
+        try:
+            return await (create_once(manifest) if id(manifest) in created_once else apply(manifest))
+        except KubeError as exc:
+            raise ChildWriteError(manifest, exc) from exc
+
+    async def guarded(index: int, manifest: Mapping[str, Any]) -> None:
+        guard()
+        await before_write(index, manifest)
 
     try:
         first = [*children.created_once, *independent]
-        await write_in_order(first, write, before_write, 0)
-        for result in await write_in_order(dependent, apply, before_write, len(first)):
+        await write_in_order(first, write, guarded, 0)
+        for result in await write_in_order(dependent, write, guarded, len(first)):
             if result:
                 caches.deployments.observe(result)
         for crd_name, manifest in children.optional:
-            if await kube.crd_exists(crd_name):
-                await kube.apply(manifest)
+            if await kube.crd_exists(crd_name) and await _apply_optional(kube, crd_name, manifest, guard):
                 outcome.applied += 1
         for api_version, kind, name in children.removed:
+            guard()
             if await kube.delete_if_present(api_version, kind, owner.namespace, name):
                 emit(Event("Normal", "ChildRemoved", f"deleted {kind} {name}"))
+    except ResourceGone:
+        raise
     except Exception as exc:
         # Report Degraded if the API still answers; the original error is what propagates.
-        with contextlib.suppress(KubeError):
-            error = f"{type(exc).__name__}: {exc}"
-            outcome.status = await _report(kube, caches, owner, ctx.spec, generation, error)
+        with contextlib.suppress(KubeError, ResourceGone):
+            failure = failure_of(exc)
+            outcome.status = await _report(kube, caches, owner, ctx.spec, generation, failure, guard)
         raise
-    outcome.status = await _report(kube, caches, owner, ctx.spec, generation, None)
+    outcome.status = await _report(kube, caches, owner, ctx.spec, generation, None, guard)
     return outcome
+
+
+async def _apply_optional(kube: Kube, crd_name: str, manifest: Mapping[str, Any], guard: Guard) -> bool:
+    """Apply a child whose CRD was seen installed; False when the API no longer serves its kind
+    (the CRD was deleted after it was looked up): an absent optional CRD never fails a reconcile."""
+    guard()
+    try:
+        await kube.apply(manifest, answer=False)
+    except KubeError as exc:
+        if exc.status != 404:
+            raise ChildWriteError(manifest, exc) from exc
+        kube.forget_crd(crd_name)
+        return False
+    return True
 
 
 async def _deployments(
@@ -211,30 +294,44 @@ async def _report(
     owner: Owner,
     spec: InferenceDeploymentSpec,
     generation: int,
-    error: str | None,
+    failure: Failure | None,
+    guard: Guard,
 ) -> dict[str, Any]:
     """A reconcile's status: observedGeneration (the applied `generation`) when it succeeded."""
     stored = caches.owners.get(owner.namespace, owner.name) or {}
     patch = compute_status(
         name=owner.name,
         generation=generation,
-        observed=Observed(deployments=await _deployments(kube, caches, owner, spec), error=error),
+        observed=Observed(deployments=await _deployments(kube, caches, owner, spec), failure=failure),
         endpoint=router_endpoint(BuildContext(owner, spec)),
         now=now_rfc3339(),
         previous=stored.get("status") or {},
     )
+    guard()
     await write_status(kube, caches, owner, patch)
     return patch
 
 
 async def write_status(kube: Kube, caches: Caches, owner: Owner, patch: Mapping[str, Any]) -> bool:
-    """Merge-patch the status subresource unless that would change nothing; True when written."""
+    """Merge-patch the status subresource unless that would change nothing; True when written.
+    Raises ResourceGone when the resource is gone, or the name now holds another one (the status
+    subresource ignores metadata, so a UID cannot be a precondition of the patch: the answer's
+    UID is checked instead, and the other resource's next status write corrects its status)."""
     stored = caches.owners.get(owner.namespace, owner.name) or {}
     if not status_changed(stored.get("status") or {}, patch):
         metrics.STATUS_PATCHES.labels("unchanged").inc()
         return False
-    caches.owners.observe(await kube.patch_status(owner.namespace, owner.name, patch))
+    gone = ResourceGone(ResourceId(owner.namespace, owner.name, owner.uid))
+    try:
+        answer = await kube.patch_status(owner.namespace, owner.name, patch)
+    except KubeError as exc:
+        if exc.status == 404:
+            raise gone from exc
+        raise
     metrics.STATUS_PATCHES.labels("written").inc()
+    caches.owners.observe(answer)
+    if answer.get("metadata", {}).get("uid") != owner.uid:
+        raise gone
     return True
 
 
@@ -257,14 +354,11 @@ async def refresh_status(kube: Kube, caches: Caches, namespace: str, name: str) 
     patch = compute_status(
         name=name,
         generation=int(stored.get("observedGeneration", body["metadata"].get("generation", 0))),
-        observed=Observed(deployments=deployments, error=stored_error(stored)),
+        observed=Observed(deployments=deployments, failure=stored_failure(stored)),
         endpoint=router_endpoint(BuildContext(owner, spec)),
         now=now_rfc3339(),
         previous=stored,
         record_generation=False,
     )
-    try:
+    with contextlib.suppress(ResourceGone):  # deleted meanwhile: nothing to report
         await write_status(kube, caches, owner, patch)
-    except KubeError as exc:
-        if exc.status != 404:
-            raise

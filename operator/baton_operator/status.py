@@ -57,12 +57,26 @@ def _failing(deployment: Mapping[str, Any]) -> str | None:
     return None
 
 
+#: Condition reasons of a reconcile that did not finish: a child the API server refused (it will
+#: be refused again until the spec or the cluster changes), or any other failure (retried).
+CHILD_REFUSED, RECONCILE_FAILED = "ChildRefused", "ReconcileFailed"
+FAILURE_REASONS = frozenset({CHILD_REFUSED, RECONCILE_FAILED})
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why the last reconcile did not finish, as Ready and Degraded report it."""
+
+    reason: str  # one of FAILURE_REASONS
+    message: str
+
+
 @dataclass(frozen=True)
 class Observed:
-    """What one reconcile saw: the child Deployments by role, and the reconcile's own error."""
+    """What one reconcile saw: the child Deployments by role, and the reconcile's own failure."""
 
     deployments: Mapping[str, Mapping[str, Any] | None]  # role -> Deployment (None: not found)
-    error: str | None = None  # the reconcile failed with this message
+    failure: Failure | None = None
 
 
 def _condition(
@@ -103,8 +117,9 @@ def conditions(
     rolling = [role for role, d in observed.deployments.items() if d is not None and _rolling(d)]
     failures = [f for d in observed.deployments.values() if d is not None and (f := _failing(d))]
 
-    if observed.error:
-        ready = _condition(READY, False, "ReconcileFailed", observed.error, generation, now, previous)
+    failure = observed.failure
+    if failure is not None:
+        ready = _condition(READY, False, failure.reason, failure.message, generation, now, previous)
     elif missing:
         ready = _condition(
             READY, False, "Creating", f"waiting for {', '.join(missing)}", generation, now, previous
@@ -124,8 +139,8 @@ def conditions(
             PROGRESSING, False, "Stable", "every pool is at its spec", generation, now, previous
         )
 
-    if observed.error:
-        degraded = _condition(DEGRADED, True, "ReconcileFailed", observed.error, generation, now, previous)
+    if failure is not None:
+        degraded = _condition(DEGRADED, True, failure.reason, failure.message, generation, now, previous)
     elif failures:
         degraded = _condition(
             DEGRADED, True, "DeploymentFailing", "; ".join(failures), generation, now, previous
@@ -163,17 +178,18 @@ def compute_status(
         for c in conditions(observed, roles, generation, now, previous.get("conditions", []))
     ]
     patch["endpoint"] = endpoint
-    if observed.error is None and record_generation:
+    if observed.failure is None and record_generation:
         patch["observedGeneration"] = generation
     return patch
 
 
-def stored_error(stored: Mapping[str, Any]) -> str | None:
-    """The error a stored status reports from a failed reconcile (Degraded, ReconcileFailed)."""
+def stored_failure(stored: Mapping[str, Any]) -> Failure | None:
+    """The failure a stored status reports from the last reconcile (Degraded with a failure
+    reason), kept by status refreshes until a reconcile succeeds."""
     for cond in stored.get("conditions") or []:
-        failed = cond.get("status") == "True" and cond.get("reason") == "ReconcileFailed"
-        if cond.get("type") == DEGRADED and failed:
-            return str(cond.get("message") or "reconcile failed")
+        reason = cond.get("reason")
+        if cond.get("type") == DEGRADED and cond.get("status") == "True" and reason in FAILURE_REASONS:
+            return Failure(str(reason), str(cond.get("message") or "reconcile failed"))
     return None
 
 

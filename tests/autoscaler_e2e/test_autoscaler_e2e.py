@@ -30,8 +30,8 @@ from baton_dev.kubeapi import ApiAccess, AsyncKubeApi
 from baton_dev.testing import DevCluster, is_ready, wait_for
 from baton_engine import contract
 from baton_operator import models
+from baton_support.operator_process import OperatorProcess, operator_process
 from tests.autoscaler_e2e.load import LoadGenerator
-from tests.operator_tests.operator_process import OperatorProcess, operator_process
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.model]
 

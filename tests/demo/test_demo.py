@@ -90,8 +90,10 @@ def test_make_demo_then_demo_down(demo_home: Path) -> None:
     assert json.loads(asked.stdout)["choices"][0]["message"]["content"].strip()
 
     state = ClusterState.load(cluster)
-    # The README's "talk to the running demo" lines, verbatim, minus the final `make demo-down`.
-    talk = block_after("## Quick start", 1)
+    # The README's "talk to the running demo" lines, verbatim, minus the final `make demo-down`;
+    # docs/getting-started.md shows the same lines.
+    talk = block_after("## A five-minute tour")
+    assert block_after("## Talk to the running demo", page=REPO / "docs/getting-started.md") == talk
     assert talk[-1] == "make demo-down"
     shell = subprocess.run(
         ["bash", "-c", " && ".join(talk[:-1])],

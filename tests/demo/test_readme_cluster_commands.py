@@ -1,4 +1,4 @@
-"""The README's "real cluster" commands, verbatim, against a real API server (etcd +
+"""The "install the operator" commands of docs/deploy.md, verbatim, against a real API server (etcd +
 kube-apiserver, no nodes: pods stay Pending, nothing needs a GPU), then every example applied
 with kubectl exactly as a user would."""
 
@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from baton_support.apiserver import ApiServer, api_server, binary_dir
 from tests.demo.readme import REPO, block_after
-from tests.operator_tests.apiserver import ApiServer, api_server, binary_dir
 
 pytestmark = pytest.mark.k8s
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+DEPLOY = REPO / "docs" / "deploy.md"
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def shell(command: str, server: ApiServer, home: Path) -> subprocess.CompletedPr
 
 
 def test_readme_real_cluster_commands(server: ApiServer, tmp_path: Path) -> None:
-    commands = block_after("## Running on a real AMD GPU cluster")
+    commands = block_after("## Install the operator and apply a resource", page=DEPLOY)
     assert commands == [
         "helm install baton charts/baton -n baton-system --create-namespace",
         "kubectl apply -f examples/minimal.yaml",

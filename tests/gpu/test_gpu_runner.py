@@ -15,8 +15,9 @@ from baton_engine.gpu_runner import GpuModelRunner
 from baton_engine.llm import LLM
 from baton_engine.model_runner import ModelRunner
 from baton_engine.sampling_params import SamplingParams
-from tests.model.tiny_models import VOCAB, make_tiny_model
-from tests.spec_decode.tiny_models import make_tiny_llama
+from baton_support.tiny_models import PARITY, SPECULATIVE, parity_model
+
+VOCAB = PARITY.vocab_size
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -61,7 +62,7 @@ def _generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) 
 def test_fast_path_matches_reference_runner(
     family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    make_tiny_model(family, tmp_path / family)
+    parity_model(family).save(tmp_path / family)
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=42, max_tokens=12, ignore_eos=True)
     prompts = _prompts()
@@ -74,7 +75,7 @@ def test_fast_path_matches_reference_runner(
 
 
 def test_decode_ahead_matches_reference_runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    make_tiny_model("llama", tmp_path / "llama")
+    parity_model("llama").save(tmp_path / "llama")
     gen = np.random.default_rng(12)
     prompts = [gen.integers(0, VOCAB, size=n).tolist() for n in (5, 9, 16, 30, 3)]
     lengths = [3, 17, 40, 25, 33]
@@ -99,7 +100,7 @@ def test_speculative_verify_graphs_match_reference_runner(
     """Verify steps replay the captured fixed-query-length graphs; greedy and seeded outputs with
     speculation on equal the reference runner's with it off."""
     # A 16-token vocabulary: random weights then decode in loops that n-gram drafts hit.
-    make_tiny_llama(tmp_path / "llama", vocab_size=16)
+    SPECULATIVE.save(tmp_path / "llama")
     gen = np.random.default_rng(13)
     prompts = [gen.integers(0, 16, size=n).tolist() for n in (5, 17, 9, 26)] + [[3, 4, 5] * 6]
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)

@@ -14,7 +14,7 @@ from baton_engine.kv_cache import allocate_kv_cache
 from baton_engine.loader import load_model
 from baton_engine.model.attention_backend import get_attention_backend
 from baton_engine.model.attention_batch import AttentionBatch
-from tests.model.tiny_models import make_tiny_model
+from baton_support.tiny_models import parity_model
 
 BLOCK = 4
 
@@ -46,7 +46,7 @@ def _batch(
 def test_prefill_then_decode_matches_reference(
     family: str, tmp_path: Path, kernel_device: torch.device
 ) -> None:
-    make_tiny_model(family, tmp_path / family)
+    parity_model(family).save(tmp_path / family)
     loaded = load_model(str(tmp_path / family), kernel_device, torch.float32)
     model, config = loaded.model, loaded.config
     ref_cache = allocate_kv_cache(config, 16, BLOCK, torch.float32, kernel_device)

@@ -4,7 +4,6 @@ import hashlib
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,14 +13,6 @@ from baton_engine.kv_events_publisher import KVEventPublisher
 
 GO_DECODER_SRC = Path(__file__).parent / "go_decoder"
 CACHE_ROOT = Path.home() / ".cache" / "baton"
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
 
 
 @pytest.fixture

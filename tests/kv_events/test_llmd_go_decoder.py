@@ -16,7 +16,6 @@ import json
 import queue
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from baton_engine.contract import kv_events_topic
 from baton_engine.kv_events_publisher import KVEventPublisher
 from baton_engine.kv_events_wire import REPLAY_END_SEQ, to_event_hash
 from baton_engine.prefix_hash_vllm import VllmSha256CborHasher
+from baton_support.wait import wait_for
 from tests.kv_events.records import AllBlocksCleared, BlocksRemoved, BlocksStored
 
 MakePublisher = Callable[..., KVEventPublisher]
@@ -182,16 +182,18 @@ def test_llmd_subscriber_decodes_live_batches(make_publisher: MakePublisher, go_
     go = go_subscriber(pub.endpoint)
     # Probe until the Go SUB socket's subscription has reached the publisher.
     probes = 0
-    deadline = time.monotonic() + 20
-    first: dict[str, Any] | None = None
-    while first is None:
-        assert time.monotonic() < deadline, "the Go subscriber never received a probe"
+
+    def probe() -> dict[str, Any] | None:
+        nonlocal probes
         pub.publish([BlocksRemoved((2**63 + probes,))], ts=1.0)
         probes += 1
         try:
-            first = json.loads(go.lines.get(timeout=0.05))
+            line: dict[str, Any] = json.loads(go.lines.get(timeout=0.05))
+            return line
         except queue.Empty:
-            continue
+            return None
+
+    first = wait_for(probe, interval=0, message="the Go subscriber to receive a probe")
     assert first["events"][0]["type"] == "BlockRemoved"
     assert first["seq"] < probes
     for ts, records in BATCHES:
@@ -215,15 +217,11 @@ def test_llmd_decodes_a_replay_from_a_midpoint_and_a_restarted_stream(
         first.publish(records, ts=ts)
     replay_endpoint = first.replay_endpoint or ""
 
-    def replayed_all() -> list[list[bytes]]:
-        deadline = time.monotonic() + 30
-        while True:
-            frames = replay_frames(replay_endpoint, 3)
-            if len(frames) == 3 or time.monotonic() > deadline:
-                return frames
-            time.sleep(0.01)
-
-    decoded = go_decode(go_decoder, replayed_all())
+    replayed = wait_for(
+        lambda: frames if len(frames := replay_frames(replay_endpoint, 3)) == 3 else None,
+        message="the replay of batches 3..5",
+    )
+    decoded = go_decode(go_decoder, replayed)
     removed_probe = [{"type": "BlockRemoved", "event": {"BlockHashes": [2**63], "DeviceTier": "GPU"}}]
     assert decoded == [
         batch_out(3, BATCHES[1][0], DECODED[1]),
@@ -235,11 +233,7 @@ def test_llmd_decodes_a_replay_from_a_midpoint_and_a_restarted_stream(
     first.shutdown()
     restarted = make_publisher(TOPIC, endpoint=endpoint, replay_endpoint=replay_endpoint)
     restarted.publish(BATCHES[0][1], ts=BATCHES[0][0])
-    deadline = time.monotonic() + 30
-    frames = replay_frames(replay_endpoint, 0)
-    while not frames and time.monotonic() < deadline:
-        time.sleep(0.01)
-        frames = replay_frames(replay_endpoint, 0)
+    frames = wait_for(lambda: replay_frames(replay_endpoint, 0), message="the restarted stream's replay")
     assert go_decode(go_decoder, frames) == [batch_out(0, BATCHES[0][0], DECODED[0])]
 
 

@@ -11,7 +11,7 @@ import zmq
 from baton_engine.contract import kv_events_topic
 from baton_engine.kv_events_publisher import KVEventPublisher
 from baton_engine.kv_events_wire import REPLAY_END_SEQ
-from tests.kv_events.conftest import wait_until
+from baton_support.wait import wait_for
 from tests.kv_events.records import BlocksRemoved, BlocksStored
 from tests.kv_events.reference_decoder import decode_event_batch
 
@@ -49,14 +49,18 @@ def publish_until_received(pub: KVEventPublisher, sub: zmq.Socket[bytes]) -> lis
     batches behind the first one received).
     """
     got: list[list[bytes]] = []
-    i = 0
-    deadline = time.monotonic() + 30
-    while not got:
-        assert time.monotonic() < deadline, "subscription never became live"
-        pub.publish([stored(i)], ts=float(i))
-        i += 1
+    published = 0
+
+    def publish_one() -> bool:
+        nonlocal published
+        pub.publish([stored(published)], ts=float(published))
+        published += 1
         if sub.poll(20):
             got.append(sub.recv_multipart())
+        return bool(got)
+
+    wait_for(publish_one, interval=0, message="the subscription to become live")
+    i = published
     last = (i - 1).to_bytes(8, "big")  # numbering starts at 0 and only this helper published
     while got[-1][1] != last:
         assert sub.poll(30_000), f"batch {i - 1} never arrived"
@@ -119,8 +123,8 @@ def test_replay_from_a_midpoint_then_end_marker(make_publisher: MakePublisher, c
     pub = make_publisher(TOPIC, buffer_steps=100)
     for i in range(10):
         pub.publish([stored(i)], ts=float(i))
-    wait_until(
-        lambda: len(replay(ctx, pub.replay_endpoint or "", (9).to_bytes(8, "big"))) == 2, what="10 sent"
+    wait_for(
+        lambda: len(replay(ctx, pub.replay_endpoint or "", (9).to_bytes(8, "big"))) == 2, message="10 sent"
     )
     replies = replay(ctx, pub.replay_endpoint or "", (6).to_bytes(8, "big"))
     assert [r[1] for r in replies] == [i.to_bytes(8, "big") for i in (6, 7, 8, 9)] + [b"\xff" * 8]
@@ -138,8 +142,9 @@ def test_replay_buffer_keeps_the_last_buffer_steps(make_publisher: MakePublisher
     for i in range(8):
         pub.publish([stored(i)])
     endpoint = pub.replay_endpoint or ""
-    wait_until(
-        lambda: replay(ctx, endpoint, (7).to_bytes(8, "big"))[0][1] == (7).to_bytes(8, "big"), what="8 sent"
+    wait_for(
+        lambda: replay(ctx, endpoint, (7).to_bytes(8, "big"))[0][1] == (7).to_bytes(8, "big"),
+        message="8 sent",
     )
     replies = replay(ctx, endpoint, (0).to_bytes(8, "big"))
     assert [int.from_bytes(r[1], "big", signed=True) for r in replies] == [5, 6, 7, -1]
@@ -151,7 +156,7 @@ def test_malformed_replay_request_is_ignored(make_publisher: MakePublisher, ctx:
     # Sent (hence buffered) before the requests below: otherwise the valid one may be answered
     # with the end marker alone.
     endpoint = pub.replay_endpoint or ""
-    wait_until(lambda: len(replay(ctx, endpoint, (0).to_bytes(8, "big"))) == 2, what="batch 0 sent")
+    wait_for(lambda: len(replay(ctx, endpoint, (0).to_bytes(8, "big"))) == 2, message="batch 0 sent")
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(pub.replay_endpoint or "")
@@ -187,7 +192,7 @@ def test_full_queue_drops_and_then_publishes_all_blocks_cleared(
             {"type": "AllBlocksCleared"}
         ]
 
-    wait_until(last_is_clear, what="AllBlocksCleared after the overflow")
+    wait_for(last_is_clear, message="AllBlocksCleared after the overflow")
 
 
 def test_publish_never_blocks_the_caller(make_publisher: MakePublisher) -> None:

@@ -10,7 +10,7 @@ import zmq
 from baton_engine.kv_events_publisher import KVEventPublisher
 from baton_engine.kv_events_subscriber import KVEventSubscriber
 from baton_engine.kv_events_wire import REPLAY_END_SEQ, encode_batch, encode_sequence
-from tests.kv_events.conftest import wait_until
+from baton_support.wait import wait_for
 from tests.kv_events.records import AllBlocksCleared, BlocksRemoved, BlocksStored
 
 MakePublisher = Callable[..., KVEventPublisher]
@@ -95,7 +95,7 @@ def make_live(pub: KVEventPublisher, sub: KVEventSubscriber, pod: str) -> None:
         pub.publish([BlocksRemoved((2**60 + probe,))])
         return sub.stats(pod).batches_applied > 0
 
-    wait_until(applied, what="subscription live")
+    wait_for(applied, message="subscription live")
 
 
 def test_events_build_the_index_in_order(
@@ -106,7 +106,7 @@ def test_events_build_the_index_in_order(
     make_live(pub, subscriber, "p1")
     pub.publish([chain(0, 4)])
     pub.publish([BlocksRemoved((BASE + 3,))])
-    wait_until(lambda: subscriber.longest_prefix_match(hashes(0, 5)) == {"p1": 3}, what="index")
+    wait_for(lambda: subscriber.longest_prefix_match(hashes(0, 5)) == {"p1": 3}, message="index")
     stats = subscriber.stats("p1")
     assert stats.last_topic == "kv@10.0.0.1@m"
     assert stats.gaps_lost == 0 and stats.restarts == 0
@@ -118,12 +118,12 @@ def test_late_subscriber_replays_history_from_zero(
     pub = make_publisher()
     pub.publish([chain(0, 2)])
     pub.publish([chain(2, 2)])
-    wait_until(lambda: pub._queue.empty(), what="sent")
+    wait_for(lambda: pub._queue.empty(), message="sent")
     subscriber.add_pod("p1", pub.endpoint, pub.replay_endpoint)
     make_live(pub, subscriber, "p1")
     # The replay applies batch 0 and batch 1 one after the other: "something applied" can be
     # seen between the two.
-    wait_until(lambda: subscriber.longest_prefix_match(hashes(0, 4)) == {"p1": 4}, what="history")
+    wait_for(lambda: subscriber.longest_prefix_match(hashes(0, 4)) == {"p1": 4}, message="history")
     stats = subscriber.stats("p1")
     assert stats.batches_replayed >= 2 and stats.gaps_lost == 0
 
@@ -134,15 +134,15 @@ def test_gap_is_filled_from_the_replay_socket(
     subscriber.add_pod("p", scripted.endpoint, scripted.replay_endpoint)
     scripted.wait_for_subscription()
     scripted.send(0, [chain(0, 1)])
-    wait_until(lambda: subscriber.stats("p").next_seq == 1, what="seq 0 applied")
+    wait_for(lambda: subscriber.stats("p").next_seq == 1, message="seq 0 applied")
     scripted.send(1, [chain(1, 1)], buffer=True)
-    wait_until(lambda: subscriber.stats("p").next_seq == 2, what="seq 1")
+    wait_for(lambda: subscriber.stats("p").next_seq == 2, message="seq 1")
     scripted.buffer[2] = encode_batch([chain(2, 1)], ts=2.0)  # published but lost on the way
     scripted.send(3, [chain(3, 1)])
     scripted.serve_one_replay()
     # The replayed batches are applied before the replay's end marker arrives, and only then is
     # the gap counted as filled: wait for the count, not for the sequence number alone.
-    wait_until(lambda: subscriber.stats("p").gaps_filled == 1, what="gap filled")
+    wait_for(lambda: subscriber.stats("p").gaps_filled == 1, message="gap filled")
     assert subscriber.stats("p").next_seq == 4
     assert scripted.replay_requests[-1] == 2
     assert subscriber.longest_prefix_match(hashes(0, 4)) == {"p": 4}
@@ -155,12 +155,12 @@ def test_unrecoverable_gap_drops_the_pod_index(
     subscriber.add_pod("p", scripted.endpoint, scripted.replay_endpoint)
     scripted.wait_for_subscription()
     scripted.send(0, [chain(0, 2)])
-    wait_until(lambda: subscriber.stats("p").next_seq == 1, what="seq 0 applied")
+    wait_for(lambda: subscriber.stats("p").next_seq == 1, message="seq 0 applied")
     assert subscriber.longest_prefix_match(hashes(0, 2)) == {"p": 2}
     scripted.buffer.clear()  # batches 1..4 fell out of the replay buffer
     scripted.send(5, [chain(10, 1)])
     scripted.serve_one_replay()
-    wait_until(lambda: subscriber.stats("p").next_seq == 6, what="seq 5")
+    wait_for(lambda: subscriber.stats("p").next_seq == 6, message="seq 5")
     assert scripted.replay_requests[-1] == 1
     assert subscriber.longest_prefix_match(hashes(0, 2)) == {}  # conservative: old entries gone
     assert subscriber.longest_prefix_match(hashes(10, 1)) == {"p": 1}
@@ -180,7 +180,7 @@ def test_restart_is_detected_and_the_old_index_dropped(
     # probe every few ms; a loaded machine can take a second or more to reconnect).
     for i in range(3000):
         first.publish([BlocksRemoved((2**61 + i,))])
-    wait_until(lambda: (subscriber.stats("p").next_seq or 0) > 3000, what="old stream")
+    wait_for(lambda: (subscriber.stats("p").next_seq or 0) > 3000, message="old stream")
     assert subscriber.longest_prefix_match(hashes(0, 3)) == {"p": 3}
     first.shutdown()
 
@@ -196,7 +196,7 @@ def test_restart_is_detected_and_the_old_index_dropped(
         second.publish([BlocksRemoved((2**62 + probe,))])
         return subscriber.longest_prefix_match(hashes(100, 1)) == {"p": 1}
 
-    wait_until(new_stream_indexed, what="new stream")
+    wait_for(new_stream_indexed, message="new stream")
     assert subscriber.longest_prefix_match(hashes(0, 3)) == {}
     stats = subscriber.stats("p")
     assert stats.restarts == 1
@@ -213,9 +213,9 @@ def test_all_blocks_cleared_empties_only_that_pod(
     make_live(pub_b, subscriber, "b")
     pub_a.publish([chain(0, 4)])
     pub_b.publish([chain(0, 2)])
-    wait_until(lambda: subscriber.longest_prefix_match(hashes(0, 4)) == {"a": 4, "b": 2}, what="both")
+    wait_for(lambda: subscriber.longest_prefix_match(hashes(0, 4)) == {"a": 4, "b": 2}, message="both")
     pub_a.publish([AllBlocksCleared(), chain(0, 1)])
-    wait_until(lambda: subscriber.longest_prefix_match(hashes(0, 4)) == {"a": 1, "b": 2}, what="a cleared")
+    wait_for(lambda: subscriber.longest_prefix_match(hashes(0, 4)) == {"a": 1, "b": 2}, message="a cleared")
     assert subscriber.stats("a").clears == 1
 
 
@@ -226,7 +226,7 @@ def test_remove_pod_drops_its_entries_and_socket(
     subscriber.add_pod("p", pub.endpoint, pub.replay_endpoint)
     make_live(pub, subscriber, "p")
     pub.publish([chain(0, 2)])
-    wait_until(lambda: subscriber.longest_prefix_match(hashes(0, 2)) == {"p": 2}, what="indexed")
+    wait_for(lambda: subscriber.longest_prefix_match(hashes(0, 2)) == {"p": 2}, message="indexed")
     subscriber.remove_pod("p")
     assert subscriber.longest_prefix_match(hashes(0, 2)) == {}
     assert subscriber.pods() == []

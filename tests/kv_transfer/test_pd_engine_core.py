@@ -9,7 +9,6 @@ steps both cores. Faults: producer gone between the legs (recompute), consumer n
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +19,10 @@ import torch
 from baton_engine.config import EngineConfig
 from baton_engine.engine_core import EngineCore
 from baton_engine.engine_factory import build_engine_core
+from baton_engine.engine_outputs import RequestOutput
 from baton_engine.kv_transfer.engine_connector import KVTransferConnector
 from baton_engine.sampling_params import SamplingParams
+from baton_support.wait import wait_for
 from tests.kv_transfer.helpers import KEY
 from tests.pd_setup import (
     BLOCK_SIZE,
@@ -85,15 +86,30 @@ def _run(
     """Run one request to its end: (tokens, kv_transfer_params, finish reason, cached tokens)."""
     core.add_request(request_id, prompt, params, kv_transfer_params=kv)
     tokens: list[int] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def step_until_finished() -> RequestOutput | None:
         for out in core.step():
-            if out.request_id != request_id:
-                continue
-            tokens.extend(out.new_token_ids)
-            if out.finished:
-                return tokens, out.kv_transfer_params, out.finish_reason, out.num_cached_tokens
-    raise AssertionError(f"request {request_id} did not finish in {timeout} s")
+            if out.request_id == request_id:
+                tokens.extend(out.new_token_ids)
+                if out.finished:
+                    return out
+        return None
+
+    last = wait_for(
+        step_until_finished, timeout=timeout, interval=0, message=f"request {request_id} to finish"
+    )
+    return tokens, last.kv_transfer_params, last.finish_reason, last.num_cached_tokens
+
+
+def _wait_leases_freed(producer: EngineCore) -> None:
+    """Until every lease of `producer` ended and its blocks were freed (an idle core frees them in
+    `poll_kv_transfer`)."""
+
+    def freed() -> bool:
+        producer.poll_kv_transfer()
+        return producer.scheduler.num_held_transfers == 0
+
+    wait_for(freed, message="the producer's leases to end and their blocks to be freed")
 
 
 def _used(core: EngineCore) -> int:
@@ -117,12 +133,7 @@ def test_pd_gives_the_single_engine_greedy_tokens(cores: Cores) -> None:
         want, _, _, _ = _run(cores.single, f"s{i}", prompt)
         got, _ = _disaggregated(cores, f"pd{i}", prompt)
         assert got == want, f"prompt {i} ({len(prompt)} tokens)"
-    for _ in range(200):  # DONE -> the producer frees on its next step
-        cores.producer.poll_kv_transfer()
-        if cores.producer.scheduler.num_held_transfers == 0:
-            break
-        time.sleep(0.01)
-    assert cores.producer.scheduler.num_held_transfers == 0
+    _wait_leases_freed(cores.producer)  # DONE -> the producer frees on its next step
     assert (_used(cores.producer), _used(cores.consumer)) == (baseline_prod, baseline_cons)
     delta = cores.prod_connector.stats.take()
     assert delta.failures == {} and delta.bytes_sent > 0
@@ -182,11 +193,12 @@ def test_fail_policy_reports_a_clear_error(cores: Cores) -> None:
     try:
         baseline = _used(cores.consumer)
         cores.consumer.add_request("fail-d", prompt, GREEDY, kv_transfer_params=sign_dict(raw, KEY))
-        deadline = time.monotonic() + 30
-        finished = None
-        while finished is None and time.monotonic() < deadline:
-            finished = next((o for o in cores.consumer.step() if o.finished), None)
-        assert finished is not None and finished.finish_reason == "abort"
+        finished = wait_for(
+            lambda: next((o for o in cores.consumer.step() if o.finished), None),
+            interval=0,
+            message="the failed pull to finish the request",
+        )
+        assert finished.finish_reason == "abort"
         assert finished.finish_message is not None
         assert finished.finish_message.startswith(
             "KV transfer from the prefill engine failed: producer_unreachable"
@@ -212,11 +224,7 @@ def test_unpulled_lease_expires_and_frees(cores: Cores) -> None:
         connector.lease_seconds = 30
     assert kv is not None and cores.producer.scheduler.num_held_transfers == 1
     assert _used(cores.producer) > baseline
-    deadline = time.monotonic() + 30
-    while cores.producer.scheduler.num_held_transfers and time.monotonic() < deadline:
-        cores.producer.poll_kv_transfer()
-        time.sleep(0.01)
-    assert cores.producer.scheduler.num_held_transfers == 0
+    _wait_leases_freed(cores.producer)
     assert _used(cores.producer) == baseline
     assert connector.stats.take().leases_expired == 1
 
@@ -240,16 +248,15 @@ def test_client_gone_during_either_leg_frees_both_sides(cores: Cores) -> None:
     cores.consumer.step()  # blocks reserved, pull submitted
     assert cores.cons_connector.busy()
     cores.consumer.abort_requests(["abort-d"], "client disconnected")
-    finished = None
-    deadline = time.monotonic() + 30
-    while finished is None and time.monotonic() < deadline:
-        finished = next((o for o in cores.consumer.step() if o.request_id == "abort-d" and o.finished), None)
-    assert finished is not None and finished.finish_reason == "abort"
+    finished = wait_for(
+        lambda: next((o for o in cores.consumer.step() if o.request_id == "abort-d" and o.finished), None),
+        interval=0,
+        message="the aborted decode leg to finish",
+    )
+    assert finished.finish_reason == "abort"
     assert _used(cores.consumer) == base_cons
-    while cores.producer.scheduler.num_held_transfers and time.monotonic() < deadline:
-        cores.producer.poll_kv_transfer()
-        time.sleep(0.01)
-    assert cores.producer.scheduler.num_held_transfers == 0 and _used(cores.producer) == base_prod
+    _wait_leases_freed(cores.producer)
+    assert _used(cores.producer) == base_prod
 
 
 def test_abort_after_the_producer_leg_finished_releases_its_lease(cores: Cores) -> None:

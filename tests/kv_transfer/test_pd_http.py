@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 
 from baton_engine import contract
+from baton_support.wait import wait_for
 from tests.kv_transfer.helpers import KEY
 from tests.pd_setup import MODEL, PREFIXED, SHARED_PREFIX, TEXTS, pd_environment, serve_args
-from tests.server.server_process import ServerProcess, pid_alive, wait_for
+from tests.server.server_process import ServerProcess, pid_alive
 
 # Two model loads and ~60 requests: minutes on a loaded 2-core machine.
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(1800)]
@@ -54,7 +55,9 @@ class Servers:
             server.stop(signal.SIGKILL, timeout=10)
             core_pid = self.core_pids.get(server.pid)
             if core_pid is not None and pid_alive(core_pid):
-                wait_for(lambda pid=core_pid: not pid_alive(pid), 10, f"core {core_pid} to exit")
+                wait_for(
+                    lambda pid=core_pid: not pid_alive(pid), timeout=10, message=f"core {core_pid} to exit"
+                )
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +109,8 @@ def test_pd_matches_single_engine(servers: Servers) -> None:
     assert received > 0
     wait_for(
         lambda: _metric(servers.producer, contract.M_KV_TRANSFER_BYTES, direction="sent") == received,
-        30,
-        "the producer's sent bytes to match the consumer's received bytes",
+        timeout=30,
+        message="the producer's sent bytes to match the consumer's received bytes",
     )
     assert _metric(servers.consumer, contract.M_KV_TRANSFER_SECONDS + "_count", role="consumer") == len(
         prompts
@@ -159,7 +162,9 @@ def test_unpulled_lease_is_freed_at_expiry(servers: Servers) -> None:
     before = _metric(servers.producer, contract.M_KV_LEASES_EXPIRED)
     servers.producer.wait_idle(timeout=LEASE_SECONDS + 10)
     wait_for(
-        lambda: _metric(servers.producer, contract.M_KV_LEASES_EXPIRED) == before + 1, 30, "expiry metric"
+        lambda: _metric(servers.producer, contract.M_KV_LEASES_EXPIRED) == before + 1,
+        timeout=30,
+        message="expiry metric",
     )
 
 
@@ -198,7 +203,7 @@ def test_producer_killed_between_the_legs_recomputes(servers: Servers) -> None:
     kv = first.json()["kv_transfer_params"]
     core_pid = servers.core_pids[servers.producer.pid]
     servers.producer.stop(signal.SIGKILL, timeout=10)
-    wait_for(lambda: not pid_alive(core_pid), 10, "the producer's core to exit")
+    wait_for(lambda: not pid_alive(core_pid), timeout=10, message="the producer's core to exit")
     second = _complete(servers.consumer, prompt, kv_transfer_params=kv)
     assert second.status_code == 200
     assert second.json()["choices"][0]["text"] == want

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from baton_engine import contract
+from baton_support.wait import wait_for
 from tests.kv_transfer.helpers import KEY
 from tests.kv_transfer.test_pd_http import NAME, _complete, _metric
 from tests.pd_setup import MODEL, pd_environment, serve_args
-from tests.server.server_process import ServerProcess, pid_alive, wait_for
+from tests.server.server_process import ServerProcess, pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -44,7 +45,11 @@ def pair(tmp_path: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
                 core_pid = server.core_pid
                 server.stop(signal.SIGKILL, timeout=10)
                 if core_pid is not None and pid_alive(core_pid):
-                    wait_for(lambda pid=core_pid: not pid_alive(pid), 10, f"core {core_pid} to exit")
+                    wait_for(
+                        lambda pid=core_pid: not pid_alive(pid),
+                        timeout=10,
+                        message=f"core {core_pid} to exit",
+                    )
 
 
 def test_sigterm_keeps_serving_leased_blocks_until_pulled(pair: tuple[ServerProcess, ServerProcess]) -> None:
@@ -54,10 +59,16 @@ def test_sigterm_keeps_serving_leased_blocks_until_pulled(pair: tuple[ServerProc
     first = _complete(producer, prompt, kv_transfer_params={"do_remote_decode": True})
     assert first.status_code == 200, first.text
     kv = first.json()["kv_transfer_params"]
-    wait_for(lambda: producer.stats()["kv_leases_held"] == 1, 10, "the producer to report its lease")
+    wait_for(
+        lambda: producer.stats()["kv_leases_held"] == 1,
+        timeout=10,
+        message="the producer to report its lease",
+    )
 
     producer.proc.send_signal(signal.SIGTERM)
-    wait_for(lambda: producer.answers("/ready") == 503, 30, "/ready to turn 503 after SIGTERM")
+    wait_for(
+        lambda: producer.answers("/ready") == 503, timeout=30, message="/ready to turn 503 after SIGTERM"
+    )
     assert producer.proc.poll() is None  # still up: a lease is held
 
     received_before = _metric(consumer, contract.M_KV_TRANSFER_BYTES, direction="received")

@@ -20,7 +20,8 @@ from baton_engine.kv_transfer.metrics import TransferStats
 from baton_engine.kv_transfer.params import verify_params
 from baton_engine.kv_transfer.producer import KVTransferProducer
 from baton_engine.kv_transfer.protocol import FailureReason, KVTransferError
-from tests.kv_transfer.helpers import KEY, make_cache, signed_params, wait_until
+from baton_support.wait import wait_for
+from tests.kv_transfer.helpers import KEY, make_cache, signed_params
 
 MakeProducer = Callable[..., KVTransferProducer]
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +44,7 @@ def test_full_pull_copies_blocks_byte_for_byte(make_producer: MakeProducer) -> N
         assert torch.equal(dst[:, :, d], src[:, :, s])
     untouched = sorted(set(range(40)) - {30, 31, 5, 6, 2, 39})
     assert torch.count_nonzero(dst[:, :, untouched]).item() == 0
-    wait_until(lambda: producer.leases.block_ids("t1") is None, what="lease ended")
+    wait_for(lambda: producer.leases.block_ids("t1") is None, message="lease ended")
     assert producer.take_ended() == [("t1", LeaseEnd.DONE)]
     delta = stats.take()
     assert (delta.bytes_sent, delta.bytes_received, delta.failures) == (6 * block_bytes, 6 * block_bytes, {})
@@ -99,7 +100,7 @@ def test_everything_cached_sends_only_done(make_producer: MakeProducer) -> None:
     )
     assert (result.num_blocks, result.num_bytes) == (0, 0)
     assert torch.count_nonzero(dst).item() == 0
-    wait_until(lambda: producer.leases.block_ids("t4") is None, what="lease ended")
+    wait_for(lambda: producer.leases.block_ids("t4") is None, message="lease ended")
     assert producer.take_ended() == [("t4", LeaseEnd.DONE)]
 
 
@@ -193,7 +194,7 @@ def test_cache_shape_mismatch_is_detected_by_the_producer_which_releases(make_pr
         FailureReason.SPEC_MISMATCH,
         "producer vs consumer: num_layers 4 != 3",
     )
-    wait_until(lambda: producer.leases.block_ids("t") is None, what="lease released")
+    wait_for(lambda: producer.leases.block_ids("t") is None, message="lease released")
     assert producer.take_ended() == [("t", LeaseEnd.RELEASED)]
 
 
@@ -217,7 +218,7 @@ def test_lease_expiry_frees_and_later_pull_is_told_so(make_producer: MakeProduce
     producer = make_producer(src, stats=stats)
     producer.add_lease("short", [4, 5], 0.2)
     ended: list[tuple[str, LeaseEnd]] = []
-    wait_until(lambda: bool(ended.extend(producer.take_ended()) or ended), what="lease expiry")
+    wait_for(lambda: bool(ended.extend(producer.take_ended()) or ended), message="lease expiry")
     assert ended == [("short", LeaseEnd.EXPIRED)]
     assert stats.take().leases_expired == 1
     params = signed_params(src, port=producer.port, transfer_id="short", block_ids=[4, 5])
@@ -237,7 +238,7 @@ def test_release_message_and_local_release(make_producer: MakeProducer) -> None:
     )
     assert producer.release("local") is True
     assert producer.release("local") is False
-    wait_until(lambda: len(producer.leases) == 0, what="both leases ended")
+    wait_for(lambda: len(producer.leases) == 0, message="both leases ended")
     assert sorted(producer.take_ended()) == [("local", LeaseEnd.RELEASED), ("remote", LeaseEnd.RELEASED)]
     assert (
         consumer.release(signed_params(src, port=producer.port, transfer_id="remote", block_ids=[1])) is False

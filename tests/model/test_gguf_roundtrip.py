@@ -13,7 +13,9 @@ from tokenizers import pre_tokenizers
 
 from baton_engine.loader import load_model
 from baton_engine.model.rope import inverse_frequencies
-from tests.model.tiny_models import VOCAB, make_tiny_model
+from baton_support.tiny_models import PARITY, parity_model
+
+VOCAB = PARITY.vocab_size
 
 HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -97,7 +99,7 @@ def _write_gguf(model: Any, family: str, path: Path, rope_factors: np.ndarray | 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_gguf_weights_equal_the_safetensors_weights(family: str, tmp_path: Path) -> None:
-    model = make_tiny_model(family, tmp_path / "hf", seed=4)
+    model = parity_model(family, seed=4).save(tmp_path / "hf")
     llama_factors = None
     if family == "llama":
         from_hf = load_model(str(tmp_path / "hf"), "cpu", torch.float32)

@@ -14,7 +14,7 @@ from baton_engine.loader import ModelNotFoundError, load_model, resolve_model
 from baton_engine.loader.gguf_loader import hf_name, open_gguf, read_config, unpermute_rows
 from baton_engine.loader.hf_config import model_config_from_hf
 from baton_engine.model.config import UnsupportedArchitectureError
-from tests.model.tiny_models import make_tiny_model
+from baton_support.tiny_models import parity_model
 
 LLAMA_JSON = {
     "architectures": ["LlamaForCausalLM"],
@@ -72,7 +72,7 @@ def test_qwen_bias_and_norm_flags() -> None:
 
 
 def test_missing_weights_are_reported(tmp_path: Path) -> None:
-    make_tiny_model("qwen2", tmp_path)
+    parity_model("qwen2").save(tmp_path)
     from safetensors.torch import load_file, save_file
 
     shard = next(tmp_path.glob("*.safetensors"))
@@ -87,7 +87,7 @@ def test_hf_reference_resolves_from_the_local_cache(tmp_path: Path, monkeypatch:
     cache = tmp_path / "hub"
     repo = cache / "models--acme--tiny"
     snapshot = repo / "snapshots" / "abc123"
-    make_tiny_model("qwen3", snapshot)
+    parity_model("qwen3").save(snapshot)
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text("abc123")
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))

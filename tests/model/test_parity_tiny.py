@@ -10,8 +10,10 @@ import torch
 
 from baton_engine.config import EngineConfig
 from baton_engine.model_runner import ModelRunner
+from baton_support.tiny_models import PARITY, hf_greedy, parity_model
 from tests.model.driver import TestDriver
-from tests.model.tiny_models import VOCAB, hf_greedy, make_tiny_model
+
+VOCAB = PARITY.vocab_size
 
 
 def _prompts() -> tuple[list[list[int]], list[int]]:
@@ -31,7 +33,7 @@ def _prompts() -> tuple[list[list[int]], list[int]]:
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
 def test_greedy_tokens_match_transformers_float64(family: str, tmp_path: Path) -> None:
-    reference = make_tiny_model(family, tmp_path, seed=3)
+    reference = parity_model(family, seed=3).save(tmp_path)
     reference.config._attn_implementation = "sdpa"
     prompts, new_tokens = _prompts()
     expected = [hf_greedy(reference, p, n) for p, n in zip(prompts, new_tokens, strict=True)]
@@ -50,7 +52,7 @@ def test_greedy_tokens_match_transformers_float64(family: str, tmp_path: Path) -
 
 
 def test_runner_reports_model_dtype_and_cache_layout(tmp_path: Path) -> None:
-    make_tiny_model("qwen3", tmp_path)
+    parity_model("qwen3").save(tmp_path)
     runner = ModelRunner(EngineConfig(model=str(tmp_path), dtype="float64", block_size=8, num_kv_blocks=7))
     assert runner.kv_cache.shape == (3, 2, 7, 8, 2, 32)
     assert runner.kv_cache.dtype == torch.float64

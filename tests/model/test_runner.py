@@ -13,14 +13,16 @@ import torch
 from baton_engine.config import EngineConfig
 from baton_engine.model_runner import ModelRunner
 from baton_engine.scheduler_output import SamplingBatch, SchedulerOutput
+from baton_support.tiny_models import PARITY, parity_model
 from tests.model.driver import Sampling, TestDriver
-from tests.model.tiny_models import VOCAB, make_tiny_model
+
+VOCAB = PARITY.vocab_size
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     directory = tmp_path_factory.mktemp("tiny-llama")
-    model = make_tiny_model("llama", directory, seed=11)
+    model = parity_model("llama", seed=11).save(directory)
     model.config._attn_implementation = "sdpa"
     return directory, model
 

@@ -15,9 +15,9 @@ import yaml
 
 from baton_operator import crd
 from baton_operator.kube import Kube
-from tests.operator_tests.apiserver import ApiServer, api_server, binary_dir
-from tests.operator_tests.kube_helpers import Rest, async_kube
-from tests.operator_tests.operator_process import install_chart, operator_kubeconfig
+from baton_support.apiserver import ApiServer, Rest, api_server, binary_dir
+from baton_support.operator_process import install_chart, operator_kubeconfig
+from tests.operator_tests.kube_helpers import async_kube
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import ssl
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 import kopf
 
-from baton_operator import models
+from baton_operator import metrics, models
 from baton_operator.kube import Kube
-from tests.operator_tests.apiserver import ApiServer
+from baton_support.apiserver import ApiServer, Rest
 
 
 def async_kube(server: ApiServer, token: str | None = None) -> Kube:
     info = kopf.ConnectionInfo(server=server.url, ca_path=str(server.ca_file), token=token or server.token)
-    return Kube(lambda: info)
+    return Kube(lambda: info, on_request=metrics.count_api_request)
 
 
 def create_namespace(kube: Any, name: str, labels: dict[str, str] | None = None) -> None:
@@ -47,34 +43,6 @@ def get_infd(kube: Any, namespace: str, name: str) -> dict[str, Any]:
         models.GROUP, models.VERSION, namespace, models.PLURAL, name
     )
     return got
-
-
-class Rest:
-    """Plain REST calls to a test API server (any kind, any verb), JSON in and out."""
-
-    def __init__(self, server: ApiServer, token: str | None = None) -> None:
-        self.url = server.url
-        self.token = token or server.token
-        self.ctx = ssl.create_default_context(cafile=str(server.ca_file))
-
-    def call(
-        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
-    ) -> tuple[int, dict[str, Any]]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        req.add_header("Authorization", f"Bearer {self.token}")
-        req.add_header("Content-Type", content_type)
-        req.add_header("Accept", "application/json")
-        try:
-            with urllib.request.urlopen(req, context=self.ctx, timeout=30) as resp:
-                return resp.status, json.loads(resp.read() or b"{}")
-        except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read() or b"{}")
-
-    def get(self, path: str) -> dict[str, Any]:
-        status, body = self.call("GET", path)
-        assert status == 200, (path, status, body)
-        return body
 
 
 def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:

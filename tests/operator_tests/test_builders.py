@@ -43,7 +43,8 @@ def test_children_of_a_disaggregated_deployment() -> None:
         ("Secret", "demo-kv-transfer")
     ]
     assert [(crd, m["kind"]) for crd, m in children.optional] == [
-        ("podmonitors.monitoring.coreos.com", "PodMonitor")
+        ("podmonitors.monitoring.coreos.com", "PodMonitor"),
+        ("inferencepools.inference.networking.k8s.io", "InferencePool"),
     ]
     assert children.removed == []
 

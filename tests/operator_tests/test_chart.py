@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 
-from tests.operator_tests.apiserver import ApiServer, binary_dir
-from tests.operator_tests.kube_helpers import Rest
-from tests.operator_tests.operator_process import CHART, helm_template
+from baton_support.apiserver import ApiServer, Rest, binary_dir
+from baton_support.operator_process import CHART, helm_template
 
 
 @pytest.fixture(scope="module")

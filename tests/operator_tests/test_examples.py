@@ -12,8 +12,8 @@ import yaml
 from baton_operator import models
 from baton_operator.kube import collection_path
 from baton_operator.reconcile import OperatorConfig, reconcile
-from tests.operator_tests.apiserver import ApiServer
-from tests.operator_tests.kube_helpers import Rest, async_kube, create_namespace
+from baton_support.apiserver import ApiServer, Rest
+from tests.operator_tests.kube_helpers import async_kube, create_namespace
 from tests.operator_tests.placement import with_placement
 
 REPO = Path(__file__).resolve().parents[2]

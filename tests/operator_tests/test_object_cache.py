@@ -99,7 +99,8 @@ def test_resource_version(rv: str | None, expected: int | None) -> None:
         ([deployment("5"), deployment("6", ready=1)], True, 1),
         ([deployment("5"), deployment("6", replicas=3)], True, 0),  # spec.replicas counts
         ([deployment("6", ready=1), deployment("5")], False, 1),  # a late, older event is ignored
-        ([deployment("6", ready=1), deployment("5", uid="u2")], True, 0),  # recreated: new uid
+        ([deployment("6", ready=1), deployment("7", uid="u2")], True, 0),  # recreated: new uid
+        ([deployment("7", uid="u2"), deployment("6", ready=1)], False, 0),  # the predecessor, late
         ([deployment("6", ready=1), deployment(None)], True, 0),  # no resourceVersion: replaces
         ([deployment("9"), deployment("10", ready=1)], True, 1),  # compared as numbers, not text
     ],
@@ -111,6 +112,16 @@ def test_observe(seen: list[dict[str, Any]], changed: bool, ready: int) -> None:
     held = cache.get("ns", "demo-decode")
     assert held is not None and held["status"]["readyReplicas"] == ready
     assert len(cache) == 1
+
+
+def test_a_deleted_uid_is_never_taken_back() -> None:
+    cache = ObjectCache(deployment_view)
+    cache.observe(deployment("5"))
+    cache.forget(deployment("6"))
+    assert cache.observe(deployment("6")) is False  # a handler's late copy of the deleted object
+    assert cache.get("ns", "demo-decode") is None and cache.uid("ns", "demo-decode") is None
+    assert cache.observe(deployment("8", uid="u2")) is True  # re-created under the same name
+    assert cache.uid("ns", "demo-decode") == "u2"
 
 
 def test_forget_only_the_deleted_object() -> None:

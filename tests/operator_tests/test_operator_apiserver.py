@@ -13,17 +13,16 @@ from typing import Any
 import pytest
 
 from baton_operator.kube import FIELD_MANAGER, collection_path
-from tests.operator_tests.apiserver import ApiServer
+from baton_support.apiserver import ApiServer, Rest
+from baton_support.operator_process import OperatorProcess, operator_process
 from tests.operator_tests.cases import VALID_SPEC
 from tests.operator_tests.kube_helpers import (
-    Rest,
     create_foreign_deployment,
     create_infd,
     create_namespace,
     get_infd,
     wait_for,
 )
-from tests.operator_tests.operator_process import OperatorProcess, operator_process
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -233,14 +232,19 @@ def test_child_readiness_reaches_status_and_printer_columns(
     assert cells["Endpoint"] == "http://demo-router.op.svc:80"
 
 
-def test_events_of_a_failing_reconcile_are_posted_once(
-    reconciled: dict[str, Any], own_apiserver: ApiServer, own_kube: Any
+def reconcile_errors(operator: OperatorProcess, error: str) -> float:
+    return sample(operator.metrics(), f'baton_operator_reconcile_errors_total{{error="{error}"}}')
+
+
+def test_a_refused_child_degrades_the_resource_once_and_is_retried(
+    reconciled: dict[str, Any], own_apiserver: ApiServer, own_kube: Any, operator: OperatorProcess
 ) -> None:
     # Last in the module: the resource's eventual successful create would count in the metrics
     # asserted above.
     rest = Rest(own_apiserver)
     create_namespace(own_kube, "failing")
     create_foreign_deployment(rest, "failing", "broken-decode")
+    refused_before = reconcile_errors(operator, "HTTP422")
     create_infd(own_kube, "failing", "broken", VALID_SPEC)
 
     def posted(reason: str) -> list[str]:
@@ -249,21 +253,43 @@ def test_events_of_a_failing_reconcile_are_posted_once(
             e["message"] for e in events if e["reason"] == reason and e["involvedObject"]["name"] == "broken"
         ]
 
-    # The Secret is created, then the decode Deployment is refused; the retries (the create
-    # handler's and the 2 s resync's) fail the same way and find the Secret already there.
-    failures = wait_for(lambda: (f := posted("ReconcileFailed")) and len(f) >= 3 and f, 30, "3 failures")
-    assert 'Deployment.apps "broken-decode" is invalid' in failures[0]
+    def conditions() -> dict[str, tuple[str, str, str]]:
+        status = get_infd(own_kube, "failing", "broken").get("status") or {}
+        return {c["type"]: (c["status"], c["reason"], c["message"]) for c in status.get("conditions", [])}
+
+    # The Secret is created, then the decode Deployment is refused (its selector is immutable):
+    # the status says so with the API's answer, Ready and Degraded alike.
+    degraded = wait_for(
+        lambda: (c := conditions()).get("Degraded", ("", "", ""))[1] == "ChildRefused" and c["Degraded"],
+        30,
+        "Degraded=True ChildRefused",
+    )
+    status, reason, message = degraded
+    assert (status, reason) == ("True", "ChildRefused")
+    assert message.startswith(
+        'Deployment broken-decode: Invalid (HTTP 422): Deployment.apps "broken-decode" is invalid: '
+    )
+    assert "spec.selector" in message and "field is immutable" in message
+    assert conditions()["Ready"] == ("False", "ChildRefused", message)
+    # Retried (every resync: 2 s here), each refusal counted, but one Warning Event in all.
+    wait_for(
+        lambda: reconcile_errors(operator, "HTTP422") >= refused_before + 3, 30, "three refused reconciles"
+    )
+    wait_for(lambda: posted("ChildRefused"), 30, "the ChildRefused Event")
+    assert posted("ChildRefused") == [message]
     assert posted("SigningKeyCreated") == ["created Secret broken-kv-transfer"]
 
-    status, answer = rest.call(
+    status_code, answer = rest.call(
         "DELETE", collection_path("apps/v1", "Deployment", "failing") + "/broken-decode"
     )
-    assert status == 200, answer
+    assert status_code == 200, answer
     wait_for(
         lambda: get_infd(own_kube, "failing", "broken").get("status", {}).get("observedGeneration") == 1,
         30,
         "a reconcile to succeed once the foreign Deployment is gone",
     )
+    assert conditions()["Degraded"] == ("False", "AsExpected", "no failures observed")
+    assert posted("ChildRefused") == [message]
     assert posted("SigningKeyCreated") == ["created Secret broken-kv-transfer"]
-    status, answer = rest.call("DELETE", INFD.format(ns="failing", name="broken"))
-    assert status == 200, answer
+    status_code, answer = rest.call("DELETE", INFD.format(ns="failing", name="broken"))
+    assert status_code == 200, answer

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from baton_operator.kube import FIELD_MANAGER
-from tests.operator_tests.apiserver import ApiServer
+from baton_support.apiserver import ApiServer, Rest
+from baton_support.operator_process import operator_process
 from tests.operator_tests.cases import VALID_SPEC
-from tests.operator_tests.kube_helpers import Rest, create_infd, create_namespace, get_infd, wait_for
-from tests.operator_tests.operator_process import operator_process
+from tests.operator_tests.kube_helpers import create_infd, create_namespace, get_infd, wait_for
 from tests.operator_tests.test_reconcile_apiserver import EXPECTED, children, managers
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]

@@ -14,10 +14,9 @@ from baton_dev.testing import wait_for
 from baton_operator.events import Event
 from baton_operator.kube import FIELD_MANAGER, Kube, KubeError, collection_path
 from baton_operator.reconcile import Caches, OperatorConfig, reconcile, refresh_status
-from tests.operator_tests.apiserver import ApiServer
+from baton_support.apiserver import ApiServer, Rest
 from tests.operator_tests.cases import DEMO_APPLIED_CHILDREN, VALID_SPEC, merged
 from tests.operator_tests.kube_helpers import (
-    Rest,
     async_kube,
     create_foreign_deployment,
     create_infd,
@@ -283,7 +282,7 @@ PODMONITOR_CRD = {
 async def test_pod_monitor_is_applied_once_its_crd_exists(
     apiserver: ApiServer, kube: Any, akube: Kube, rest: Rest, namespace: str
 ) -> None:
-    from tests.operator_tests.operator_process import CLUSTER_PATHS, wait_established
+    from baton_support.operator_process import CLUSTER_PATHS, wait_established
 
     body = create_infd(kube, namespace, "demo", VALID_SPEC)
     assert (await reconcile(akube, body, CFG)).applied == 13

@@ -6,7 +6,14 @@ from typing import Any
 
 import pytest
 
-from baton_operator.status import Observed, compute_status, role_status, status_changed, stored_error
+from baton_operator.status import (
+    Failure,
+    Observed,
+    compute_status,
+    role_status,
+    status_changed,
+    stored_failure,
+)
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -29,10 +36,11 @@ def deployment(
 
 
 def status_of(deployments: dict[str, Any], error: str | None = None, previous: Any = None) -> dict[str, Any]:
+    failure = None if error is None else Failure("ReconcileFailed", error)
     return compute_status(
         name="demo",
         generation=3,
-        observed=Observed(deployments=deployments, error=error),
+        observed=Observed(deployments=deployments, failure=failure),
         endpoint="http://demo-router.ns.svc:80",
         now=T1,
         previous=previous or {},
@@ -241,7 +249,7 @@ def test_an_unchanged_world_computes_an_unchanged_status() -> None:
 
 
 @pytest.mark.parametrize(
-    ("conditions", "error"),
+    ("conditions", "failure"),
     [
         ([], None),
         ([{"type": "Degraded", "status": "False", "reason": "AsExpected", "message": "ok"}], None),
@@ -249,10 +257,24 @@ def test_an_unchanged_world_computes_an_unchanged_status() -> None:
         ([{"type": "Ready", "status": "False", "reason": "ReconcileFailed", "message": "HTTP 403"}], None),
         (
             [{"type": "Degraded", "status": "True", "reason": "ReconcileFailed", "message": "HTTP 403"}],
-            "HTTP 403",
+            Failure("ReconcileFailed", "HTTP 403"),
         ),
-        ([{"type": "Degraded", "status": "True", "reason": "ReconcileFailed"}], "reconcile failed"),
+        (
+            [
+                {
+                    "type": "Degraded",
+                    "status": "True",
+                    "reason": "ChildRefused",
+                    "message": "Deployment x: ...",
+                }
+            ],
+            Failure("ChildRefused", "Deployment x: ..."),
+        ),
+        (
+            [{"type": "Degraded", "status": "True", "reason": "ReconcileFailed"}],
+            Failure("ReconcileFailed", "reconcile failed"),
+        ),
     ],
 )
-def test_stored_error(conditions: list[dict[str, str]], error: str | None) -> None:
-    assert stored_error({"conditions": conditions}) == error
+def test_stored_failure(conditions: list[dict[str, str]], failure: Failure | None) -> None:
+    assert stored_failure({"conditions": conditions}) == failure

@@ -12,8 +12,9 @@ from baton_engine.router.endpoints import Endpoint, EndpointRegistry, static_end
 from baton_engine.router.kv_index import KVEventIndex
 from baton_engine.router.prefix import PrefixScorer
 from baton_engine.router.settings import RouterSettings
+from baton_support.wait import wait_for
 from tests.router.fake_engine import FakeEngine
-from tests.router.servers import ServerThread, stop_all, wait_for
+from tests.router.servers import ServerThread, stop_all
 
 
 class RunningRouter:
@@ -30,7 +31,7 @@ class RunningRouter:
         """Until every endpoint has been scraped at least once."""
         wait_for(
             lambda: all(self.core.loads.get(e.key).scraped_at > 0 for e in self.core.registry.all()),
-            what="first load scrape of every endpoint",
+            message="first load scrape of every endpoint",
         )
 
 

@@ -3,25 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 
-from tests.ports import bound_socket, free_port
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    """Poll ``condition`` until it returns something truthy; fail with ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
+from baton_support.ports import bound_socket, free_port
+from baton_support.wait import wait_for
 
 
 def dead_url() -> str:
@@ -42,7 +29,7 @@ class ServerThread:
 
     def start(self) -> ServerThread:
         self._thread.start()
-        wait_for(lambda: self.server.started or not self._thread.is_alive(), what=f"server on {self.url}")
+        wait_for(lambda: self.server.started or not self._thread.is_alive(), message=f"server on {self.url}")
         if not self.server.started:
             raise RuntimeError(f"server on {self.url} failed to start")
         return self

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.ports import free_port
-from tests.router.servers import wait_for
+from baton_support.ports import free_port
+from baton_support.wait import wait_for
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def router_process(start_engine) -> Iterator[tuple[str, object]]:
             return False
 
     try:
-        wait_for(healthy, timeout=120, what="baton-router to answer /health")  # imports under load
+        wait_for(healthy, timeout=120, message="baton-router to answer /health")  # imports under load
         yield url, decode
     finally:
         process.send_signal(signal.SIGTERM)

@@ -14,7 +14,7 @@ from baton_dev.testing import DevCluster
 from baton_engine import contract
 from baton_engine.router.discovery import KubernetesDiscovery, selector_string
 from baton_engine.router.endpoints import Endpoint, EndpointRegistry
-from tests.router.servers import wait_for
+from baton_support.wait import wait_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -78,7 +78,7 @@ class DiscoveryThread:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        wait_for(lambda: self._task is not None, what="discovery task")
+        wait_for(lambda: self._task is not None, message="discovery task")
         assert self._task is not None
         self._loop.call_soon_threadsafe(self._task.cancel)
         self._thread.join(timeout=10)
@@ -99,7 +99,9 @@ def test_pods_become_endpoints_and_leave(dev_cluster: DevCluster, k8s_namespace:
         # present before the watch started (list) and created after it (watch)
         dev_cluster.apply(_pod("demo-decode-0", "decode"), k8s_namespace)
         dev_cluster.apply(_pod("other-prefill-0", "prefill", deployment="other"), k8s_namespace)
-        wait_for(lambda: discovery.live("prefill") and discovery.live("decode"), timeout=60, what="both pods")
+        wait_for(
+            lambda: discovery.live("prefill") and discovery.live("decode"), timeout=60, message="both pods"
+        )
 
         pods = {p["metadata"]["name"]: p for p in dev_cluster.pods(k8s_namespace)}
         for name, role in (("demo-prefill-0", "prefill"), ("demo-decode-0", "decode")):
@@ -112,5 +114,5 @@ def test_pods_become_endpoints_and_leave(dev_cluster: DevCluster, k8s_namespace:
         assert list(discovery.live("prefill")) == ["demo-prefill-0"]  # the other deployment's pod is not ours
 
         dev_cluster.kubectl("delete", "pod", "demo-prefill-0", "-n", k8s_namespace, "--wait=false")
-        wait_for(lambda: not discovery.live("prefill"), timeout=60, what="the deleted pod to leave")
+        wait_for(lambda: not discovery.live("prefill"), timeout=60, message="the deleted pod to leave")
         assert list(discovery.live("decode")) == ["demo-decode-0"]

@@ -16,8 +16,8 @@ from baton_engine.router.block_hashes import ChainedBlockHasher, block_hasher
 from baton_engine.router.endpoints import Endpoint, EndpointRegistry
 from baton_engine.router.kv_index import KVEventIndex, zmq_address
 from baton_engine.router.prefix import PrefixScorer
+from baton_support.wait import wait_for
 from tests.kv_events.records import BlocksStored
-from tests.router.servers import wait_for
 
 BLOCK = 16
 PROMPT = list(range(1000, 1000 + 3 * BLOCK + 5))  # three full blocks and a partial one
@@ -97,7 +97,7 @@ def _until(condition: Callable[[], bool], publishers: list[KVEventPublisher], wh
             publisher.publish([BlocksStored((2**60 + n,), None, tuple(range(BLOCK)), BLOCK)])
         return False
 
-    wait_for(poll, what=what)
+    wait_for(poll, message=what)
 
 
 def test_index_follows_pods_and_drops_a_pod_that_goes(publishers) -> None:
@@ -112,7 +112,7 @@ def test_index_follows_pods_and_drops_a_pod_that_goes(publishers) -> None:
         registry.upsert(
             _endpoint("decode", "http://127.0.0.1:2", publishers[1])
         )  # decode pods are not indexed
-        wait_for(lambda: index.subscriber.pods() == [pod.key], what="subscription to the prefill pod")
+        wait_for(lambda: index.subscriber.pods() == [pod.key], message="subscription to the prefill pod")
         _store(publishers[0], hasher, PROMPT[: 2 * BLOCK])
         _until(
             lambda: index.longest_prefix_match(keys) == {pod.key: 2},
@@ -121,7 +121,7 @@ def test_index_follows_pods_and_drops_a_pod_that_goes(publishers) -> None:
         )
 
         registry.remove(pod.key)
-        wait_for(lambda: index.subscriber.pods() == [], what="unsubscription")
+        wait_for(lambda: index.subscriber.pods() == [], message="unsubscription")
         assert index.longest_prefix_match(keys) == {}
     finally:
         index.close()
@@ -143,7 +143,7 @@ def test_router_prefills_where_the_events_say_the_prefix_is(start_engine, start_
         kv_index=index,
         block_size=BLOCK,
     )
-    wait_for(lambda: len(index.subscriber.pods()) == 2, what="subscriptions to both prefill pods")
+    wait_for(lambda: len(index.subscriber.pods()) == 2, message="subscriptions to both prefill pods")
     _store(publishers[0], hasher, PROMPT[:BLOCK])
     _store(publishers[1], hasher, PROMPT[: 3 * BLOCK])
     both = {cold_pod.key: 1, warm_pod.key: 3}

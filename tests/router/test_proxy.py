@@ -10,7 +10,8 @@ import socket
 import httpx
 import pytest
 
-from tests.router.servers import dead_url, wait_for
+from baton_support.wait import wait_for
+from tests.router.servers import dead_url
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 BODY = {"model": "smollm2", "prompt": "Hello", "max_tokens": 5, "temperature": 0}
@@ -28,7 +29,7 @@ def _metric(router_url: str, line_start: str) -> float:
 def _wait_metric(router_url: str, line_start: str, value: float) -> None:
     """Until the sample reads `value`: the router counts a request's outcome (and observes its
     last leg) after the response's last byte went out, so a client can scrape first."""
-    wait_for(lambda: _metric(router_url, line_start) == value, what=f"{line_start} == {value}")
+    wait_for(lambda: _metric(router_url, line_start) == value, message=f"{line_start} == {value}")
 
 
 def test_disaggregated_legs_in_order_with_params_passed_through(start_engine, start_router) -> None:
@@ -172,7 +173,7 @@ def test_prefill_failure_sends_the_whole_request_to_decode(
     assert decode_leg.request_id == "f-1"
     assert _metric(router.url, f'baton_router_fallbacks_total{{reason="{reason}"}}') == 1.0
     if behaviour.get("prefill_hang"):  # the timed-out prefill leg was closed, not left running
-        wait_for(lambda: prefill.disconnects == ["f-1"], what="prefill pod to see the leg closed")
+        wait_for(lambda: prefill.disconnects == ["f-1"], message="prefill pod to see the leg closed")
 
 
 def test_unreachable_prefill_pod_falls_back(start_engine, start_router) -> None:
@@ -232,9 +233,9 @@ def test_client_disconnect_mid_stream_closes_the_decode_leg(start_engine, start_
         first = next(response.iter_raw())
         assert first.startswith(b"data: ")
     # leaving the block closed the client connection mid-stream
-    wait_for(lambda: decode.disconnects == ["c-1"], what="decode pod to see its stream closed")
+    wait_for(lambda: decode.disconnects == ["c-1"], message="decode pod to see its stream closed")
     # and the prefill pod is asked to free the blocks it leased for the abandoned decode leg
-    wait_for(lambda: len(prefill.posts()) == 2, what="the lease release to reach the prefill pod")
+    wait_for(lambda: len(prefill.posts()) == 2, message="the lease release to reach the prefill pod")
     release = prefill.posts()[1]
     assert (release.path, release.body) == (
         "/v1/kv_transfer/release",
@@ -256,8 +257,8 @@ def test_client_disconnect_during_prefill_closes_the_prefill_leg(start_engine, s
 
     with socket.create_connection(("127.0.0.1", router.server.port)) as client:
         client.sendall(request)
-        wait_for(lambda: prefill.posts(), what="prefill leg to arrive")
-    wait_for(lambda: prefill.disconnects == ["c-2"], what="prefill pod to see its leg closed")
+        wait_for(lambda: prefill.posts(), message="prefill leg to arrive")
+    wait_for(lambda: prefill.disconnects == ["c-2"], message="prefill pod to see its leg closed")
     assert decode.posts() == []
 
 
@@ -335,7 +336,7 @@ def test_no_reachable_decode_pod_is_503(start_engine, start_router) -> None:
     assert error["type"] == "service_unavailable"
     assert error["message"].startswith("decode leg: no pod accepted the connection")
     # nobody will pull the prefill pod's blocks: it is asked to free them now
-    wait_for(lambda: len(prefill.posts()) == 2, what="the lease release to reach the prefill pod")
+    wait_for(lambda: len(prefill.posts()) == 2, message="the lease release to reach the prefill pod")
     assert [r.path for r in prefill.posts()] == ["/v1/completions", "/v1/kv_transfer/release"]
 
 
@@ -478,4 +479,4 @@ def test_concurrent_streams_all_complete_and_leave_nothing_in_flight(start_engin
     assert len(decodes[0][0].posts()) + len(decodes[1][0].posts()) == 48
     assert min(len(decodes[0][0].posts()), len(decodes[1][0].posts())) > 0  # both pods used
     # the last byte reaches the client a moment before the router's bookkeeping finishes
-    wait_for(lambda: sum(router.core.in_flight.values()) == 0, what="in-flight counts back to zero")
+    wait_for(lambda: sum(router.core.in_flight.values()) == 0, message="in-flight counts back to zero")

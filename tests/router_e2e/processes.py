@@ -18,13 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from baton_engine import contract
 from baton_engine.kv_events_wire import WireBlockStored, decode_batch, decode_sequence, encode_sequence
+from baton_support.wait import wait_for
 from tests.server.server_process import (
     LoopbackProcess,
     ServerProcess,
     child_pids,
     free_port,
     pid_alive,
-    wait_for,
 )
 
 BATON_ROUTER = str(Path(sys.executable).with_name("baton-router"))
@@ -75,7 +75,7 @@ def stop_engines(engines: Sequence[ServerProcess]) -> None:
         children = child_pids(engine.pid) if engine.proc.poll() is None else []
         engine.stop(signal.SIGKILL, timeout=10)
         for pid in children:
-            wait_for(lambda pid=pid: not pid_alive(pid), 20, f"engine core {pid} to exit")
+            wait_for(lambda pid=pid: not pid_alive(pid), timeout=20, message=f"engine core {pid} to exit")
 
 
 def kv_event_ports() -> tuple[str, ...]:

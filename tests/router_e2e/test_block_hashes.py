@@ -19,6 +19,7 @@ from baton_engine.kv_events_wire import WireBlockStored
 from baton_engine.loader.tokenizer_loading import load_tokenizer
 from baton_engine.router.block_hashes import block_hasher
 from baton_engine.router.request_tokens import EngineRequestTokenizer
+from baton_support.wait import wait_for
 from tests.router_e2e.processes import (
     BLOCK_SIZE,
     MODEL,
@@ -31,7 +32,7 @@ from tests.router_e2e.processes import (
     start_engine,
     stop_engines,
 )
-from tests.server.server_process import ServerProcess, wait_for
+from tests.server.server_process import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -87,7 +88,9 @@ def test_router_keys_equal_engine_event_keys(
         stored, _ = replayed_block_stored(replay_port)
         return stored if sum(len(event.block_hashes) for event in stored) >= full_blocks else None
 
-    stored = wait_for(prompt_blocks_published, 30, "the engine to publish the prompt's blocks")
+    stored = wait_for(
+        prompt_blocks_published, timeout=30, message="the engine to publish the prompt's blocks"
+    )
     engine_keys = [key for event in stored for key in event.block_hashes]
     engine_tokens = [token for event in stored for token in event.token_ids]
     # the generated token may complete one more block; the prompt's blocks come first
@@ -108,7 +111,9 @@ def test_router_keys_equal_engine_event_keys(
         chat(router.url, [{"role": "user", "content": "Wake the event stream."}], max_tokens=1)
         _, last_seq = replayed_block_stored(port_of(events, "--kv-events-replay-port"))
         wait_for(
-            lambda: _router_next_seq(router) > last_seq, 30, f"the router to apply KV-event batch {last_seq}"
+            lambda: _router_next_seq(router) > last_seq,
+            timeout=30,
+            message=f"the router to apply KV-event batch {last_seq}",
         )
         before = metric(router.url, hits)
         chat(router.url, MESSAGES, max_tokens=1)

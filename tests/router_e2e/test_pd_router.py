@@ -29,6 +29,7 @@ import pytest
 from baton_engine import contract
 from baton_engine.loader.tokenizer_loading import load_tokenizer
 from baton_engine.tokenizer import Tokenizer
+from baton_support.wait import wait_for
 from tests.pd_setup import PREFIXED, SHARED_PREFIX, TEXTS, common_prefix_len, pd_environment, serve_args
 from tests.router_e2e.hooked_proxy import hooked_proxy
 from tests.router_e2e.processes import (
@@ -45,7 +46,7 @@ from tests.router_e2e.processes import (
     port_of,
     stop_engines,
 )
-from tests.server.server_process import ServerProcess, pid_alive, wait_for
+from tests.server.server_process import ServerProcess, pid_alive
 
 # Three model loads and ~150 requests: over 10 minutes on a loaded 2-core machine.
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(1800)]
@@ -113,7 +114,9 @@ def wait_kv_free(engines: list[ServerProcess], timeout: float) -> None:
     for engine in engines:
         engine.wait_idle(timeout=timeout)
         wait_for(
-            lambda url=engine.url: metric(url, contract.M_KV_USAGE) == 0.0, 60, f"{engine.url} KV usage 0"
+            lambda url=engine.url: metric(url, contract.M_KV_USAGE) == 0.0,
+            timeout=60,
+            message=f"{engine.url} KV usage 0",
         )
 
 
@@ -171,15 +174,15 @@ def test_pd_through_router_matches_one_engine(deployment: Deployment) -> None:
                 counter(deployment.consumer.url, contract.M_PREFIX_HITS) - consumer_hits
                 >= sum(shared_blocks) * BLOCK_SIZE
             ),
-            60,
-            "the consumer's prefix hits on the shared prefix",
+            timeout=60,
+            message="the consumer's prefix hits on the shared prefix",
         )
         assert counter(router.url, contract.M_ROUTER_FALLBACKS) == 0.0
         # The router counts a request after its response's last byte went out.
         wait_for(
             lambda: counter(router.url, contract.M_ROUTER_REQUESTS) == 17.0,
-            60,
-            "the router to count 17 requests",
+            timeout=60,
+            message="the router to count 17 requests",
         )
     finally:
         router.stop()
@@ -222,8 +225,8 @@ def test_client_disconnect_mid_leg_frees_both_sides(deployment: Deployment, leg:
             arrived = f"request {request_id}: completion"
             wait_for(
                 lambda: any(arrived in p.log_text() for p in deployment.producers),
-                60,
-                "the prefill leg to reach a producer",
+                timeout=60,
+                message="the prefill leg to reach a producer",
             )
         else:
             body = {
@@ -307,8 +310,8 @@ def _hit_tokens_of_run(deployment: Deployment, routing: str, seed: int) -> tuple
             sum(counter(p.url, contract.M_REQUEST_SUCCESS) for p in deployment.producers)
             == done_before + len(prompts)
         ),
-        60,
-        "the producers' metrics to count every request",
+        timeout=60,
+        message="the producers' metrics to count every request",
     )
     return sum(counter(p.url, contract.M_PREFIX_HITS) for p in deployment.producers) - before, ideal
 
@@ -350,7 +353,7 @@ def test_producer_killed_between_the_legs_completes(deployment: Deployment) -> N
             killed.append(pid)
             os.kill(pid, signal.SIGKILL)
         for pid in pids:
-            wait_for(lambda pid=pid: not pid_alive(pid), 30, f"producer process {pid} to die")
+            wait_for(lambda pid=pid: not pid_alive(pid), timeout=30, message=f"producer process {pid} to die")
 
     proxy = hooked_proxy(deployment.consumer.url, kill_producers)
     router = deployment.router("kill", decode_url=proxy.url)
@@ -359,8 +362,8 @@ def test_producer_killed_between_the_legs_completes(deployment: Deployment) -> N
         assert len(killed) == 4 and not any(pid_alive(pid) for pid in killed)
         wait_for(
             lambda: counter(deployment.consumer.url, contract.M_KV_TRANSFER_FAILURES) == failures + 1,
-            60,
-            "the consumer to count the failed pull",
+            timeout=60,
+            message="the consumer to count the failed pull",
         )
         deployment.consumer.wait_idle(timeout=20)
     finally:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from baton_support.tiny_models import CHAT
 from tests.server.server_process import ServerProcess
-from tests.server.tiny_model import make_tiny_chat_model
 
 TINY_SERVER_ARGS = (
     "--num-kv-blocks", "256",
@@ -20,7 +20,9 @@ TINY_SERVER_ARGS = (
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-model") / "tiny-chat")
+    directory = tmp_path_factory.mktemp("tiny-chat-model") / "tiny-chat"
+    CHAT.save(directory)
+    return directory
 
 
 @pytest.fixture(scope="module")

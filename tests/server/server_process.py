@@ -6,13 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.ports import free_port
+from baton_support.ports import free_port
+from baton_support.wait import wait_for
 
 BATON_ENGINE = str(Path(sys.executable).with_name("baton-engine"))
 
@@ -41,17 +41,6 @@ def pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def wait_for(condition: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
-
-
 class LoopbackProcess:
     """A command serving HTTP on 127.0.0.1:`port`, its output in `log_path`, stopped by pid."""
 
@@ -75,7 +64,12 @@ class LoopbackProcess:
     def wait_ready(self, timeout: float, interval: float, stop_signal: int) -> None:
         """Wait for /ready to answer 200; on failure stop the process with `stop_signal` first."""
         try:
-            wait_for(lambda: self.answers("/ready") == 200, timeout, f"{self.url}/ready", interval=interval)
+            wait_for(
+                lambda: self.answers("/ready") == 200,
+                timeout=timeout,
+                message=f"{self.url}/ready",
+                interval=interval,
+            )
         except BaseException:
             self.stop(stop_signal)
             raise
@@ -156,5 +150,7 @@ class ServerProcess(LoopbackProcess):
             )
             return stats if quiet else None
 
-        result: dict[str, Any] = wait_for(idle, timeout, "the engine to go idle with every KV block free")
+        result: dict[str, Any] = wait_for(
+            idle, timeout=timeout, message="the engine to go idle with every KV block free"
+        )
         return result

@@ -23,6 +23,11 @@ def _chat(**over: Any) -> dict[str, Any]:
     return {**GOOD_CHAT, **over}
 
 
+def _raw(field: str, literal: str) -> bytes:
+    """A completion body whose `field` is a bare JSON-extension literal (Infinity, NaN)."""
+    return b'{"model": "tiny-chat", "prompt": "hi", "%s": %s}' % (field.encode(), literal.encode())
+
+
 def _without(body: dict[str, Any], key: str) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != key}
 
@@ -60,12 +65,66 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("chat-messages-string", "/v1/chat/completions", _chat(messages="hi"), 400, "messages", "valid list"),
     ("chat-unknown-role", "/v1/chat/completions", _chat(messages=[{"role": "wizard", "content": "hi"}]), 400,
      "messages[0].role", "'system', 'developer', 'user', 'assistant' or 'tool'"),
-    ("chat-missing-content", "/v1/chat/completions", _chat(messages=[{"role": "user"}]), 400, "messages",
+    ("chat-missing-content", "/v1/chat/completions", _chat(messages=[{"role": "user"}]), 400,
+     "messages[0].content",
      "required for role 'user'"),
     ("chat-top-logprobs-range", "/v1/chat/completions", _chat(logprobs=True, top_logprobs=50), 400,
      "top_logprobs", "less than or equal to 20"),
     ("chat-top-logprobs-without-logprobs", "/v1/chat/completions", _chat(top_logprobs=3), 400, "top_logprobs",
      "requires logprobs"),
+    # numbers the engine cannot represent (top_k is an int32 column of the batch)
+    ("top-k-int32-overflow", "/v1/completions", _c(top_k=2**31), 400, "top_k",
+     "less than or equal to 2147483647"),
+    ("top-k-huge", "/v1/completions", _c(top_k=10**30), 400, "top_k", "less than or equal to 2147483647"),
+    ("max-tokens-int32-overflow", "/v1/completions", _c(max_tokens=2**31), 400, "max_tokens",
+     "less than or equal to 2147483647"),
+    ("chat-max-completion-tokens-huge", "/v1/chat/completions", _chat(max_completion_tokens=2**63), 400,
+     "max_completion_tokens", "less than or equal to 2147483647"),
+    ("seed-2-63", "/v1/completions", _c(seed=2**63), 400, "seed", "less than 9223372036854775808"),
+    ("temperature-above-two", "/v1/completions", _c(temperature=2.5), 400, "temperature",
+     "less than or equal to 2"),
+    ("temperature-infinity", "/v1/completions", _raw("temperature", "Infinity"),
+     400, "temperature", "finite number"),
+    ("temperature-nan", "/v1/completions", _raw("temperature", "NaN"), 400,
+     "temperature", "finite number"),
+    ("top-p-nan", "/v1/completions", _raw("top_p", "NaN"), 400, "top_p",
+     "finite number"),
+    ("timeout-infinity", "/v1/completions", _raw("timeout", "Infinity"), 400,
+     "timeout", "finite number"),
+    ("token-id-huge", "/v1/completions", _c(prompt=[1, 2**64]), 400, "prompt", "out of range"),
+    ("token-id-negative", "/v1/completions", _c(prompt=[1, -1]), 400, "prompt", "out of range"),
+    # nesting that would exhaust the decoder's recursion, and nesting under the limit but too deep
+    ("nested-100000", "/v1/completions", b"[" * 100_000, 400, None,
+     "request body has 100000 '[' and '{' characters; at most 65536"),
+    ("nested-5000", "/v1/completions", b"[" * 5000, 400, None, "nested deeper than 128 levels"),
+    ("nested-object-5000", "/v1/completions", b'{"a": ' * 5000, 400, None, "nested deeper than 128"),
+    ("tiny-containers", "/v1/completions", _c(prompt=[[1]] * 70_000), 400, None, "at most 65536"),
+    ("nested-field-200", "/v1/completions", _c(metadata=json.loads("[" * 200 + "]" * 200)), 400, None,
+     "nested deeper than 128 levels"),
+    # messages: the field named exactly; images refused as such
+    ("chat-null-content", "/v1/chat/completions", _chat(messages=[{"role": "user", "content": None}]), 400,
+     "messages[0].content", "required for role 'user'"),
+    ("chat-second-null-content", "/v1/chat/completions",
+     _chat(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": None}]), 400,
+     "messages[1].content", "required for role 'user'"),
+    ("chat-image-part", "/v1/chat/completions", _chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400,
+     "messages[0].content[1]", "images are not supported"),
+    ("chat-audio-part", "/v1/chat/completions", _chat(messages=[{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]), 400,
+     "messages[0].content[0]", "'input_audio' parts are not supported"),
+    ("chat-unknown-part", "/v1/chat/completions", _chat(messages=[{"role": "user", "content": [
+        {"type": "hologram"}]}]), 400, "messages[0].content[0].type", "unknown content part type 'hologram'"),
+    ("chat-text-part-without-text", "/v1/chat/completions", _chat(messages=[{"role": "user", "content": [
+        {"type": "text"}]}]), 400, "messages[0].content[0].text", "required"),
+    # OpenAI fields that change the answer are refused by name, never ignored
+    ("chat-functions", "/v1/chat/completions", _chat(functions=[{"name": "f"}]), 400, "functions",
+     "not supported"),
+    ("chat-modalities-audio", "/v1/chat/completions", _chat(modalities=["text", "audio"]), 400, "modalities",
+     "only ['text']"),
+    # a client's long value is quoted back cut short
+    ("unknown-long-model", "/v1/completions", _c(model="m" * 100_000), 404, "model", "(100000 characters)"),
 ]  # fmt: skip
 
 
@@ -101,3 +160,115 @@ def test_bad_requests_get_openai_errors_and_leak_nothing(tiny_server: ServerProc
     assert ok_chat.status_code == 200
     stats = tiny_server.wait_idle()
     assert stats["num_used_kv_blocks"] == 0
+
+
+@pytest.mark.slow
+def test_values_at_their_limits_are_served(tiny_server: ServerProcess) -> None:
+    """The largest value each bounded field accepts runs through the engine (and decodes the same
+    tokens as the equivalent everyday value where one exists)."""
+    greedy = {**GOOD, "temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    plain = tiny_server.http.post("/v1/completions", json=greedy).json()["choices"][0]["text"]
+    widest_top_k = tiny_server.http.post("/v1/completions", json={**greedy, "top_k": 2**31 - 1})
+    assert widest_top_k.status_code == 200, widest_top_k.text
+    assert widest_top_k.json()["choices"][0]["text"] == plain  # k >= vocab keeps every token
+    seeded = {**GOOD, "max_tokens": 6, "ignore_eos": True, "temperature": 2.0, "seed": 2**63 - 1}
+    first = tiny_server.http.post("/v1/completions", json={**seeded, "top_k": 2**31 - 1})
+    again = tiny_server.http.post("/v1/completions", json={**seeded, "top_k": -1})
+    assert first.status_code == again.status_code == 200, first.text
+    assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
+    edge = {**GOOD, "n": 16, "logprobs": 5, "max_tokens": 2, "top_p": 1.0, "temperature": 2.0}
+    many = tiny_server.http.post("/v1/completions", json=edge)
+    assert many.status_code == 200, many.text
+    assert [c["index"] for c in many.json()["choices"]] == list(range(16))
+    chat = tiny_server.http.post(
+        "/v1/chat/completions", json={**GOOD_CHAT, "logprobs": True, "top_logprobs": 20, "max_tokens": 2}
+    )
+    assert chat.status_code == 200, chat.text
+    assert [len(t["top_logprobs"]) for t in chat.json()["choices"][0]["logprobs"]["content"]] == [20, 20]
+    assert tiny_server.wait_idle()["num_used_kv_blocks"] == 0
+
+
+@pytest.mark.slow
+def test_prompt_tokens_count_each_prompt_once_whatever_n(tiny_server: ServerProcess) -> None:
+    ids = {**GOOD, "prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
+    for n in (1, 3):
+        usage = tiny_server.http.post("/v1/completions", json={**ids, "n": n}).json()["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+            3,
+            2 * n,
+            3 + 2 * n,
+        )
+    two = {**ids, "prompt": [[5, 6, 7], [8, 9]], "n": 2, "max_tokens": 1}
+    usage = tiny_server.http.post("/v1/completions", json=two).json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (3 + 2, 4)
+    chat_one = tiny_server.http.post("/v1/chat/completions", json=GOOD_CHAT).json()["usage"]
+    chat_four = tiny_server.http.post("/v1/chat/completions", json={**GOOD_CHAT, "n": 4}).json()["usage"]
+    assert chat_four["prompt_tokens"] == chat_one["prompt_tokens"] > 0
+
+
+def _error(response: Any) -> dict[str, Any]:
+    assert response.headers["content-type"] == "application/json"
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    error: dict[str, Any] = body["error"]
+    return error
+
+
+@pytest.mark.slow
+def test_unknown_paths_and_methods_get_openai_errors(tiny_server: ServerProcess) -> None:
+    missing = tiny_server.http.get("/v1/engines")
+    assert missing.status_code == 404
+    assert _error(missing) == {
+        "message": "no such endpoint: GET '/v1/engines'",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "not_found",
+    }
+    wrong = tiny_server.http.get("/v1/completions")
+    assert wrong.status_code == 405
+    assert wrong.headers["allow"] == "POST"
+    assert _error(wrong) == {
+        "message": "method not allowed: GET '/v1/completions' (allowed: POST)",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "method_not_allowed",
+    }
+    assert _error(tiny_server.http.delete("/v1/models"))["code"] == "method_not_allowed"
+
+
+@pytest.mark.slow
+def test_body_over_the_limit_gets_413_before_it_is_read(tiny_server: ServerProcess) -> None:
+    limit = 8 * 1024 * 1024  # EngineConfig.max_request_body_bytes' default
+    body = json.dumps({**GOOD, "prompt": "x" * (10 * 1024 * 1024)}).encode()
+    response = tiny_server.http.post(
+        "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 413
+    assert _error(response) == {
+        "message": f"request body is {len(body)} bytes; this server accepts at most {limit} "
+        "(--max-request-body-bytes)",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "request_too_large",
+    }
+
+    def chunked() -> Any:  # no Content-Length: the limit is enforced while reading
+        for start in range(0, len(body), 1 << 20):
+            yield body[start : start + (1 << 20)]
+
+    streamed = tiny_server.http.post(
+        "/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"}
+    )
+    assert streamed.status_code == 413
+    assert _error(streamed)["message"] == (
+        f"request body is over {limit} bytes; this server accepts at most {limit} (--max-request-body-bytes)"
+    )
+    at_limit = {**GOOD, "prompt": "x"}
+    padding = limit - len(json.dumps({**at_limit, "user": ""}).encode())
+    exact = json.dumps({**at_limit, "user": "u" * padding}).encode()
+    assert len(exact) == limit
+    served = tiny_server.http.post(
+        "/v1/completions", content=exact, headers={"content-type": "application/json"}
+    )
+    assert served.status_code == 200, served.text
+    assert tiny_server.http.post("/v1/completions", json=GOOD).status_code == 200

@@ -68,6 +68,36 @@ def test_bad_flags_exit_2_naming_the_flag(argv: list[str], message: str) -> None
     assert message in done.stderr
 
 
+def test_version() -> None:
+    import baton_engine
+
+    done = subprocess.run([BATON_ENGINE, "--version"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        0,
+        f"baton-engine {baton_engine.__version__}\n",
+        "",
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "line"),
+    [
+        ("/nonexistent/model", "baton-engine serve: error: --model: model '/nonexistent/model' not found: "
+         "expected builtin:<name>, hf:org/name, a directory or a .gguf file"),
+        ("builtin:gpt-17", "baton-engine serve: error: --model: unknown builtin model 'gpt-17' "
+         "(known: smollm2-135m-instruct)"),
+    ],
+)  # fmt: skip
+def test_a_bad_model_is_one_clear_line(model: str, line: str) -> None:
+    done = subprocess.run(
+        [BATON_ENGINE, "serve", "--model", model], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1
+    assert done.stderr.startswith(line)
+
+
 def test_help_documents_flags() -> None:
     done = subprocess.run([BATON_ENGINE, "serve", "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
@@ -76,7 +106,7 @@ def test_help_documents_flags() -> None:
 
 
 def test_metrics_doc_maps_every_engine_metric() -> None:
-    doc = (ROOT / "docs" / "metrics.md").read_text()
+    doc = (ROOT / "docs" / "reference" / "metrics.md").read_text()
     for baton_name, vllm_name in contract.VLLM_EQUIVALENT.items():
         assert f"| `{baton_name}` |" in doc
         assert f"`{vllm_name}`" in doc

@@ -79,3 +79,87 @@ def test_seeded_n_is_reproducible(llm) -> None:  # type: ignore[no-untyped-def]
     assert first.outputs[0].token_ids != first.outputs[1].token_ids
     assert llm.core.scheduler.block_manager.num_used_blocks == 0
     assert not llm.core.has_unfinished()
+
+
+def test_llm_and_sampling_params_are_exported_without_importing_torch() -> None:
+    code = (
+        "import sys, baton_engine; assert 'torch' not in sys.modules;"
+        "from baton_engine import SamplingParams; assert 'torch' not in sys.modules;"
+        "from baton_engine import LLM; import baton_engine.llm as m;"
+        "assert LLM is m.LLM and SamplingParams is m.SamplingParams; print('ok')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"top_k": 2**31}, "top_k must be an integer in [-1, 2147483647]"),
+        ({"top_k": -2}, "top_k must be an integer in [-1, 2147483647]"),
+        ({"max_tokens": 2**31}, "max_tokens must be an integer in [1, 2147483647]"),
+        ({"temperature": float("inf")}, "temperature must be a finite number in [0, 10000]"),
+        ({"temperature": float("nan")}, "temperature must be a finite number in [0, 10000]"),
+        ({"temperature": 1e5}, "temperature must be a finite number in [0, 10000]"),
+        ({"top_p": float("nan")}, "top_p must be in (0, 1]"),
+        ({"seed": 2**63}, "seed must be an integer in [0, 2**63)"),
+        ({"stop_token_ids": [2**31]}, "stop_token_ids must be a list of integers in [0, 2147483647]"),
+        ({"n": 17}, "n must be an integer in [1, 16]"),
+        ({"logprobs": 21}, "logprobs must be an integer in [0, 20]"),
+    ],
+)
+def test_sampling_params_refuse_what_the_engine_cannot_represent(kwargs: dict, message: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError) as caught:
+        SamplingParams(**kwargs)
+    assert str(caught.value).startswith(message)
+
+
+def test_bad_prompts_are_refused_before_the_engine_and_leave_it_usable(llm) -> None:  # type: ignore[no-untyped-def]
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = llm.generate([[1, 2, 3]], greedy)[0].outputs[0].token_ids
+    vocab = llm.info.vocab_size
+    with pytest.raises(ValueError) as caught:
+        llm.generate([[1, 2, 3], [1, 2, 999999]], greedy)
+    assert str(caught.value) == f"prompts[1]: token id 999999 is out of range [0, {vocab})"
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: token id -1 is out of range"):
+        llm.generate([[-1]], greedy)
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: a prompt must not be empty$"):
+        llm.generate([[]], greedy)
+    with pytest.raises(TypeError, match=r"^prompts\[1\] must be a string or a list of token ids"):
+        llm.generate([[1, 2], [1.5, 2]], greedy)
+    with pytest.raises(TypeError, match=r"^sampling_params\[0\] must be a SamplingParams, got dict$"):
+        llm.generate([[1, 2]], [{"temperature": 0}])
+    with pytest.raises(TypeError, match=r"^sampling_params must be a SamplingParams or a list of them"):
+        llm.generate([[1, 2]], {"temperature": 0})  # type: ignore[arg-type]
+    assert not llm.core.has_unfinished()
+    assert llm.generate([[1, 2, 3]], greedy)[0].outputs[0].token_ids == expected
+    widest = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, top_k=2**31 - 1)
+    assert llm.generate([[1, 2, 3]], widest)[0].outputs[0].token_ids == expected
+    assert llm.core.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_failed_step_frees_its_requests_and_the_next_call_works(llm) -> None:  # type: ignore[no-untyped-def]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5]], greedy)]
+    runner = llm.core.runner
+    real_execute = runner.execute
+    calls = 0
+
+    def fail_third_step(step):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # mid-generation: both requests hold KV blocks
+            raise RuntimeError("device lost")
+        return real_execute(step)
+
+    runner.execute = fail_third_step
+    try:
+        with pytest.raises(RuntimeError, match="^device lost$"):
+            llm.generate([[1, 2, 3], [4, 5]], greedy)
+    finally:
+        runner.execute = real_execute
+    assert calls == 3
+    assert not llm.core.has_unfinished()
+    assert llm.core.scheduler.block_manager.num_used_blocks == 0
+    assert [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5]], greedy)] == expected

@@ -10,7 +10,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.server.server_process import ServerProcess, wait_for
+from baton_support.wait import wait_for
+from tests.server.server_process import ServerProcess
 
 MODEL = "tiny-chat"
 pytestmark = pytest.mark.slow
@@ -61,7 +62,18 @@ def test_64_concurrent_streaming_clients_times_4(tiny_server: ServerProcess) -> 
     assert stats["num_used_kv_blocks"] == 0
 
 
+def _aborted(server: ServerProcess) -> float:
+    """baton_request_success_total{finished_reason="abort"} (0 before any abort)."""
+    wanted = f'baton_request_success_total{{finished_reason="abort",model_name="{MODEL}"}} '
+    for line in server.http.get("/metrics").text.splitlines():
+        if line.startswith(wanted):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_disconnected_streams_free_their_blocks(tiny_server: ServerProcess) -> None:
+    aborted_before = _aborted(tiny_server)
+
     async def main() -> None:
         async with httpx.AsyncClient(base_url=tiny_server.url, timeout=60.0) as client:
             for _ in range(4):
@@ -84,6 +96,13 @@ def test_disconnected_streams_free_their_blocks(tiny_server: ServerProcess) -> N
     stats = tiny_server.wait_idle(timeout=30)
     assert stats["num_used_kv_blocks"] == 0
     assert stats["num_running"] == 0
+    # each dropped stream is counted once as an aborted request
+    wait_for(
+        lambda: _aborted(tiny_server) >= aborted_before + 4,
+        timeout=30,
+        message="4 aborts in the request metric",
+    )
+    assert _aborted(tiny_server) == aborted_before + 4
 
 
 def test_disconnected_non_streaming_request_is_aborted(tiny_server: ServerProcess) -> None:
@@ -97,17 +116,24 @@ def test_disconnected_non_streaming_request_is_aborted(tiny_server: ServerProces
     # tiny model can finish 250 tokens within any fixed client timeout).
     with socket.create_connection(("127.0.0.1", tiny_server.port)) as conn:
         conn.sendall(head + body)
-        wait_for(lambda: tiny_server.stats()["generation_tokens"] > before, 30, "generation to start", 0.002)
+        wait_for(
+            lambda: tiny_server.stats()["generation_tokens"] > before,
+            timeout=30,
+            message="generation to start",
+            interval=0.002,
+        )
     stats = tiny_server.wait_idle(timeout=30)
     assert stats["generation_tokens"] - before < 250  # aborted before it could finish
 
 
 def test_deadline_aborts_with_408(tiny_server: ServerProcess) -> None:
+    aborted_before = _aborted(tiny_server)
     response = tiny_server.http.post(
         "/v1/completions",
         json={"model": MODEL, "prompt": "hi", "max_tokens": 250, "ignore_eos": True, "timeout": 0.3},
     )
     assert response.status_code == 408
+    assert _aborted(tiny_server) == aborted_before + 1  # counted before the 408 was sent
     error = response.json()["error"]
     assert error["code"] == "deadline_exceeded" and error["param"] == "timeout"
     assert tiny_server.wait_idle()["num_used_kv_blocks"] == 0

@@ -172,3 +172,21 @@ def test_request_id_is_returned(server: ServerProcess) -> None:
         "/v1/completions", json={"model": "smollm2", "prompt": PROMPT, "max_tokens": 1}
     )
     assert generated.headers["x-request-id"].startswith("cmpl-")
+
+
+def test_chat_logprobs_carry_each_tokens_real_bytes(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Repeat exactly: " + "🎉" * 10}],
+        max_tokens=24,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+    )
+    content = out.choices[0].logprobs and out.choices[0].logprobs.content
+    assert content is not None and out.choices[0].message.content is not None
+    rebuilt = b"".join(bytes(item.bytes or []) for item in content)
+    assert rebuilt.decode("utf-8", "replace") == out.choices[0].message.content
+    assert "🎉" in out.choices[0].message.content  # the answer repeats it: tokens split its bytes
+    split = [item for item in content if item.token == "\ufffd"]
+    assert split and all(item.bytes != [239, 191, 189] for item in split)

@@ -12,10 +12,21 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.server.server_process import ServerProcess, child_pids, pid_alive, wait_for
+from baton_support.wait import wait_for
+from tests.server.server_process import ServerProcess, child_pids, pid_alive
 
 MODEL = "tiny-chat"
 pytestmark = pytest.mark.slow
+
+
+def _exited(pid: int) -> bool:
+    """`pid` has exited as its parent's waitpid sees it: gone, or a zombie with no thread left
+    (a killed process's main thread turns zombie before its other threads have exited)."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    return not pid_alive(pid) and len(threads) <= 1
 
 
 def test_sigterm_during_load_finishes_in_flight_and_exits_0(
@@ -76,7 +87,7 @@ def test_sigterm_during_load_finishes_in_flight_and_exits_0(
     assert refused_body["error"]["code"] == "draining"
     assert server.proc.wait(60) == 0
     server.stop()
-    wait_for(lambda: not pid_alive(core_pid), 10, "the engine core to exit")
+    wait_for(lambda: not pid_alive(core_pid), timeout=10, message="the engine core to exit")
     assert "drained; stopping" in server.log_text()
 
 
@@ -85,23 +96,60 @@ def test_core_exits_when_the_server_is_killed(start_tiny_server: Callable[..., S
     core_pid = server.stats()["core_pid"]
     assert pid_alive(core_pid)
     assert server.stop(signal.SIGKILL) == -signal.SIGKILL
-    wait_for(lambda: not pid_alive(core_pid), 15, "the orphaned engine core to exit")
+    wait_for(lambda: not pid_alive(core_pid), timeout=15, message="the orphaned engine core to exit")
 
 
 def test_not_ready_while_loading_then_idle_sigterm_exits_0(
     start_tiny_server: Callable[..., ServerProcess],
 ) -> None:
     server = start_tiny_server(wait_ready=False)
-    wait_for(lambda: server.answers("/health") == 200, 120, "/health to answer")
+    wait_for(lambda: server.answers("/health") == 200, timeout=120, message="/health to answer")
     # the engine core is a fresh interpreter importing torch: it cannot be ready this soon
     ready = server.http.get("/ready")
     assert (ready.status_code, ready.json()) == (503, {"ready": False, "reason": "loading"})
     refused = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert (refused.status_code, refused.json()["error"]["code"]) == (503, "loading")
+    models = server.http.get("/v1/models")
+    assert (models.status_code, models.json()["error"]["code"]) == (503, "loading")
     server.wait_ready()
+    assert [m["id"] for m in server.http.get("/v1/models").json()["data"]] == [MODEL]
+    log = server.log_text()
+    assert "running on" not in log.lower()  # uvicorn's banner would precede the model's loading
+    progress = [
+        "loading the tokenizer of",
+        "starting the engine core",
+        "core: engine core",
+        f"core: loading {MODEL} from",
+        "core: engine core ready in",
+        "ready in ",
+    ]
+    positions = [log.find(line) for line in progress]
+    assert -1 not in positions and positions == sorted(positions), log
+    assert f"serving {MODEL} on http://127.0.0.1:{server.port} (" in log
     core_pid = server.stats()["core_pid"]
     assert server.stop(signal.SIGTERM) == 0
     assert not pid_alive(core_pid)
+
+
+def test_not_ready_the_moment_the_engine_core_is_gone(
+    start_tiny_server: Callable[..., ServerProcess],
+) -> None:
+    server = start_tiny_server()
+    core_pid = server.stats()["core_pid"]
+    assert server.http.get("/ready").status_code == 200
+    os.kill(core_pid, signal.SIGKILL)
+    wait_for(lambda: _exited(core_pid), timeout=30, message="the killed core to have exited")
+    ready = server.http.get("/ready")  # the first ask after the exit, whatever the watchdog's period
+    assert (ready.status_code, ready.json()) == (
+        503,
+        {"ready": False, "reason": "engine dead: engine core exited with code -9"},
+    )
+    assert server.http.get("/health").status_code == 503
+    models = server.http.get("/v1/models")
+    assert (models.status_code, models.json()["error"]["code"]) == (503, "engine_dead")
+    refused = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert (refused.status_code, refused.json()["error"]["code"]) == (503, "engine_dead")
+    assert server.stop(signal.SIGTERM) == 0
 
 
 def test_engine_core_crash_fails_open_requests_cleanly(

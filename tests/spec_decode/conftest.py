@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.spec_decode.tiny_models import make_tiny_llama
+from baton_support.tiny_models import SPECULATIVE
 
-TINY_VOCAB = 16
+TINY_VOCAB = SPECULATIVE.vocab_size
 
 
 @pytest.fixture(autouse=True)
@@ -23,4 +23,6 @@ def _single_torch_thread() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny float64 Llama whose greedy outputs loop often enough for n-gram drafts to hit."""
-    return make_tiny_llama(tmp_path_factory.mktemp("spec-tiny") / "llama", vocab_size=TINY_VOCAB)
+    directory = tmp_path_factory.mktemp("spec-tiny") / "llama"
+    SPECULATIVE.save(directory)
+    return directory

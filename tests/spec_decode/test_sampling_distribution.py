@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from baton_engine.sampling_params import SamplingParams
+from baton_support.tiny_models import TinyModel
 from tests.spec_decode.runs import Run, generate, make_llm
-from tests.spec_decode.tiny_models import make_tiny_llama
 
 VOCAB = 4
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # the n-gram drafter proposes [3, 1, ...] after it
@@ -34,9 +34,9 @@ SIGNIFICANCE = 1e-3
 
 @pytest.fixture(scope="module")
 def small_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(
-        tmp_path_factory.mktemp("spec-chi2") / "llama", vocab_size=VOCAB, seed=3, init_range=0.5
-    )
+    directory = tmp_path_factory.mktemp("spec-chi2") / "llama"
+    TinyModel(vocab_size=VOCAB, seed=3, init_range=0.5).save(directory)
+    return directory
 
 
 def exact_joint(model_dir: Path, temperature: float, top_k: int = -1) -> dict[tuple[int, ...], float]:

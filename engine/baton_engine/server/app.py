@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baton_engine import contract
 from baton_engine.sampling_params import SamplingParams
@@ -27,6 +28,8 @@ from baton_engine.server.protocol import (
     chat_messages,
     decode_body,
     parse,
+    prompt_parts,
+    shown,
     stop_list,
 )
 from baton_engine.server.state import ServerState
@@ -34,6 +37,9 @@ from baton_engine.server.state import ServerState
 log = logging.getLogger("baton_engine.server")
 REQUEST_ID_HEADER = "X-Request-Id"
 RETRY_AFTER_SECONDS = 1
+SMALL_BODY_BYTES = 64 * 1024
+"""Bodies up to this size are parsed and tokenized on the event loop (microseconds); larger
+ones in the preprocessing thread, so that a 10 MB body never stalls ``/health`` or a stream."""
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -49,10 +55,39 @@ def build_app(state: ServerState) -> FastAPI:
         log.info("request %s: %d %s", request_id, exc.status, exc.message)
         return response
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Routing errors (no such path, wrong method) in OpenAI's shape like every other error."""
+        where = f"{request.method} {shown(request.url.path)}"
+        if exc.status_code == 404:
+            error = APIError(404, f"no such endpoint: {where}", code="not_found")
+        elif exc.status_code == 405:
+            allowed = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), "")
+            error = APIError(
+                405,
+                f"method not allowed: {where} (allowed: {allowed})",
+                code="method_not_allowed",
+                headers={"Allow": allowed},
+            )
+        else:
+            error = APIError(exc.status_code, str(exc.detail), type="invalid_request_error")
+        return error.response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        request_id = getattr(request.state, "request_id", None)
+        log.exception("request %s: internal error", request_id)
+        error = APIError(500, f"internal error: {type(exc).__name__}", type="internal_error")
+        response = error.response()
+        if request_id:
+            response.headers[REQUEST_ID_HEADER] = request_id
+        return response
+
     @app.get(contract.PATH_HEALTH)
     async def health() -> JSONResponse:
-        if state.client is not None and state.client.dead:
-            return JSONResponse({"status": "engine dead", "detail": state.client.dead}, status_code=503)
+        dead = state.client.dead if state.client is not None else None
+        if dead:
+            return JSONResponse({"status": "engine dead", "detail": dead}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get(contract.PATH_READY)
@@ -61,6 +96,9 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"ready": False, "reason": "draining"}, status_code=503)
         if not state.ready:
             return JSONResponse({"ready": False, "reason": state.load_error or "loading"}, status_code=503)
+        dead = state.client.dead if state.client is not None else "no engine core"
+        if dead:  # asked of the process itself, not of the watchdog: not ready the moment it is gone
+            return JSONResponse({"ready": False, "reason": f"engine dead: {dead}"}, status_code=503)
         return JSONResponse({"ready": True})
 
     @app.get(contract.PATH_METRICS)
@@ -69,17 +107,16 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        data = []
-        if state.ready:
-            data.append(
-                {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": now(),
-                    "owned_by": "baton",
-                    "max_model_len": state.max_model_len,
-                }
-            )
+        _require_ready(state, allow_draining=True)
+        data = [
+            {
+                "id": state.model_name,
+                "object": "model",
+                "created": now(),
+                "owned_by": "baton",
+                "max_model_len": state.max_model_len,
+            }
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/debug/stats")
@@ -96,7 +133,7 @@ def build_app(state: ServerState) -> FastAPI:
         from baton_engine.contract import KVTransferParamsError
         from baton_engine.kv_transfer.params import load_key, verify_params
 
-        body = decode_body(await request.body())
+        body = decode_body(await _read_body(request, state.config.max_request_body_bytes))
         if state.config.kv_role not in ("producer", "both"):
             raise bad_request(
                 f"kv_transfer_params: this engine's kv_role is {state.config.kv_role!r}, not producer",
@@ -114,9 +151,14 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         request_id = _request_id(request, "cmpl")
-        req: CompletionRequest = parse(CompletionRequest, decode_body(await request.body()))
-        _check_model(state, req.model)
-        prompts = _completion_prompts(state, req)
+        raw = await _read_body(request, state.config.max_request_body_bytes)
+
+        def prepare() -> tuple[CompletionRequest, list[list[int]]]:
+            req: CompletionRequest = parse(CompletionRequest, decode_body(raw))
+            _check_model(state, req.model)
+            return req, _completion_prompts(state, req)
+
+        req, prompts = await _preprocess(state, len(raw), prepare)
         params = _sampling_params(state, req, prompts, req.max_tokens, req.logprobs)
         params, kv = _kv_transfer(state, req, prompts, params)
         gen = _start(state, request_id, prompts, params, req.timeout, kv)
@@ -132,15 +174,14 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         request_id = _request_id(request, "chatcmpl")
-        req: ChatCompletionRequest = parse(ChatCompletionRequest, decode_body(await request.body()))
-        _check_model(state, req.model)
-        tokenizer = _tokenizer(state)
-        try:
-            prompt = tokenizer.encode_chat(chat_messages(req))
-        except APIError:
-            raise
-        except Exception as exc:  # template errors (e.g. roles the template refuses)
-            raise bad_request(f"messages: the chat template rejected them: {exc}", param="messages") from exc
+        raw = await _read_body(request, state.config.max_request_body_bytes)
+
+        def prepare() -> tuple[ChatCompletionRequest, list[int]]:
+            req: ChatCompletionRequest = parse(ChatCompletionRequest, decode_body(raw))
+            _check_model(state, req.model)
+            return req, _chat_prompt(state, req)
+
+        req, prompt = await _preprocess(state, len(raw), prepare)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = _sampling_params(state, req, [prompt], max_tokens, num_logprobs)
@@ -158,6 +199,64 @@ def build_app(state: ServerState) -> FastAPI:
 # ------------------------------------------------------------------------------ admission
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, or 413 as soon as it is known to exceed `limit` bytes (from its
+    Content-Length before reading anything, else while reading a chunked body)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(None, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(declared: int | None, limit: int) -> APIError:
+    """413; `declared` is the Content-Length, None for a body found too large while reading it."""
+    size = f"{declared} bytes" if declared is not None else f"over {limit} bytes"
+    return APIError(
+        413,
+        f"request body is {size}; this server accepts at most {limit} (--max-request-body-bytes)",
+        code="request_too_large",
+    )
+
+
+async def _preprocess(state: ServerState, body_size: int, work: Callable[[], Any]) -> Any:
+    """Run `work` (decode, validate, tokenize) inline for a small body, else in the
+    preprocessing thread."""
+    if body_size <= SMALL_BODY_BYTES:
+        return work()
+    return await asyncio.get_running_loop().run_in_executor(state.preprocessor, work)
+
+
+def _check_text_fits(state: ServerState, num_chars: int, where: str, param: str) -> None:
+    """Refuse, without tokenizing it, a text that cannot fit in max_model_len tokens whatever
+    its tokenization (no token is longer than `ServerState.max_token_chars` characters)."""
+    if state.max_token_chars and num_chars > state.max_model_len * state.max_token_chars:
+        raise bad_request(
+            f"{where}: {num_chars} characters cannot fit in max_model_len {state.max_model_len} tokens "
+            f"(no token of this model is longer than {state.max_token_chars} characters)",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    tokenizer = _tokenizer(state)
+    messages = chat_messages(req)
+    _check_text_fits(state, sum(len(m["content"]) for m in messages), "messages", "messages")
+    try:
+        return tokenizer.encode_chat(messages)  # type: ignore[no-any-return]
+    except APIError:
+        raise
+    except Exception as exc:  # template errors (e.g. roles the template refuses)
+        raise bad_request(f"messages: the chat template rejected them: {exc}", param="messages") from exc
+
+
 def _request_id(request: Request, prefix: str) -> str:
     given = request.headers.get(REQUEST_ID_HEADER)
     request_id = (
@@ -167,13 +266,16 @@ def _request_id(request: Request, prefix: str) -> str:
     return request_id
 
 
-def _require_ready(state: ServerState) -> Any:
-    if state.draining:
+def _require_ready(state: ServerState, *, allow_draining: bool = False) -> Any:
+    if state.draining and not allow_draining:
         raise errors.draining()
     if not state.ready or state.client is None:
         raise APIError(503, "the model is still loading", type="service_unavailable", code="loading")
-    if state.client.dead:
-        raise APIError(503, f"the engine is not running: {state.client.dead}", type="service_unavailable")
+    dead = state.client.dead
+    if dead:
+        raise APIError(
+            503, f"the engine is not running: {dead}", type="service_unavailable", code="engine_dead"
+        )
     return state.client
 
 
@@ -189,25 +291,19 @@ def _check_model(state: ServerState, model: str) -> None:
     if model != state.model_name:
         raise APIError(
             404,
-            f"model: {model!r} does not exist; this server serves {state.model_name!r}",
+            f"model: {shown(model)} does not exist; this server serves {state.model_name!r}",
             param="model",
             code="model_not_found",
         )
 
 
 def _completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
-    raw = req.prompt
-    if isinstance(raw, str):
-        texts: list[str] | None = [raw]
-        prompts: list[list[int]] = []
-    elif raw and all(isinstance(x, int) for x in raw):
-        texts, prompts = None, [list(raw)]  # type: ignore[arg-type]
-    elif all(isinstance(x, str) for x in raw):
-        texts, prompts = list(raw), []  # type: ignore[arg-type]
-    else:
-        texts, prompts = None, [list(p) for p in raw]  # type: ignore[union-attr]
-    if texts is not None:
+    texts, prompts = prompt_parts(req.prompt)
+    if texts:
         tokenizer = _tokenizer(state)
+        for i, text in enumerate(texts):
+            where = "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]"
+            _check_text_fits(state, len(text), where, "prompt")
         prompts = [tokenizer.encode(t) for t in texts]
     for i, ids in enumerate(prompts):
         if not ids:

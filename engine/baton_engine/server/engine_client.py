@@ -30,6 +30,8 @@ from baton_engine.engine_stats import EngineStats
 from baton_engine.sampling_params import SamplingParams
 
 log = logging.getLogger("baton_engine.server")
+LOAD_REPORT_SECONDS = 15.0
+"""How often a slow load is reported in the log."""
 
 
 class EngineDeadError(RuntimeError):
@@ -42,7 +44,7 @@ class EngineClient:
         self.on_stats = on_stats
         self.info: dict[str, Any] = {}
         self.stats = EngineStats()
-        self.dead: str | None = None
+        self._dead: str | None = None
         self.process: subprocess.Popen[bytes] | None = None
         self._paths = ipc.IpcPaths.create()
         self._ctx = zmq.asyncio.Context()
@@ -59,6 +61,20 @@ class EngineClient:
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+
+    @property
+    def dead(self) -> str | None:
+        """Why the core is gone, or None while it runs. Asks the process itself (a cheap
+        ``waitpid``), so that readiness turns false the moment the core exits rather than at the
+        watchdog's next poll."""
+        if (
+            self._dead is None
+            and self._tasks
+            and self.process is not None
+            and self.process.poll() is not None
+        ):
+            self._dead = f"engine core exited with code {self.process.returncode}"
+        return self._dead
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self, timeout: float = 600.0) -> None:
@@ -78,12 +94,18 @@ class EngineClient:
                 str(os.getpid()),
             ],
         )
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
+        next_report = started + LOAD_REPORT_SECONDS
         while True:
             if self.process.poll() is not None:
                 raise EngineDeadError(f"engine core exited with code {self.process.returncode} while loading")
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise EngineDeadError(f"engine core not ready after {timeout:g} s")
+            if now >= next_report:
+                log.info("engine core %d still loading (%.0f s)", self.process.pid, now - started)
+                next_report = now + LOAD_REPORT_SECONDS
             if await self._output.poll(500):
                 kind, payload = ipc.decode(await self._output.recv())
                 if kind == ipc.READY:
@@ -108,8 +130,8 @@ class EngineClient:
                 await task
         proc = self.process
         if proc is not None and proc.poll() is None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._input.send(ipc.encode(ipc.SHUTDOWN, None), zmq.NOBLOCK)
+            with contextlib.suppress(zmq.ZMQError, TimeoutError):
+                await asyncio.wait_for(self._input.send(ipc.encode(ipc.SHUTDOWN, None)), 1.0)
             deadline = time.monotonic() + timeout
             while proc.poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -203,9 +225,9 @@ class EngineClient:
         assert self.process is not None
         while self.process.poll() is None:
             await asyncio.sleep(0.5)
-        self.dead = f"engine core exited with code {self.process.returncode}"
-        log.error("%s; failing %d open requests", self.dead, len(self._queues))
-        error = EngineDeadError(self.dead)
+        reason = self.dead or f"engine core exited with code {self.process.returncode}"
+        log.error("%s; failing %d open requests", reason, len(self._queues))
+        error = EngineDeadError(reason)
         for queue in self._queues.values():
             queue.put_nowait(error)
         self._queues.clear()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +95,8 @@ class Generation:
         self.params = params
         self.timeout = timeout
         self.arrival = time.monotonic()
-        self.usage = Usage(prompt_tokens=sum(len(p) for p in prompts) * params.n)
+        # Each prompt counts once however many choices (n) it has, as OpenAI and vLLM count it.
+        self.usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
         self._queue: asyncio.Queue[RequestOutput | EngineDeadError] = asyncio.Queue()
         self._choices: dict[str, _Choice] = {}
         want_logprobs = params.logprobs is not None
@@ -115,7 +116,7 @@ class Generation:
             seed = (seed + j) % 2**63
         return dataclasses.replace(self.params, n=1, seed=seed)
 
-    async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
+    async def deltas(self) -> AsyncGenerator[list[ChoiceDelta], None]:
         """Yield each step's deltas until every choice finished; abort the rest on exit."""
         deadline = None if self.timeout is None else self.arrival + self.timeout
         try:
@@ -146,9 +147,13 @@ class Generation:
                 if deltas:
                     yield deltas
         finally:
-            unfinished = [c.engine_id for c in self._choices.values() if c.finish_reason is None]
+            unfinished = [c for c in self._choices.values() if c.finish_reason is None]
             if unfinished:
-                self.client.abort(unfinished, "client gone or request cancelled")
+                self.client.abort([c.engine_id for c in unfinished], "client gone or request cancelled")
+                now = time.monotonic()
+                for choice in unfinished:
+                    choice.finish_reason = "abort"
+                    self._observe(choice, now)
 
     def release_transfer(self) -> None:
         """The response carrying `kv_transfer_params_out` will not reach the client (it went

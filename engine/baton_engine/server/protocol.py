@@ -1,8 +1,10 @@
 """OpenAI request bodies: parsing and validation into errors that name the offending field.
 
-Models are strict (no string-to-number coercion) and ignore unknown fields, as OpenAI's own
-API does for fields it does not know. Semantic checks that pydantic cannot express (limits,
-unsupported features) raise `APIError` with ``param`` set.
+Models are strict (no string-to-number coercion, no NaN or infinity) and ignore unknown fields,
+as OpenAI's own API does for fields it does not know; OpenAI fields that would change the answer
+and that Baton does not implement are refused by name. Every number is bounded by what the
+engine can represent (`baton_engine.sampling_params`). Semantic checks that pydantic cannot
+express (limits, unsupported features) raise `APIError` with ``param`` set.
 """
 
 from __future__ import annotations
@@ -12,16 +14,28 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from baton_engine.sampling_params import MAX_LOGPROBS, MAX_N
+from baton_engine.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_N
 from baton_engine.server.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions endpoint
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MAX_JSON_DEPTH = 128
+"""Deepest nesting of arrays and objects a request body may have (JSON schemas stay far below)."""
+MAX_JSON_CONTAINERS = 65536
+"""Most arrays and objects a body may hold (a valid request has far fewer: prompts and choices
+are capped by ``max_queued_requests``). Decoding millions of tiny containers holds the GIL for
+seconds, which would stall every stream and the liveness probe."""
+MAX_SHOWN_CHARS = 80
+"""How much of a client's value an error message quotes back."""
+
+_IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+_OTHER_MEDIA_PART_TYPES = ("input_audio", "audio_url", "video_url", "file", "input_file")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -30,10 +44,11 @@ class StreamOptions(_Strict):
 
 class _Common(_Strict):
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=MAX_INT32)
+    """vLLM extension: -1 or 0 disables it."""
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -51,34 +66,83 @@ class _Common(_Strict):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: Any = Field(...)
+    """A string, a list of strings, a list of token ids or a list of token-id lists; checked by
+    `prompt_parts` in plain Python (pydantic's union would validate a million-id list against
+    every branch, holding the GIL for seconds)."""
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Strict):
+    """One part of a message's content; only ``text`` parts are supported (checked in
+    `chat_messages`, so that an image part gets a message saying so)."""
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    """Deprecated OpenAI field (superseded by `tools`)."""
+    function_call: str | dict[str, Any] | None = None
+    """Deprecated OpenAI field (superseded by `tool_choice`)."""
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+
+
+def prompt_parts(prompt: Any) -> tuple[list[str], list[list[int]]]:
+    """A completion's prompt as (texts, token-id prompts), exactly one of them non-empty."""
+    if isinstance(prompt, str):
+        return [prompt], []
+    if not isinstance(prompt, list):
+        raise _bad_prompt(prompt)
+    if not prompt:
+        raise bad_request("prompt: must not be empty", param="prompt")
+    if all(type(x) is int for x in prompt):
+        return [], [prompt]
+    if all(type(x) is str for x in prompt):
+        return prompt, []
+    if all(type(p) is list and all(type(x) is int for x in p) for p in prompt):
+        return [], prompt
+    raise _bad_prompt(prompt)
+
+
+def _bad_prompt(prompt: Any) -> APIError:
+    return bad_request(
+        "prompt: must be a string, a list of strings, a list of token ids or a list of token-id lists "
+        f"(got {type(prompt).__name__})",
+        param="prompt",
+    )
 
 
 def decode_body(raw: bytes) -> Any:
     """The JSON object of a request body, or a 400 naming what is wrong with it."""
+    containers = raw.count(b"[") + raw.count(b"{")
+    if containers > MAX_JSON_CONTAINERS:  # counted before decoding: decoding them holds the GIL
+        raise bad_request(
+            f"request body has {containers} '[' and '{{' characters; at most {MAX_JSON_CONTAINERS} "
+            "(arrays and objects; brackets in text count too) are accepted",
+            code="invalid_json",
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -87,30 +151,60 @@ def decode_body(raw: bytes) -> Any:
         body = json.loads(text)
     except json.JSONDecodeError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:  # the C decoder recurses once per nesting level
+        raise _too_deep() from exc
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
-    _check_unicode(body, "")
+    _check_values(body)
     return body
 
 
-def _check_unicode(value: Any, path: str) -> None:
-    """JSON escapes can smuggle lone surrogates, which are not text; reject them by name."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise bad_request(
-                f"{path or 'body'}: contains an invalid Unicode code point (lone surrogate)",
-                param=path or None,
-                code="invalid_utf8",
-            ) from exc
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_unicode(key, path)
-            _check_unicode(item, f"{path}.{key}" if path else str(key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_unicode(item, f"{path}[{i}]")
+def _too_deep() -> APIError:
+    return bad_request(
+        f"request body is nested deeper than {MAX_JSON_DEPTH} levels of arrays and objects",
+        code="invalid_json",
+    )
+
+
+def _check_values(body: dict[str, Any]) -> None:
+    """Walk the decoded body once, iteratively (no recursion to exhaust): refuse nesting deeper
+    than `MAX_JSON_DEPTH`, and strings holding lone surrogates (JSON escapes can smuggle them
+    in; they are not text), naming the field."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise _too_deep()
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    _check_text(key, path)
+                    stack.append((item, f"{path}.{key}" if path else str(key), depth + 1))
+            else:
+                for i, item in enumerate(value):
+                    if isinstance(item, dict | list | str):
+                        stack.append((item, f"{path}[{i}]", depth + 1))
+
+
+def _check_text(value: str, path: str) -> None:
+    if value.isascii():
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            f"{path or 'body'}: contains an invalid Unicode code point (lone surrogate)",
+            param=path or None,
+            code="invalid_utf8",
+        ) from exc
+
+
+def shown(value: str) -> str:
+    """`value` as an error message quotes it: repr, cut to `MAX_SHOWN_CHARS`."""
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else f"{text[:MAX_SHOWN_CHARS]}...' ({len(value)} characters)"
 
 
 def _param(loc: tuple[int | str, ...]) -> str:
@@ -136,12 +230,12 @@ def parse(model: type[_Common], body: Any) -> Any:
             message = f"{param}: required field is missing"
         else:
             got = first.get("input")
-            shown = (
-                json.dumps(got)[:80]
+            quoted = (
+                json.dumps(got)[:MAX_SHOWN_CHARS]
                 if isinstance(got, int | float | str | bool | None)
                 else type(got).__name__
             )
-            message = f"{param}: {first['msg']} (got {shown})"
+            message = f"{param}: {first['msg']} (got {quoted})"
         raise APIError(400, message, param=param or None, code="invalid_value") from exc
     _check_common(request)
     return request
@@ -170,11 +264,34 @@ def _check_common(request: _Common) -> None:
             raise bad_request("suffix: not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of: only best_of == n is supported", param="best_of")
-        if isinstance(request.prompt, list) and not request.prompt:
-            raise bad_request("prompt: must not be empty", param="prompt")
+        prompt_parts(request.prompt)
     if isinstance(request, ChatCompletionRequest):
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
+        _check_unsupported_chat(request)
+
+
+def _check_unsupported_chat(request: ChatCompletionRequest) -> None:
+    """OpenAI fields that would change the answer and that this server does not implement:
+    refused by name rather than silently ignored (their neutral values pass)."""
+    if request.response_format is not None and request.response_format.get("type") != "text":
+        kind = request.response_format.get("type")
+        raise bad_request(
+            f"response_format: type {kind!r} is not supported (supported: 'text')", param="response_format"
+        )
+    if request.tools:
+        raise bad_request("tools: tool calling is not supported", param="tools")
+    if request.tool_choice is not None and request.tool_choice != "none":
+        raise bad_request("tool_choice: only 'none' is supported (tool calling is not)", param="tool_choice")
+    if request.parallel_tool_calls:
+        raise bad_request("parallel_tool_calls: tool calling is not supported", param="parallel_tool_calls")
+    for name in ("functions", "function_call", "audio", "prediction"):
+        if getattr(request, name) is not None:
+            raise bad_request(f"{name}: not supported", param=name)
+    if request.modalities is not None and request.modalities != ["text"]:
+        raise bad_request(
+            f"modalities: only ['text'] is supported, got {request.modalities!r}", param="modalities"
+        )
 
 
 def stop_list(request: _Common) -> list[str]:
@@ -189,13 +306,38 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     for i, message in enumerate(request.messages):
         content = message.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            parts = enumerate(content)
+            content = "".join(_part_text(part, f"messages[{i}].content[{j}]") for j, part in parts)
         if content is None:
             if message.role != "assistant":
-                raise bad_request(f"messages[{i}].content: required for role {message.role!r}", "messages")
+                raise bad_request(
+                    f"messages[{i}].content: required for role {message.role!r}", f"messages[{i}].content"
+                )
             content = ""
         entry: dict[str, Any] = {"role": message.role, "content": content}
         if message.name is not None:
             entry["name"] = message.name
         out.append(entry)
     return out
+
+
+def _part_text(part: ContentPart, where: str) -> str:
+    if part.type == "text":
+        if part.text is None:
+            raise bad_request(f"{where}.text: required for a part of type 'text'", f"{where}.text")
+        return part.text
+    if part.type in _IMAGE_PART_TYPES:
+        raise bad_request(
+            f"{where}: images are not supported: this server serves a text-only model (send text parts)",
+            where,
+            code="unsupported_content",
+        )
+    if part.type in _OTHER_MEDIA_PART_TYPES:
+        raise bad_request(
+            f"{where}: {part.type!r} parts are not supported: this server serves a text-only model",
+            where,
+            code="unsupported_content",
+        )
+    raise bad_request(
+        f"{where}.type: unknown content part type {shown(part.type)} (supported: 'text')", f"{where}.type"
+    )

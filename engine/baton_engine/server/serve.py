@@ -14,15 +14,16 @@ import logging
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 
 from baton_engine.config import EngineConfig
-from baton_engine.engine_factory import load_tokenizer
+from baton_engine.loader.tokenizer_loading import NoTokenizerError, load_tokenizer
 from baton_engine.metrics import EngineMetrics
 from baton_engine.server.app import build_app
 from baton_engine.server.engine_client import EngineClient
-from baton_engine.server.state import ServerState
+from baton_engine.server.state import ServerState, max_token_chars
 
 log = logging.getLogger("baton_engine.server")
 
@@ -34,14 +35,23 @@ class _Server(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         yield
 
+    def _log_started_message(self, listeners: Any) -> None:
+        """Silenced: uvicorn's "running on" would come before the model is loaded; `_load`
+        says where the server serves once it is ready."""
+
 
 async def _load(state: ServerState, server: _Server) -> None:
     config = state.config
+    started = time.monotonic()
     try:
+        log.info("loading the tokenizer of %s", config.model)
         try:
             state.tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
-        except Exception as exc:  # a model without tokenizer files still serves token-id prompts
-            log.warning("no tokenizer for %s (%s); only token-id prompts will work", config.model, exc)
+        except NoTokenizerError as exc:  # a model without tokenizer files still serves token-id prompts
+            log.warning("%s; only token-id prompts will work", exc)
+        if state.tokenizer is not None:
+            state.max_token_chars = await asyncio.to_thread(max_token_chars, state.tokenizer)
+        log.info("starting the engine core (it loads the weights)")
         client = EngineClient(config, on_stats=state.metrics.update)
         state.client = client
         await client.start()
@@ -54,11 +64,12 @@ async def _load(state: ServerState, server: _Server) -> None:
         state.metrics.kv_blocks.labels(state.model_name).set(int(info["num_kv_blocks"]))
         state.ready = True
         log.info(
-            "ready: model %s, %d KV blocks, max_model_len %d, engine core pid %s",
-            state.model_name, info["num_kv_blocks"], state.max_model_len, info["pid"],
+            "ready in %.1f s: serving %s on http://%s:%d (%d KV blocks, max_model_len %d, core pid %s)",
+            time.monotonic() - started, state.model_name, config.host, config.port, info["num_kv_blocks"],
+            state.max_model_len, info["pid"],
         )  # fmt: skip
     except Exception as exc:
-        state.load_error = f"{type(exc).__name__}: {exc}"
+        state.load_error = str(exc)
         log.error("loading failed: %s", state.load_error)
         server.should_exit = True
 
@@ -125,6 +136,7 @@ async def _serve(config: EngineConfig, grace_seconds: float, log_level: str) -> 
                 await task
         if state.client is not None:
             await state.client.close()
+        state.preprocessor.shutdown(wait=False, cancel_futures=True)
     return 1 if state.load_error else 0
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from baton_engine.config import EngineConfig
 from baton_engine.metrics import EngineMetrics
@@ -26,3 +27,16 @@ class ServerState:
     """SIGTERM received: not ready, no new requests, in-flight ones finish."""
     load_error: str | None = None
     in_flight: int = 0
+    max_token_chars: int = 0
+    """Most characters one token of the tokenizer decodes to: a text longer than
+    ``max_model_len * max_token_chars`` cannot fit, and is refused without tokenizing it."""
+    preprocessor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="preprocess")
+    )
+    """Parses and tokenizes large bodies off the event loop (one at a time: they are rare)."""
+
+
+def max_token_chars(tokenizer: Tokenizer) -> int:
+    """The longest text any single token of `tokenizer` decodes to, in characters."""
+    decode = tokenizer.decode
+    return max((len(decode([i], skip_special_tokens=False)) for i in range(tokenizer.vocab_size)), default=1)

@@ -18,6 +18,7 @@ import httpx
 from baton_engine import contract
 from baton_operator.events import EventSink
 from baton_operator.kube import Kube, KubeError
+from baton_operator.workers import ResourceGone, ResourceId
 
 from .collect import collect
 from .policy import decide
@@ -83,6 +84,10 @@ async def _write_replicas(kube: Kube, namespace: str, name: str, replicas: int) 
     return None
 
 
+def _no_guard() -> None:
+    return None
+
+
 async def autoscale_once(
     kube: Kube,
     body: Mapping[str, Any],
@@ -92,10 +97,12 @@ async def autoscale_once(
     scrape_timeout_s: float = 2.0,
     clock: Callable[[], float] = time.time,
     on_event: EventSink | None = None,
+    guard: Callable[[], None] = _no_guard,
 ) -> TickResult | None:
     """Decide and apply once. None when the deployment is not in builtin mode or a role
     Deployment does not exist yet (the reconcile creates it); raises KubeError when reading
-    fails (nothing written then).
+    fails (nothing written then), and ResourceGone, writing nothing more, once `guard` says the
+    resource is not the live one or its status patch finds it gone.
 
     Every resized pool's write is attempted, whatever another's did. The history (returned and
     saved in status) keeps the actions written; each pool's Event (resized or refused) goes to
@@ -122,10 +129,10 @@ async def autoscale_once(
     now = clock()
     decision, new_history = decide(policy, observations, history, now)
 
-    writes = {
-        r.role: await _write_replicas(kube, namespace, f"{name}-{r.role}", r.desired)
-        for r in resized(decision)
-    }
+    writes = {}
+    for r in resized(decision):
+        guard()
+        writes[r.role] = await _write_replicas(kube, namespace, f"{name}-{r.role}", r.desired)
     settled = settle(decision, new_history, writes)
     if on_event is not None:
         for event in settled.events:
@@ -150,8 +157,16 @@ async def autoscale_once(
     previous = ((body.get("status") or {}).get("autoscaling") or {}).get("metrics") or {}
     metrics_patch: dict[str, Any] = {key: None for key in previous}
     metrics_patch.update(result.status["metrics"])
+    guard()
+    gone = ResourceGone(ResourceId(namespace, name, str(meta["uid"])))
+    patch = {"autoscaling": {**result.status, "metrics": metrics_patch}}
     try:
-        await kube.patch_status(namespace, name, {"autoscaling": {**result.status, "metrics": metrics_patch}})
+        answer = await kube.patch_status(namespace, name, patch, field_manager=FIELD_MANAGER)
     except KubeError as exc:
+        if exc.status == 404:
+            raise gone from exc
         result.failures.append(f"status not saved: {exc}")
+        return result
+    if answer.get("metadata", {}).get("uid") != meta["uid"]:
+        raise gone
     return result

@@ -8,6 +8,7 @@ from baton_engine import contract
 from baton_operator.builders.common import BuildContext, Manifest, Owner
 from baton_operator.builders.engine import engine_deployment, engine_service
 from baton_operator.builders.extras import PODMONITOR_CRD, pod_monitor, signing_key_secret
+from baton_operator.builders.inference_pool import INFERENCE_POOL_CRD, inference_pool
 from baton_operator.builders.policy import disruption_budget, engine_network_policy
 from baton_operator.builders.router import (
     router_deployment,
@@ -48,10 +49,16 @@ def desired_children(ctx: BuildContext, signing_key: str) -> Children:
     else:
         removed.append((policy["apiVersion"], policy["kind"], policy["metadata"]["name"]))
     applied += [*(engine_deployment(ctx, role) for role in roles), router_deployment(ctx)]
+    optional = [(PODMONITOR_CRD, pod_monitor(ctx))]
+    pool = inference_pool(ctx)
+    if ctx.spec.inference_pool.enabled:
+        optional.append((INFERENCE_POOL_CRD, pool))
+    else:
+        removed.append((pool["apiVersion"], pool["kind"], pool["metadata"]["name"]))
     return Children(
         applied=applied,
         created_once=[signing_key_secret(ctx, signing_key)],
-        optional=[(PODMONITOR_CRD, pod_monitor(ctx))],
+        optional=optional,
         removed=removed,
     )
 

@@ -150,6 +150,7 @@ def engine_deployment(ctx: BuildContext, role: str) -> Manifest:
         pod,
         rolling_update,
         replicas=role_spec.replicas if ctx.replicas_owned else None,
+        pod_labels=contract.engine_pod_labels(ctx.owner.name, role),
         progressDeadlineSeconds=role_spec.startup_timeout_seconds + 300,
     )
 

@@ -70,10 +70,12 @@ def deployment(
     pod: Manifest,
     rolling_update: Mapping[str, int],
     replicas: int | None,
+    pod_labels: Mapping[str, str] | None = None,
     **spec_fields: Any,
 ) -> Manifest:
     """A Deployment of `pod` selected by Baton's labels; `replicas` None leaves them out (another
-    field manager owns them); `spec_fields` are further DeploymentSpec fields."""
+    field manager owns them); `pod_labels` go on the pods only; `spec_fields` are further
+    DeploymentSpec fields."""
     container = pod["containers"][0]["name"]
     spec: Manifest = {} if replicas is None else {"replicas": replicas}
     spec |= {
@@ -83,7 +85,7 @@ def deployment(
         **spec_fields,
         "template": {
             "metadata": {
-                "labels": labels(ctx.owner, component),
+                "labels": {**labels(ctx.owner, component), **(pod_labels or {})},
                 "annotations": {"kubectl.kubernetes.io/default-container": container},
             },
             "spec": pod,

@@ -8,6 +8,7 @@ from baton_operator.models.autoscaling import (
     ScaleUp,
 )
 from baton_operator.models.engine import EngineOverrides, EngineSpec, EnvVar
+from baton_operator.models.inference_pool import EndpointPickerSpec, InferencePoolSettings
 from baton_operator.models.pods import Placement, Resources, RoleSpec, RouterSpec, ServiceSpec, Toleration
 from baton_operator.models.source import ModelSource, parse_source
 from baton_operator.models.spec import (
@@ -40,11 +41,13 @@ __all__ = [
     "AutoscalingStatus",
     "Condition",
     "DecodeScaling",
+    "EndpointPickerSpec",
     "EngineOverrides",
     "EngineSpec",
     "EnvVar",
     "InferenceDeploymentSpec",
     "InferenceDeploymentStatus",
+    "InferencePoolSettings",
     "KVEventsSpec",
     "KVTransferSpec",
     "ModelSource",

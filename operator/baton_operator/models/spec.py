@@ -11,6 +11,7 @@ from baton_engine import contract
 from baton_operator.models.autoscaling import AutoscalingSpec
 from baton_operator.models.base import CrdModel, cel, object_default, validations
 from baton_operator.models.engine import EngineSpec, check_budget
+from baton_operator.models.inference_pool import InferencePoolSettings
 from baton_operator.models.pods import Quantity, RoleSpec, RouterSpec, _quantity
 from baton_operator.models.source import PARENT_SEGMENT, SOURCE_PATTERN, parse_source
 
@@ -228,6 +229,11 @@ class InferenceDeploymentSpec(CrdModel):
         default_factory=NetworkPolicySpec,
         description="NetworkPolicies around the engine pods.",
         json_schema_extra=object_default(NetworkPolicySpec),
+    )
+    inference_pool: InferencePoolSettings = Field(
+        default_factory=InferencePoolSettings,
+        description="The Gateway API Inference Extension's InferencePool of the engine pods.",
+        json_schema_extra=object_default(InferencePoolSettings),
     )
 
     @model_validator(mode="after")

@@ -8,7 +8,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from tests.operator_tests.kube_helpers import Rest, wait_for
+from baton_support.apiserver import Rest
+from tests.operator_tests.kube_helpers import wait_for
 
 ADMISSION = "/apis/admissionregistration.k8s.io/v1"
 

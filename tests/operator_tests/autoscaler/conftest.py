@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.operator_tests.autoscaler.fake_engines import Load
+from baton_support.fake_engines import Load
 
 
 @pytest.fixture

@@ -10,10 +10,10 @@ import pytest
 from baton_operator.autoscaler.collect import collect
 from baton_operator.autoscaler.policy import decide
 from baton_operator.autoscaler.policy_types import History
+from baton_support.metrics_servers import MetricsServer, answer
 
 from .exposition import engine_exposition
 from .factories import decode_pool, policy, prefill_pool
-from .metrics_servers import MetricsServer, answer
 from .pod_json import GPU_MESSAGE, pod
 
 

@@ -19,17 +19,17 @@ import pytest
 
 from baton_operator.autoscaler.tick import FIELD_MANAGER as AUTOSCALER_MANAGER
 from baton_operator.kube import FIELD_MANAGER
-from tests.operator_tests.apiserver import ApiServer
-from tests.operator_tests.autoscaler.admission import Refusal, refused, replicas_cap
-from tests.operator_tests.autoscaler.fake_engines import (
+from baton_support.apiserver import ApiServer, Rest
+from baton_support.fake_engines import (
     Load,
     add_ready_pod,
     autoscaled_spec,
     deployment_path,
     replicas,
 )
-from tests.operator_tests.kube_helpers import Rest, create_infd, create_namespace, get_infd, wait_for
-from tests.operator_tests.operator_process import OperatorProcess, operator_process
+from baton_support.operator_process import OperatorProcess, operator_process
+from tests.operator_tests.autoscaler.admission import Refusal, refused, replicas_cap
+from tests.operator_tests.kube_helpers import create_infd, create_namespace, get_infd, wait_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 

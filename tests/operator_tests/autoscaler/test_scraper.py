@@ -10,10 +10,10 @@ import pytest
 from baton_engine import contract
 from baton_operator.autoscaler.metrics import ScrapeTarget, scrape_pods
 from baton_operator.autoscaler.policy_types import EngineLoad
-from tests.ports import free_port
+from baton_support.metrics_servers import Behaviour, MetricsServer, answer, hang, held, trickle
+from baton_support.ports import free_port
 
 from .exposition import engine_exposition
-from .metrics_servers import Behaviour, MetricsServer, answer, hang, held, trickle
 
 StartServer = Callable[[Behaviour], MetricsServer]
 

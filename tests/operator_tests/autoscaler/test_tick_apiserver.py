@@ -15,10 +15,10 @@ from baton_operator.autoscaler.policy_types import History, ScaleAction
 from baton_operator.autoscaler.tick import autoscale_once
 from baton_operator.events import Event
 from baton_operator.kube import Kube, collection_path, object_path
-from tests.operator_tests.apiserver import ApiServer
+from baton_support.apiserver import ApiServer, Rest
+from baton_support.fake_engines import Load, add_ready_pod, autoscaled_spec, replicas
 from tests.operator_tests.autoscaler.admission import Refusal, refused
-from tests.operator_tests.autoscaler.fake_engines import Load, add_ready_pod, autoscaled_spec, replicas
-from tests.operator_tests.kube_helpers import Rest, create_infd, create_namespace, get_infd
+from tests.operator_tests.kube_helpers import create_infd, create_namespace, get_infd
 
 pytestmark = pytest.mark.k8s
 

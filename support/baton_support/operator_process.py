@@ -23,9 +23,8 @@ from typing import Any
 import yaml
 
 from baton_operator.kube import collection_path
-from tests.operator_tests.apiserver import ApiServer, write_kubeconfig
-from tests.operator_tests.kube_helpers import Rest
-from tests.ports import free_port
+from baton_support.apiserver import ApiServer, Rest, write_kubeconfig
+from baton_support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts/baton"
@@ -158,6 +157,26 @@ def operator_process(
             except subprocess.TimeoutExpired:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
+                raise AssertionError(
+                    f"the operator did not stop within 20 s of SIGTERM:\n{handle.log_text()[-4000:]}"
+                ) from None
+            if sys.exc_info()[1] is None:  # never hide the test's own failure behind this one
+                assert_clean_stop(handle)
+
+
+#: What a clean shutdown never logs: tracebacks, and clients left open (aiohttp's warnings).
+UNCLEAN = ("Traceback", "Unclosed client session", "Unclosed connector", "Session is closed")
+
+
+def assert_clean_stop(handle: OperatorProcess) -> None:
+    """After SIGTERM: exit status 0 and nothing of UNCLEAN logged from the signal on."""
+    log = handle.log_text()
+    after = log[log.find("Signal SIGTERM is received") :] if "Signal SIGTERM is received" in log else log
+    found = [marker for marker in UNCLEAN if marker in after]
+    if handle.proc.returncode != 0 or found:
+        raise AssertionError(
+            f"unclean operator shutdown (exit {handle.proc.returncode}, logged {found}):\n{after[-4000:]}"
+        )
 
 
 def operator_kubeconfig(server: ApiServer, rest: Rest, sa: str, path: Path) -> tuple[Path, str]:

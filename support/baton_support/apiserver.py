@@ -1,14 +1,18 @@
 """A bare control plane for CRD tests: etcd + kube-apiserver only, free loopback ports, a temp dir.
 
-Nothing is scheduled (no controller manager, no scheduler); enough for admission, validation,
-RBAC and server-side apply. Processes are started and stopped by pid. The fuller local cluster
-(process nodes, kwok) comes from the devcluster harness.
+Nothing is scheduled (no scheduler, no nodes); enough for admission, validation, RBAC and
+server-side apply. A module may add a kube-controller-manager running only the controllers it
+names (`controllers`: e.g. the garbage collector and the Deployment and ReplicaSet controllers,
+so that deleting an owner deletes its children and Deployments get pods). Processes are started
+and stopped by pid. The fuller local cluster (process nodes, kwok) comes from the devcluster
+harness.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import json
 import os
 import signal
 import ssl
@@ -20,10 +24,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from tests.ports import free_port
+from baton_support.ports import free_port
 
 BIN_ROOT = Path.home() / ".cache/baton/k8s-bin"
 ADMIN_TOKEN = "admin-token"
@@ -157,9 +162,44 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+def _controller_manager(
+    server: ApiServer, bin_dir: Path, controllers: tuple[str, ...]
+) -> subprocess.Popen[bytes]:
+    """kube-controller-manager running `controllers` against `server`, once its /healthz answers."""
+    port = free_port()
+    with open(server.workdir / "controller-manager.log", "wb") as log:
+        kcm = subprocess.Popen(
+            [
+                str(bin_dir / "kube-controller-manager"),
+                f"--kubeconfig={server.kubeconfig()}",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={port}",
+                f"--controllers={','.join(controllers)}",
+                "--use-service-account-credentials=false",
+                "--kube-api-qps=500",
+                "--kube-api-burst=1000",
+                "--profiling=false",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    # /healthz of the controller manager needs no credentials; its certificate is self-signed.
+    insecure = ssl.create_default_context()
+    insecure.check_hostname = False
+    insecure.verify_mode = ssl.CERT_NONE
+    try:
+        _wait(f"https://127.0.0.1:{port}/healthz", 120, kcm, insecure)
+    except BaseException:
+        _stop(kcm)
+        raise
+    return kcm
+
+
 @contextmanager
-def api_server(workdir: Path, bin_dir: Path) -> Iterator[ApiServer]:
-    """Start etcd and kube-apiserver under `workdir`; stop both (by pid) on exit."""
+def api_server(workdir: Path, bin_dir: Path, controllers: tuple[str, ...] = ()) -> Iterator[ApiServer]:
+    """Start etcd and kube-apiserver under `workdir` (and kube-controller-manager running only
+    `controllers`, when any are named); stop them (by pid) on exit."""
     _write_pki(workdir)
     client_port, peer_port, api_port = free_port(), free_port(), free_port()
     procs: list[subprocess.Popen[bytes]] = []
@@ -209,7 +249,38 @@ def api_server(workdir: Path, bin_dir: Path) -> Iterator[ApiServer]:
         ctx = ssl.create_default_context(cafile=str(workdir / "ca.crt"))
         url = f"https://127.0.0.1:{api_port}"
         _wait(f"{url}/readyz", 120, api, ctx, ADMIN_TOKEN)
-        yield ApiServer(url=url, token=ADMIN_TOKEN, ca_file=workdir / "ca.crt", workdir=workdir)
+        server = ApiServer(url=url, token=ADMIN_TOKEN, ca_file=workdir / "ca.crt", workdir=workdir)
+        if controllers:
+            procs.append(_controller_manager(server, bin_dir, controllers))
+        yield server
     finally:
         for proc in reversed(procs):
             _stop(proc)
+
+
+class Rest:
+    """Plain REST calls to a test API server (any kind, any verb), JSON in and out."""
+
+    def __init__(self, server: ApiServer, token: str | None = None) -> None:
+        self.url = server.url
+        self.token = token or server.token
+        self.ctx = ssl.create_default_context(cafile=str(server.ca_file))
+
+    def call(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> tuple[int, dict[str, Any]]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Authorization", f"Bearer {self.token}")
+        req.add_header("Content-Type", content_type)
+        req.add_header("Accept", "application/json")
+        try:
+            with urllib.request.urlopen(req, context=self.ctx, timeout=30) as resp:
+                return resp.status, json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"{}")
+
+    def get(self, path: str) -> dict[str, Any]:
+        status, body = self.call("GET", path)
+        assert status == 200, (path, status, body)
+        return body

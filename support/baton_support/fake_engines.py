@@ -8,8 +8,8 @@ from typing import Any
 
 from baton_engine import contract
 from baton_operator.kube import collection_path
-from tests.operator_tests.autoscaler.metrics_servers import MetricsServer, answer
-from tests.operator_tests.kube_helpers import Rest
+from baton_support.apiserver import Rest
+from baton_support.metrics_servers import MetricsServer, answer
 
 
 def autoscaled_spec(scale_down_window_s: int) -> dict[str, Any]:
@@ -58,11 +58,12 @@ def replicas(rest: Rest, namespace: str, name: str) -> int:
 
 def add_ready_pod(rest: Rest, namespace: str, deployment: str, role: str, port: int) -> None:
     """A Running, Ready engine pod as a kubelet would report it, serving /metrics on `port`."""
-    pod = {
+    name = f"{deployment}-{role}-0"
+    pod: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": f"{deployment}-{role}-0",
+            "name": name,
             "labels": contract.pod_selector(deployment, role),
         },
         "spec": {
@@ -84,6 +85,6 @@ def add_ready_pod(rest: Rest, namespace: str, deployment: str, role: str, port: 
             "conditions": [{"type": "Ready", "status": "True"}, {"type": "PodScheduled", "status": "True"}],
         }
     }
-    path = collection_path("v1", "Pod", namespace) + f"/{pod['metadata']['name']}/status"
+    path = collection_path("v1", "Pod", namespace) + f"/{name}/status"
     status, body = rest.call("PATCH", path, ready, "application/merge-patch+json")
     assert status == 200, body

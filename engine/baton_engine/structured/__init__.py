@@ -1,0 +1,1 @@
+"""Structured output: grammars from ``response_format`` and tools (llguidance), token masks."""
