@@ -21,7 +21,6 @@ from baton_engine.attention.kernel_compile import (
     TARGETS,
     TARGETS_BY_NAME,
     CompileRun,
-    KernelReport,
     compile_reports,
 )
 from baton_engine.attention.launch_table import LaunchTable, table_for_arch
@@ -54,21 +53,20 @@ SWEEP: dict[str, list[tuple[int, int, int]]] = {
 }
 
 
-def table_entry(report: KernelReport) -> str:
-    """The launch-table entry a compiled launch came from."""
-    constants = report.constants
-    if report.kernel == "_decode_split_kernel":
+def table_entry(kernel: str, constants: dict[str, Any]) -> str:
+    """The launch-table entry a compiled launch of `kernel` with these constants came from."""
+    if kernel == "_decode_split_kernel":
         return "decode_unsplit" if constants["NUM_SPLITS"] == 1 else "decode_split"
-    if report.kernel == "_multi_query_split_kernel":
+    if kernel == "_multi_query_split_kernel":
         return "verify_unsplit" if constants["NUM_SPLITS"] == 1 else "verify_split"
-    if report.kernel == "_prefill_kernel":
+    if kernel == "_prefill_kernel":
         return "prefill_small_head" if constants["HEAD_DIM_PAD"] <= 64 else "prefill_large_head"
     return {
         "_decode_reduce_kernel": "split_reduce",
         "_rms_norm_kernel": "rms_norm",
         "_rotary_cache_kernel": "rotary",
         "_silu_mul_kernel": "silu",
-    }[report.kernel]
+    }[kernel]
 
 
 def sweep(targets: list[str], workers: int) -> dict[str, Any]:
@@ -91,7 +89,7 @@ def sweep(targets: list[str], workers: int) -> dict[str, Any]:
         for entry, candidates in SWEEP.items():
             if index >= len(candidates):
                 continue
-            reports = [r for r in run.reports if table_entry(r) == entry]
+            reports = [r for r in run.reports if table_entry(r.kernel, r.constants) == entry]
             current = getattr(table, entry)
             results[entry].append(
                 {
@@ -118,6 +116,7 @@ def _rows(run: CompileRun) -> list[dict[str, Any]]:
         rows.append(
             {
                 "kernel": report.kernel,
+                "entry": table_entry(report.kernel, report.constants),
                 "target": report.target,
                 "cases": report.cases,
                 "constants": report.constants,
@@ -149,10 +148,19 @@ def _summary(run: CompileRun) -> dict[str, Any]:
         for report in reports:
             entry = per_kernel.setdefault(
                 report.kernel,
-                {"launches": 0, "max_registers": 0, "max_lds_bytes": 0, "min_waves_per_simd": None},
+                {
+                    "launches": 0,
+                    "max_registers": 0,
+                    "max_sgprs": 0,
+                    "spills": 0,
+                    "max_lds_bytes": 0,
+                    "min_waves_per_simd": None,
+                },
             )
             entry["launches"] += 1
             entry["max_registers"] = max(entry["max_registers"], report.registers)
+            entry["max_sgprs"] = max(entry["max_sgprs"], report.sgprs)
+            entry["spills"] += report.spills
             entry["max_lds_bytes"] = max(entry["max_lds_bytes"], report.shared_bytes)
             if report.occupancy is not None:
                 waves = report.occupancy.waves_per_simd
@@ -170,24 +178,19 @@ def _summary(run: CompileRun) -> dict[str, Any]:
     return summary
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    parser.add_argument(
-        "--targets", default=",".join(t.name for t in TARGETS), help="comma-separated targets"
-    )
-    parser.add_argument("--workers", type=int, default=2, help="compile processes")
-    parser.add_argument(
-        "--no-reference", action="store_true", help="skip the AMD targets under the NVIDIA table"
-    )
-    args = parser.parse_args()
+def build_result(
+    run: CompileRun, quick: bool, reference: CompileRun | None = None, launches: bool = False
+) -> dict[str, Any]:
+    """The benchmark's JSON object for a compile run (and the reference run, if any): per target
+    and kernel the worst registers, LDS and occupancy over its launches; every failing launch in
+    full, and every launch with `launches`."""
     import torch
     import triton
 
-    targets = args.targets.split(",")
-    run = compile_reports(targets, workers=args.workers)
+    targets = list(dict.fromkeys(report.target for report in run.reports))
     result: dict[str, Any] = {
         "bench": "amd_compile",
+        "quick": quick,
         "triton": triton.__version__,
         "torch": torch.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -195,6 +198,7 @@ def main() -> None:
         "targets": {
             name: {
                 "gpus": TARGETS_BY_NAME[name].gpus,
+                "table": table_for_arch(TARGETS_BY_NAME[name].table_arch).name,
                 "max_waves_per_simd": TARGETS_BY_NAME[name].max_waves_per_simd,
                 "lds_bytes_per_cu": TARGETS_BY_NAME[name].shared_bytes,
                 "fp8": TARGETS_BY_NAME[name].fp8_dtype,
@@ -202,6 +206,7 @@ def main() -> None:
             for name in targets
         },
         "summary": _summary(run),
+        "failures": sum(1 for r in run.reports if r.failure(TARGETS_BY_NAME[r.target]) is not None),
         "problems": run.problems,
         "cost": {
             "launches": len(run.reports),
@@ -209,23 +214,53 @@ def main() -> None:
             "wall_s": run.wall_seconds,
             "cpu_s": round(sum(r.cpu_seconds for r in run.reports), 1),
         },
-        "kernels": _rows(run),
+        "failing_launches": [row for row in _rows(run) if row["failure"] is not None],
     }
-    amd = [name for name in targets if TARGETS_BY_NAME[name].backend == "hip"]
-    if amd and not args.no_reference:
-        reference = compile_reports(amd, workers=args.workers, table="cuda")
+    if launches:
+        result["launches"] = _rows(run)
+    if reference is not None:
         result["reference_cuda_table_on_amd"] = {
             name: {key: value for key, value in stats.items() if key != "kernels"}
             for name, stats in _summary(reference).items()
         }
         result["cost"]["reference_wall_s"] = reference.wall_seconds
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument(
+        "--quick", action="store_true", help="the compile test's run: every target, no reference run"
+    )
+    parser.add_argument(
+        "--targets", default=",".join(t.name for t in TARGETS), help="comma-separated targets"
+    )
+    parser.add_argument("--workers", type=int, default=2, help="compile processes")
+    parser.add_argument("--launches", action="store_true", help="also print every compiled launch")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="compile the AMD table's candidate entries (slow) instead of the table",
+    )
+    args = parser.parse_args()
+    if args.sweep:
+        amd_targets = [t.name for t in TARGETS if t.backend == "hip"]
+        print(json.dumps({"bench": "amd_compile", "quick": False, "sweep": sweep(amd_targets, args.workers)}))
+        return
+    targets = args.targets.split(",")
+    run = compile_reports(targets, workers=args.workers)
+    amd = [name for name in targets if TARGETS_BY_NAME[name].backend == "hip"]
+    reference = None if args.quick or not amd else compile_reports(amd, workers=args.workers, table="cuda")
+    result = build_result(run, args.quick, reference, args.launches)
     if not args.json:
-        for row in result["kernels"]:
-            print(
-                f"{row['target']:7} {row['kernel']:26} w{row['num_warps']} s{row['num_stages']} "
-                f"regs={row['registers']} spills={row['spills']} lds={row['lds_bytes']} "
-                f"waves/simd={row['waves_per_simd']} {row['failure'] or ''}"
-            )
+        for target, summary in result["summary"].items():
+            for kernel, row in summary["kernels"].items():
+                print(
+                    f"{target:7} {kernel:26} launches={row['launches']} max_registers={row['max_registers']} "
+                    f"spills={row['spills']} max_lds={row['max_lds_bytes']} "
+                    f"min_waves/simd={row['min_waves_per_simd']}"
+                )
     print(json.dumps(result))
 
 

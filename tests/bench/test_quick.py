@@ -58,6 +58,10 @@ BENCHMARKS: dict[str, Bench] = {
         ("requests", "unexpected", "end", "rss_mib"),
         smoke_test="tests/server/test_soak.py::test_short_soak_leaks_no_block_and_leaves_no_request_stuck",
     ),
+    "amd_compile": Bench(
+        ("summary", "kernels", "failures", "cost"),
+        smoke_test="tests/kernel_targets/test_compile_targets.py::test_bench_amd_compile_reports_the_test_run",
+    ),
     "gpu": Bench(("engine_vs_sweep",), gpu_only=True),
     "gpu_tune": Bench(("decode_1b_b8_ctx128",), gpu_only=True),
 }

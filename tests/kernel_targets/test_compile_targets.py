@@ -6,9 +6,14 @@ cubin. The compile runs once for the module (two worker processes, an empty Trit
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from baton_engine.attention.kernel_compile import TARGETS, TARGETS_BY_NAME, CompileRun, compile_reports
+
+# One compile of every launch for the module: about 420 launches, ~3 CPU-minutes (docs/amd.md).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 #: Every kernel the engine launches, by target: a kernel added without a declared scenario fails
 #: the coverage test; one declared here but no longer launched fails the per-target test.
@@ -52,15 +57,10 @@ def test_amd_register_occupancy_equals_llvm_own(compiled: CompileRun) -> None:
     amd = [report for report in compiled.reports if TARGETS_BY_NAME[report.target].backend == "hip"]
     assert amd
     mismatches = [
-        (
-            report.key,
-            report.registers,
-            report.sgprs,
-            report.occupancy.waves_by_registers,
-            report.llvm_occupancy,
-        )
+        (report.key, report.constants, report.registers, report.sgprs, waves, report.llvm_occupancy)
         for report in amd
-        if report.occupancy is None or report.occupancy.waves_by_registers != report.llvm_occupancy
+        for waves in [None if report.occupancy is None else report.occupancy.waves_by_registers]
+        if waves != report.llvm_occupancy
     ]
     assert mismatches == []
 
@@ -77,3 +77,36 @@ def test_each_dtype_and_head_dim_is_compiled_for(compiled: CompileRun) -> None:
             r.constants["HEAD_DIM"] for r in compiled.for_target(target.name) if "HEAD_DIM" in r.constants
         }
         assert head_dims == {64, 128}
+
+
+def test_bench_amd_compile_reports_the_test_run(compiled: CompileRun) -> None:
+    """`python -m bench.amd_compile --quick --json` is this module's run; its JSON, from the same
+    compiled launches: per target and kernel the worst registers, LDS and occupancy; with
+    `--launches`, one row per launch, each naming its launch-table entry."""
+    from bench import amd_compile
+
+    result = json.loads(json.dumps(amd_compile.build_result(compiled, quick=True, launches=True)))
+    assert (result["bench"], result["quick"], result["failures"], result["problems"]) == (
+        "amd_compile",
+        True,
+        0,
+        [],
+    )
+    assert result["failing_launches"] == []
+    assert sorted(result["summary"]) == sorted(target.name for target in TARGETS)
+    for name, summary in result["summary"].items():
+        assert sorted(summary["kernels"]) == ENGINE_KERNELS, name
+        assert summary["launches"] == len(compiled.for_target(name))
+        assert summary["spilling"] == summary["over_lds"] == summary["errors"] == 0
+        for kernel, row in summary["kernels"].items():
+            reports = [r for r in compiled.for_target(name) if r.kernel == kernel]
+            assert row["launches"] == len(reports)
+            assert row["max_registers"] == max(r.registers for r in reports)
+            assert row["max_lds_bytes"] == max(r.shared_bytes for r in reports)
+            assert row["spills"] == 0
+            assert 0 < row["min_waves_per_simd"] <= summary["max_waves_per_simd"]
+    assert len(result["launches"]) == result["cost"]["launches"] == len(compiled.reports)
+    assert {row["entry"] for row in result["launches"]} == {
+        "decode_unsplit", "decode_split", "split_reduce", "verify_unsplit", "verify_split",
+        "prefill_small_head", "prefill_large_head", "rms_norm", "rotary", "silu",
+    }  # fmt: skip

@@ -49,7 +49,8 @@ WORKER_ENV = {"TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
 
 def table_from_dict(data: dict[str, Any]) -> LaunchTable:
     """A `LaunchTable` from its `dataclasses.asdict` form (how workers receive one)."""
-    return LaunchTable(**{k: v if k == "name" else Launch(**v) for k, v in data.items()})
+    entries: dict[str, Any] = {k: Launch(**v) for k, v in data.items() if k != "name"}
+    return LaunchTable(name=data["name"], **entries)
 
 
 @dataclass(frozen=True)
@@ -325,7 +326,7 @@ def captured_launches(target: CompileTarget) -> Iterator[list[CapturedLaunch]]:
     except RuntimeError:  # no GPU driver on this machine: nothing to restore
         previous = None
     previous_hook = knobs.runtime.jit_cache_hook
-    driver.set_active(_CaptureDriver(target, 1000 + TARGETS.index(target)))  # type: ignore[arg-type]
+    driver.set_active(_CaptureDriver(target, 1000 + TARGETS.index(target)))
     knobs.runtime.jit_cache_hook = hook
     try:
         yield launches
@@ -576,26 +577,35 @@ def compile_reports(
             with open(table_path, "w", encoding="utf-8") as f:
                 json.dump(asdict(LAUNCH_TABLES[table] if isinstance(table, str) else table), f)
             table_args = ["--table-json", table_path]
-        processes = []
-        for shard in range(workers):
-            env = {**os.environ, **WORKER_ENV, "TRITON_CACHE_DIR": os.path.join(scratch, f"cache{shard}")}
-            out_path = os.path.join(scratch, f"shard{shard}.json")
-            command = [
-                sys.executable, "-m", "baton_engine.attention.kernel_compile",
-                "--targets", ",".join(names), "--shard", f"{shard}/{workers}", "--out", out_path,
-                *table_args,
-            ]  # fmt: skip
-            processes.append(
-                (subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True), out_path)
-            )
+        processes: list[tuple[subprocess.Popen[bytes], str, str]] = []
+        try:
+            for shard in range(workers):
+                env = {**os.environ, **WORKER_ENV, "TRITON_CACHE_DIR": os.path.join(scratch, f"cache{shard}")}
+                out_path = os.path.join(scratch, f"shard{shard}.json")
+                log_path = os.path.join(scratch, f"shard{shard}.log")
+                command = [
+                    sys.executable, "-m", "baton_engine.attention.kernel_compile",
+                    "--targets", ",".join(names), "--shard", f"{shard}/{workers}", "--out", out_path,
+                    *table_args,
+                ]  # fmt: skip
+                with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would stall the worker
+                    processes.append((subprocess.Popen(command, env=env, stderr=log), out_path, log_path))
+            deadline = time.monotonic() + timeout
+            for process, _, _ in processes:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        finally:  # interrupted or timed out: stop the workers, leave no process behind
+            for process, _, _ in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
         reports: list[KernelReport] = []
         problems: list[str] = []
         launches = 0
         failures = []
-        for process, out_path in processes:
-            _, stderr = process.communicate(timeout=timeout)
+        for process, out_path, log_path in processes:
             if process.returncode != 0:
-                failures.append(f"worker exited {process.returncode}: {stderr[-4000:]}")
+                with open(log_path, encoding="utf-8", errors="replace") as f:
+                    failures.append(f"worker exited {process.returncode}: {f.read()[-4000:]}")
                 continue
             with open(out_path, encoding="utf-8") as f:
                 data = json.load(f)

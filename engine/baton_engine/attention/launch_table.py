@@ -94,9 +94,64 @@ CUDA = LaunchTable(
     silu=Launch(4, 3, "Triton's defaults with 1024 columns per program, memory-bound", 1024),
 )
 
-#: AMD GPUs (64-lane wavefronts), until measured on one: see docs/amd.md for the occupancy of
-#: each entry on gfx90a, gfx942 and gfx950.
-ROCM = CUDA.__class__(**{**CUDA.__dict__, "name": "rocm"})
+_CDNA = "gfx90a, gfx942, gfx950 (bench.amd_compile)"
+
+#: AMD GPUs (CDNA2-4: MI250X, MI300X/MI325X, MI350X/MI355X), until measured on one. Derived from
+#: the NVIDIA entry by one rule, each step checked by compiling for the three targets (bf16, fp16
+#: and fp32, head dims 64 and 128, every verify tile): keep the H200's lanes per program (half its
+#: warps, a wavefront being 64 lanes), then drop stages, then add waves, until no launch spills or
+#: needs more LDS than a CU has (64 KiB on gfx90a and gfx942). The per-entry numbers are in
+#: docs/amd.md.
+ROCM = LaunchTable(
+    name="rocm",
+    decode_unsplit=Launch(
+        2,
+        1,
+        "1 wave (the H200's 64 lanes) spills 67 SGPRs at fp32 x head dim 128, and 2 stages need 68 KiB "
+        f"of LDS there: 2 waves, 1 stage spill nowhere and need at most 32 KiB on {_CDNA}",
+        64,
+    ),
+    decode_split=Launch(
+        4,
+        1,
+        "4 waves = the H200's 256 lanes; its 4 stages (and 2) need over 64 KiB of LDS at fp32 x head "
+        f"dim 128: 1 stage, at most 32 KiB, at least 2 waves per SIMD on {_CDNA}",
+        64,
+    ),
+    split_reduce=Launch(4, 2, "Triton's AMD defaults: at most 53 VGPRs, 8 waves per SIMD (no loop)"),
+    verify_unsplit=Launch(
+        2,
+        1,
+        "2 waves = the H200's 128 lanes; 2 stages need 68 KiB of LDS at fp32 x head dim 128 and spill "
+        f"there: 1 stage spills nowhere on {_CDNA}; at most 64 rows per program, as on NVIDIA",
+        64,
+        64,
+    ),
+    verify_split=Launch(
+        4,
+        1,
+        "4 waves = the H200's 256 lanes; 3 or 2 stages need up to 80 KiB of LDS at fp32 x head dim "
+        f"128: 1 stage spills nowhere on {_CDNA}; at most 64 rows per program",
+        64,
+        64,
+    ),
+    prefill_small_head=Launch(
+        2, 2, f"2 waves = the H200's 128 lanes, its 2 stages: no spill, at most 32 KiB of LDS on {_CDNA}", 64
+    ),
+    prefill_large_head=Launch(
+        2, 2, f"2 waves = the H200's 128 lanes, its 2 stages: no spill, at most 32 KiB of LDS on {_CDNA}", 32
+    ),
+    rms_norm=Launch(
+        4,
+        2,
+        "Triton's AMD defaults: 4 waves spread a small decode batch's rows over more SIMDs than 2 "
+        "would; at most 67 VGPRs at 8192 columns (no loop to pipeline)",
+    ),
+    rotary=Launch(4, 2, "Triton's AMD defaults, like rms_norm: one token per program, at most 94 VGPRs"),
+    silu=Launch(
+        4, 2, "Triton's AMD defaults with the H200's 1024 columns per program: at most 34 VGPRs", 1024
+    ),
+)
 
 #: By table name; AMD architectures without their own entry use "rocm".
 LAUNCH_TABLES: dict[str, LaunchTable] = {table.name: table for table in (CUDA, ROCM)}
