@@ -15,15 +15,21 @@ import argparse
 import json
 import os
 import platform
+import re
+from pathlib import Path
 from typing import Any
 
 from baton_engine.attention.kernel_compile import (
+    SPILLS_ALLOWED,
     TARGETS,
     TARGETS_BY_NAME,
     CompileRun,
+    KernelReport,
     compile_reports,
 )
-from baton_engine.attention.launch_table import LaunchTable, table_for_arch
+from baton_engine.attention.launch_table import CUDA, LAUNCH_TABLES, ROCM, Launch, LaunchTable, table_for_arch
+
+DOCS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "amd.md"
 
 #: Candidates (num_warps, num_stages, block_n) of `--sweep` for the attention entries of the AMD
 #: table: the H200's lanes per program (half its warps) and its neighbours, with 1 and 2 stages.
@@ -118,6 +124,7 @@ def _rows(run: CompileRun) -> list[dict[str, Any]]:
                 "kernel": report.kernel,
                 "entry": table_entry(report.kernel, report.constants),
                 "target": report.target,
+                "dtype": report.dtype,
                 "cases": report.cases,
                 "constants": report.constants,
                 "num_warps": report.num_warps,
@@ -139,43 +146,107 @@ def _rows(run: CompileRun) -> list[dict[str, Any]]:
     return rows
 
 
+def _per_kernel(reports: list[KernelReport]) -> dict[str, Any]:
+    per_kernel: dict[str, Any] = {}
+    for report in reports:
+        entry = per_kernel.setdefault(
+            report.kernel,
+            {
+                "launches": 0,
+                "max_registers": 0,
+                "max_sgprs": 0,
+                "spills": 0,
+                "max_lds_bytes": 0,
+                "min_waves_per_simd": None,
+            },
+        )
+        entry["launches"] += 1
+        entry["max_registers"] = max(entry["max_registers"], report.registers)
+        entry["max_sgprs"] = max(entry["max_sgprs"], report.sgprs)
+        entry["spills"] += report.spills
+        entry["max_lds_bytes"] = max(entry["max_lds_bytes"], report.shared_bytes)
+        if report.occupancy is not None:
+            waves = report.occupancy.waves_per_simd
+            low = entry["min_waves_per_simd"]
+            entry["min_waves_per_simd"] = waves if low is None else min(low, waves)
+    return per_kernel
+
+
 def _summary(run: CompileRun) -> dict[str, Any]:
+    """Per target: failure counts, and per kernel the worst registers, LDS and occupancy of its
+    launches, over the served dtypes (`kernels`) and over float32 (`kernels_float32`)."""
     summary: dict[str, Any] = {}
     for target in dict.fromkeys(report.target for report in run.reports):
         reports = run.for_target(target)
         limits = TARGETS_BY_NAME[target]
-        per_kernel: dict[str, Any] = {}
-        for report in reports:
-            entry = per_kernel.setdefault(
-                report.kernel,
-                {
-                    "launches": 0,
-                    "max_registers": 0,
-                    "max_sgprs": 0,
-                    "spills": 0,
-                    "max_lds_bytes": 0,
-                    "min_waves_per_simd": None,
-                },
-            )
-            entry["launches"] += 1
-            entry["max_registers"] = max(entry["max_registers"], report.registers)
-            entry["max_sgprs"] = max(entry["max_sgprs"], report.sgprs)
-            entry["spills"] += report.spills
-            entry["max_lds_bytes"] = max(entry["max_lds_bytes"], report.shared_bytes)
-            if report.occupancy is not None:
-                waves = report.occupancy.waves_per_simd
-                low = entry["min_waves_per_simd"]
-                entry["min_waves_per_simd"] = waves if low is None else min(low, waves)
+        served = [r for r in reports if r.dtype not in SPILLS_ALLOWED]
         summary[target] = {
             "launches": len(reports),
             "failures": sum(1 for r in reports if r.failure(limits) is not None),
-            "spilling": sum(1 for r in reports if r.spills),
+            "spilling": sum(1 for r in served if r.spills),
+            "spilling_float32": sum(1 for r in reports if r.spills and r.dtype in SPILLS_ALLOWED),
             "over_lds": sum(1 for r in reports if r.shared_bytes > limits.max_shared_per_program),
             "errors": sum(1 for r in reports if r.error is not None),
             "max_waves_per_simd": limits.max_waves_per_simd,
-            "kernels": per_kernel,
+            "kernels": _per_kernel(served),
+            "kernels_float32": _per_kernel([r for r in reports if r.dtype in SPILLS_ALLOWED]),
         }
     return summary
+
+
+def _launch_cell(launch: Launch, unit: str) -> str:
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}{'' if n == 1 else 's'}"
+
+    tiles = [
+        f"{name} {value}"
+        for name, value in (("block_n", launch.block_n), ("block_m", launch.block_m))
+        if value
+    ]
+    return ", ".join([count(launch.num_warps, unit), count(launch.num_stages, "stage"), *tiles])
+
+
+def render_launch_table() -> str:
+    """The docs' tables of every backend's launch parameters, and the reasons, from the code."""
+    tables = list(LAUNCH_TABLES.values())
+    unit = {table.name: "wave" if table is ROCM else "warp" for table in tables}
+    label = {table.name: f"{'AMD' if table is ROCM else 'NVIDIA'} (`{table.name}`)" for table in tables}
+    lines = ["| entry | " + " | ".join(label[t.name] for t in tables) + " |", "|---|" + "---|" * len(tables)]
+    entries = [name for name in vars(CUDA) if name != "name"]
+    for name in entries:
+        cells = " | ".join(_launch_cell(getattr(t, name), unit[t.name]) for t in tables)
+        lines.append(f"| `{name}` | {cells} |")
+    for table in tables:
+        lines += ["", f"Why `{table.name}`:", ""]
+        lines += [f"- `{name}`: {getattr(table, name).reason}" for name in entries]
+    return "\n".join(lines)
+
+
+def render_results(result: dict[str, Any], kernels_key: str = "kernels") -> str:
+    """The docs' table of a run: per kernel and target, "R / L / W": the most registers (VGPRs on
+    AMD, per thread on NVIDIA) and KiB of LDS over its launches, and the fewest waves per SIMD
+    (warps per SM sub-partition on NVIDIA) of the target's maximum."""
+    summary = result["summary"]
+    targets = list(summary)
+    kernels = sorted({kernel for stats in summary.values() for kernel in stats[kernels_key]})
+    header = [f"{t} (of {summary[t]['max_waves_per_simd']})" for t in targets]
+    lines = ["| kernel | launches | " + " | ".join(header) + " |", "|---|---|" + "---|" * len(targets)]
+    for kernel in kernels:
+        rows = [summary[target][kernels_key][kernel] for target in targets]
+        cells = [
+            f"{r['max_registers']} / {r['max_lds_bytes'] / 1024:g} / {r['min_waves_per_simd']:g}"
+            for r in rows
+        ]
+        lines.append(f"| `{kernel}` | {rows[0]['launches']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    """`text` with the lines between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` replaced."""
+    pattern = re.compile(rf"(<!-- {name}:start -->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no {name} block in the page")
+    return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
 
 
 def build_result(
@@ -239,6 +310,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="compile processes")
     parser.add_argument("--launches", action="store_true", help="also print every compiled launch")
     parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="rewrite docs/amd.md's launch-table and results tables from this run",
+    )
+    parser.add_argument(
         "--sweep",
         action="store_true",
         help="compile the AMD table's candidate entries (slow) instead of the table",
@@ -253,6 +329,12 @@ def main() -> None:
     amd = [name for name in targets if TARGETS_BY_NAME[name].backend == "hip"]
     reference = None if args.quick or not amd else compile_reports(amd, workers=args.workers, table="cuda")
     result = build_result(run, args.quick, reference, args.launches)
+    if args.write_docs:
+        page = replace_block(DOCS_PAGE.read_text(), "launch-table", render_launch_table())
+        page = replace_block(page, "compile-results", render_results(result))
+        DOCS_PAGE.write_text(
+            replace_block(page, "compile-results-float32", render_results(result, "kernels_float32"))
+        )
     if not args.json:
         for target, summary in result["summary"].items():
             for kernel, row in summary["kernels"].items():

@@ -220,3 +220,46 @@ def test_scenarios_declare_kernels_the_package_defines() -> None:
         "_rotary_launches",
         "_silu_launches",
     }
+
+
+def test_the_docs_launch_table_is_the_codes() -> None:
+    """docs/amd.md's launch tables are rendered from LAUNCH_TABLES (python -m bench.amd_compile
+    --write-docs), and its compile results name every kernel on every target."""
+    from bench import amd_compile
+
+    page = amd_compile.DOCS_PAGE.read_text()
+    assert amd_compile.replace_block(page, "launch-table", amd_compile.render_launch_table()) == page, (
+        "docs/amd.md's launch table is stale: run python -m bench.amd_compile --write-docs"
+    )
+    results = page.split("<!-- compile-results:start -->\n", 1)[1].split("\n<!-- compile-results:end -->", 1)[
+        0
+    ]
+    lines = results.splitlines()
+    header = " | ".join(f"{t.name} (of {t.max_waves_per_simd})" for t in TARGETS_BY_NAME.values())
+    assert lines[0] == f"| kernel | launches | {header} |"
+    kernels = sorted(ref.name for ref in find_jit_functions() if ref.name.endswith("_kernel"))
+    assert [line.split(" | ")[0] for line in lines[2:]] == [f"| `{name}`" for name in kernels]
+
+
+def test_a_spill_fails_a_served_dtype_and_an_lds_overflow_every_dtype() -> None:
+    from baton_engine.attention.kernel_compile import KernelReport
+
+    def report(dtype: str, spills: int, shared: int, error: str | None = None) -> KernelReport:
+        return KernelReport(
+            "_k", "m", "gfx942", [f"smollm2-135m/{dtype}/bs16 _s"], dtype, {}, 4, 1,
+            spills=spills, scratch_bytes=8 * spills, shared_bytes=shared, error=error,
+        )  # fmt: skip
+
+    gfx942 = TARGETS_BY_NAME["gfx942"]
+    assert report("bfloat16", 3, 1024).failure(gfx942) == "3 registers spilled (24 scratch bytes)"
+    assert report("fp8", 1, 0).failure(gfx942) == "1 registers spilled (8 scratch bytes)"
+    assert report("float32", 3, 1024).failure(gfx942) is None
+    assert report("float32", 0, 65537).failure(gfx942) == (
+        "65537 B of shared memory, over the 65536 B one program may use"
+    )
+    assert report("float32", 0, 65536).failure(gfx942) is None
+    assert report("float32", 0, 65537).failure(TARGETS_BY_NAME["gfx950"]) is None
+    assert (
+        report("float16", 0, 0, "CompilationError: boom").failure(gfx942)
+        == "compile error: CompilationError: boom"
+    )
