@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import subprocess
 import sys
@@ -36,6 +38,23 @@ def test_sign_and_verify_roundtrip() -> None:
     parsed = verify_dict(json.loads(json.dumps(signed)), KEY)
     assert parsed.block_ids == [3, 4, 9]
     assert parsed.first_token == 17
+
+
+def test_kv_key_is_signed_and_an_empty_one_keeps_the_old_signature() -> None:
+    """kv_key is covered by the signature; params without one sign exactly as before the field
+    existed (a pod of an older version verifies them)."""
+    keyed = KVTransferParams.from_dict(_params(kv_key="3f9a")).signed(KEY).to_dict()
+    assert verify_dict(keyed, KEY).kv_key == "3f9a"
+    with pytest.raises(KVTransferParamsError, match="signature: does not match"):
+        verify_dict({**keyed, "kv_key": "other"}, KEY)
+    plain = KVTransferParams.from_dict(_params()).signed(KEY)
+    assert b"kv_key" not in plain.payload()
+    old_style = hmac.new(KEY, json.dumps(_params() | {"layout": contract.KV_LAYOUT, "model": "",
+        "lease_expires_at": 0.0, "version": 1}, sort_keys=True, separators=(",", ":")).encode(),
+        hashlib.sha256).hexdigest()  # fmt: skip
+    assert plain.signature == old_style
+    with pytest.raises(KVTransferParamsError, match=r"kv_transfer_params\.kv_key: wrong type int"):
+        KVTransferParams.from_dict(_params(kv_key=3))
 
 
 @pytest.mark.parametrize(

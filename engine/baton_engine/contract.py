@@ -63,9 +63,15 @@ FLAG_KV_EVENTS: Final = "--kv-events"  # BooleanOptionalAction
 FLAG_KV_EVENTS_PORT: Final = "--kv-events-port"
 FLAG_KV_EVENTS_REPLAY_PORT: Final = "--kv-events-replay-port"
 FLAG_KV_EVENTS_BUFFER_STEPS: Final = "--kv-events-buffer-steps"
-FLAG_PREFIX_HASH: Final = "--prefix-hash"  # "fast" | "vllm-sha256-cbor"
+FLAG_KV_EVENTS_ENCODING: Final = "--kv-events-encoding"  # "map" (vLLM 0.32) | "array" (v0.22)
+FLAG_METRIC_NAMES: Final = "--metric-names"  # "both" | "baton" | "vllm"
+FLAG_PREFIX_HASH: Final = "--prefix-hash"  # "fast" | "vllm-sha256" | "vllm-sha256-cbor"
+FLAG_PREFIX_HASH_SEED: Final = "--prefix-hash-seed"  # root seed of the vllm-* hashes
 FLAG_SPECULATIVE: Final = "--speculative"
 FLAG_NUM_SPECULATIVE_TOKENS: Final = "--num-speculative-tokens"
+#: The KV-compatibility key the operator computed for this pod (see LABEL_KV_COMPAT): it travels
+#: signed in kv_transfer_params, and a consumer refuses to pull from a producer with another key.
+FLAG_KV_COMPAT_KEY: Final = "--kv-compat-key"
 
 KVRole = Literal["producer", "consumer", "both", "none"]
 KV_ROLES: Final[tuple[str, ...]] = ("producer", "consumer", "both", "none")
@@ -122,6 +128,17 @@ LLMD_ROLE_OF: Final[dict[str, str]] = {
     ROLE_DECODE: "decode",
     ROLE_AGGREGATED: "prefill-decode",
 }
+
+
+#: On every engine pod: the KV-compatibility key, a digest of exactly the spec fields that change
+#: the KV cache's layout or meaning (model source and revision, KV dtype, block size, tensor
+#: parallel layout, prefix-hash settings). The router pairs a prefill pod only with decode pods
+#: of the same key; a pod without the label has the key "" (static or pre-key pods).
+LABEL_KV_COMPAT: Final = "baton.dev/kv-compat"
+#: Engine pod annotations the router reads to hash prompts as that pod does (prefix routing):
+#: during a block-size rollout the two generations of pods hash differently.
+ANNOTATION_BLOCK_SIZE: Final = "baton.dev/block-size"
+ANNOTATION_PREFIX_HASH: Final = "baton.dev/prefix-hash"
 
 
 def engine_pods_selector(deployment: str) -> dict[str, str]:
@@ -187,6 +204,25 @@ VLLM_EQUIVALENT: Final[dict[str, str]] = {
     M_SPEC_ACCEPTED_TOKENS: "vllm:spec_decode_num_accepted_tokens_total",
 }
 
+#: vLLM's gauge whose labels carry the cache layout (value 1); Baton exports it with the labels
+#: vLLM readers use (`block_size`, `num_gpu_blocks`).
+VM_CACHE_CONFIG: Final = "vllm:cache_config_info"
+LABEL_VLLM_MODEL: Final = "model_name"  # the served model name, on every series (as vLLM)
+
+#: The load figures the control plane reads from an engine pod (the router's load tracker, the
+#: autoscaler), each under (Baton's name, vLLM's name): a vLLM pod exports only the second, a
+#: Baton pod both (same value: read one, never sum them) or either alone.
+LOAD_METRICS: Final[dict[str, tuple[str, str]]] = {
+    name: (baton, VLLM_EQUIVALENT[baton])
+    for name, baton in (
+        ("waiting", M_REQUESTS_WAITING),
+        ("running", M_REQUESTS_RUNNING),
+        ("kv_usage", M_KV_USAGE),
+        ("preemptions", M_PREEMPTIONS),
+    )
+}
+
+
 # --------------------------------------------------------------------------- KV events
 
 KV_EVENTS_TOPIC_PREFIX: Final = "kv"
@@ -229,13 +265,16 @@ class KVTransferParams:
     model: str = ""  # served model name
     lease_expires_at: float = 0.0  # producer wall-clock (unix seconds)
     version: int = KV_TRANSFER_SCHEMA_VERSION
+    #: The producer's KV-compatibility key (LABEL_KV_COMPAT); "" when it was started without one.
+    kv_key: str = ""
     signature: str = field(default="", compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def payload(self) -> bytes:
-        body = {k: v for k, v in asdict(self).items() if k != "signature"}
+        # An empty kv_key is left out, so params signed before the field existed still verify.
+        body = {k: v for k, v in asdict(self).items() if k != "signature" and (k != "kv_key" or v)}
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
     def signed(self, key: bytes) -> KVTransferParams:
@@ -273,6 +312,7 @@ class KVTransferParams:
             "model": (str,),
             "lease_expires_at": (int, float),
             "version": (int,),
+            "kv_key": (str,),
             "signature": (str,),
         }
         required = [n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING]
@@ -321,7 +361,9 @@ M_ROUTER_LEG_SECONDS: Final = "baton_router_leg_duration_seconds"
 #: Seconds from the client request arriving to the first response byte sent back.
 M_ROUTER_TTFB_SECONDS: Final = "baton_router_time_to_first_byte_seconds"
 #: Requests sent whole to a decode pod because the prefill leg failed (label "reason":
-#: connect, timeout, status, bad_response, no_prefill_pod).
+#: connect, timeout, status, bad_response, no_prefill_pod, no_paired_prefill (no prefill pod of a
+#: decode pod's KV-compatibility key), no_paired_decode (the prefill pod's key lost its last
+#: decode pod between the legs)).
 M_ROUTER_FALLBACKS: Final = "baton_router_fallbacks_total"
 #: Cached prompt tokens on the pods chosen (matched blocks x block size), summed over requests.
 M_ROUTER_PREFIX_HIT_TOKENS: Final = "baton_router_prefix_hit_tokens_total"
@@ -329,6 +371,16 @@ M_ROUTER_PREFIX_HIT_TOKENS: Final = "baton_router_prefix_hit_tokens_total"
 M_ROUTER_ENDPOINTS: Final = "baton_router_endpoints"
 #: Per pod (label "pod"): the next KV-event batch the router expects; every earlier one is applied.
 M_ROUTER_KV_EVENTS_NEXT_SEQ: Final = "baton_router_kv_events_next_sequence"
+#: Per pod (label "pod"): KV-event batches that did not decode (each drops that pod's index).
+M_ROUTER_KV_EVENTS_REJECTED: Final = "baton_router_kv_events_rejected_batches_total"
+#: Requests the router holds right now because a pool they need has no ready pod (scaled to zero,
+#: or starting): the operator's autoscaler reads this to wake the pools at once.
+M_ROUTER_HELD: Final = "baton_router_requests_held"
+#: Held requests by how their wait ended (label "outcome": released, timeout, rejected (queue
+#: full), cancelled (client gone)).
+M_ROUTER_HELD_TOTAL: Final = "baton_router_held_requests_total"
+#: Seconds held requests waited for a pod (released ones only).
+M_ROUTER_HOLD_SECONDS: Final = "baton_router_hold_duration_seconds"
 
 
 # =========================================================================== router CLI
@@ -347,9 +399,14 @@ FLAG_ROUTER_MODEL: Final = "--model"  # served model name (what clients send)
 FLAG_ROUTER_TOKENIZER: Final = "--tokenizer"  # model reference or local path holding the tokenizer
 FLAG_ROUTER_HOST: Final = "--host"
 FLAG_ROUTER_PORT: Final = "--port"
-FLAG_ROUTER_BLOCK_SIZE: Final = "--block-size"  # must equal the engines' block size
-FLAG_ROUTER_PREFIX_HASH: Final = "--prefix-hash"  # must equal the engines' prefix hash
+FLAG_ROUTER_BLOCK_SIZE: Final = "--block-size"  # for pods without ANNOTATION_BLOCK_SIZE (static)
+FLAG_ROUTER_PREFIX_HASH: Final = "--prefix-hash"  # for pods without ANNOTATION_PREFIX_HASH
+FLAG_ROUTER_PREFIX_HASH_SEED: Final = "--prefix-hash-seed"  # the seed of the vllm-* hashes
 FLAG_ROUTER_KV_EVENTS: Final = "--kv-events"  # BooleanOptionalAction: subscribe to pods' KV events
+#: Requests held at most at once while a needed pool has no ready pod (0: answer 503 at once).
+FLAG_ROUTER_HOLD_QUEUE: Final = "--hold-queue"
+#: Seconds one request is held at most before it gets 503 with Retry-After.
+FLAG_ROUTER_HOLD_TIMEOUT: Final = "--hold-timeout"
 
 
 def selector_arg(labels: dict[str, str]) -> str:

@@ -12,7 +12,7 @@ import yaml
 from baton_engine import contract
 from baton_engine.router.block_hashes import ChainedBlockHasher, block_hasher
 from baton_engine.router.cli import _discovery, _request_tokenizer, build_parser
-from baton_engine.router.discovery import KubernetesDiscovery
+from baton_engine.router.discovery import KubernetesDiscovery, pod_hashing
 from baton_engine.router.endpoints import EndpointRegistry
 from baton_engine.router.settings import RouterSettings
 from baton_operator import models
@@ -44,7 +44,9 @@ def test_router_accepts_the_rendered_flags() -> None:
     args = parser.parse_args(pod_ip(router["args"]))
     where = (args.discovery, args.k8s_namespace, args.host, args.port)
     assert where == ("kubernetes", "demo-ns", "127.2.0.9", 8080)
-    assert (args.prefix_hash, args.block_size, args.kv_events, args.model) == ("fast", 16, True, "smollm2")
+    assert (args.kv_events, args.model) == (True, "smollm2")
+    # No hashing flags: the router hashes each pod's prompts as its annotations say (below).
+    assert (args.prefix_hash, args.block_size) == ("none", 16)
     settings = RouterSettings(mode=args.mode, block_size=args.block_size, model=args.model)
     [discovery] = _discovery(args, settings, EndpointRegistry(), parser)
     assert isinstance(discovery, KubernetesDiscovery)
@@ -58,6 +60,30 @@ def test_router_accepts_the_rendered_flags() -> None:
     assert tokenizer is not None
     ids = tokenizer.prompt_token_ids("completions", {"prompt": "Hello"})
     assert ids == tokenizer.tokenizer.encode("Hello")
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_router_hashes_each_pod_as_its_engine_flags_say(role: str) -> None:
+    """The annotations the router reads (discovery.pod_hashing) equal the pod's own engine flags,
+    and the pod's KV-compatibility label equals its --kv-compat-key."""
+    doc = yaml.safe_load((REPO / "examples" / "smollm2-pd.yaml").read_text())
+    spec = models.InferenceDeploymentSpec.model_validate(doc["spec"])
+    children = desired_children(
+        BuildContext(owner=Owner("smollm2-pd", "demo-ns", "uid-1"), spec=spec), "k" * 32
+    )
+    [template] = [
+        m["spec"]["template"]
+        for m in children.applied
+        if m["kind"] == "Deployment" and m["metadata"]["name"] == f"smollm2-pd-{role}"
+    ]
+    args = template["spec"]["containers"][0]["args"]
+
+    def flag(name: str) -> str:
+        return str(args[args.index(name) + 1])
+
+    block_size, prefix_hash = pod_hashing(template["metadata"])
+    assert (block_size, prefix_hash) == (int(flag(contract.FLAG_BLOCK_SIZE)), flag(contract.FLAG_PREFIX_HASH))
+    assert template["metadata"]["labels"][contract.LABEL_KV_COMPAT] == flag(contract.FLAG_KV_COMPAT_KEY)
 
 
 def test_router_discovery_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from baton_engine import contract
+from baton_engine.contract import KVTransferParams
 from baton_support.wait import wait_for
 from tests.kv_transfer.helpers import KEY
 from tests.pd_setup import MODEL, PREFIXED, SHARED_PREFIX, TEXTS, pd_environment, serve_args
@@ -117,6 +118,59 @@ def test_pd_matches_single_engine(servers: Servers) -> None:
     )
 
 
+def _streamed_text(server: ServerProcess, body: dict[str, Any]) -> str:
+    import json
+
+    text = []
+    with server.http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line.removeprefix("data: "))
+                text += [c["text"] for c in chunk.get("choices", [])]
+    return "".join(text)
+
+
+def test_vllm_proxy_request_shapes(servers: Servers) -> None:
+    """What vLLM's P/D proxy sends (its toy proxy): the prefill leg is the client's body with
+    stream off, max_tokens 1, no stream_options and the connector's request-side params (every
+    remote_* key null); the decode leg is the client's body plus the prefill answer's
+    kv_transfer_params, passed through untouched (opaque to the proxy)."""
+    client_body = {
+        "model": NAME,
+        "prompt": TEXTS[1],
+        "temperature": 0,
+        "max_tokens": 10,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    want = _complete(servers.producer, TEXTS[1]).json()["choices"][0]["text"]
+    expired = _metric(servers.producer, contract.M_KV_LEASES_EXPIRED)
+    prefill_body = {
+        **client_body,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+        "stream": False,
+        "max_tokens": 1,
+    }
+    del prefill_body["stream_options"]
+    headers = {"Authorization": "Bearer EMPTY", "X-Request-Id": "vllm-proxy-1"}
+    first = servers.producer.http.post("/v1/completions", json=prefill_body, headers=headers)
+    assert first.status_code == 200, first.text
+    kv = first.json()["kv_transfer_params"]
+    assert first.json()["usage"]["completion_tokens"] == 1
+    got = _streamed_text(servers.consumer, {**client_body, "kv_transfer_params": kv})
+    assert got == want
+    servers.producer.wait_idle()  # every block freed: by the consumer's pull, not by expiry
+    assert _metric(servers.producer, contract.M_KV_LEASES_EXPIRED) == expired
+
+
 def _metric(server: ServerProcess, name: str, **labels: str) -> float:
     """One sample from the server's /metrics (after its stats caught up with the core)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -194,6 +248,40 @@ def test_release_endpoint_frees_a_lease_before_it_expires(servers: Servers) -> N
     again = producer.http.post(path, json={"kv_transfer_params": kv})
     assert again.json() == {"transfer_id": kv["transfer_id"], "released": False}
     assert _metric(producer, contract.M_KV_LEASES_EXPIRED) == expired
+
+
+def test_params_of_another_kv_key_are_refused_and_recomputed(servers: Servers) -> None:
+    """Params from a producer of another KV-compatibility key (a pod of the other generation of a
+    rollout, signed by the same deployment key): the consumer pulls nothing, releases the lease,
+    recomputes, and answers exactly what one engine answers."""
+    prompt = "The longest river in Africa is"
+    want = _complete(servers.producer, prompt).json()["choices"][0]["text"]
+    expired = _metric(servers.producer, contract.M_KV_LEASES_EXPIRED)
+    received = _metric(servers.consumer, contract.M_KV_TRANSFER_BYTES, direction="received")
+    kv = _complete(servers.producer, prompt, kv_transfer_params={"do_remote_decode": True}).json()
+    params = {k: v for k, v in kv["kv_transfer_params"].items() if k != "signature"}
+    other = KVTransferParams.from_dict({**params, "kv_key": "0123456789abcdef"}).signed(KEY).to_dict()
+
+    answer = _complete(servers.consumer, prompt, kv_transfer_params=other)
+
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == want
+    servers.consumer.wait_idle()
+    wait_for(
+        lambda: _failures(servers.consumer, "kv_key_mismatch") == 1,
+        timeout=30,
+        message="one kv_key_mismatch on the consumer",
+    )
+    assert _metric(servers.consumer, contract.M_KV_TRANSFER_BYTES, direction="received") == received
+    servers.producer.wait_idle(timeout=LEASE_SECONDS + 10)
+    assert _metric(servers.producer, contract.M_KV_LEASES_EXPIRED) == expired  # released, not expired
+
+
+def _failures(server: ServerProcess, reason: str) -> float:
+    try:
+        return _metric(server, contract.M_KV_TRANSFER_FAILURES, reason=reason)
+    except AssertionError:  # no sample before the first failure of that reason
+        return 0.0
 
 
 def test_producer_killed_between_the_legs_recomputes(servers: Servers) -> None:

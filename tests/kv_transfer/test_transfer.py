@@ -182,6 +182,64 @@ def test_spec_mismatch_in_params_fails_before_connecting(override: dict[str, obj
         assert stats.take().failures == {"spec_mismatch": 1}
 
 
+def test_kv_key_mismatch_is_refused_before_any_pull_and_the_lease_released(
+    make_producer: MakeProducer,
+) -> None:
+    """A consumer refuses params from a producer of another KV-compatibility key (a pod of the
+    other generation of a rollout): nothing is pulled, and it releases the lease instead of
+    leaving the producer's blocks pinned until expiry."""
+    src = make_cache(12)
+    producer_stats, consumer_stats = TransferStats(), TransferStats()
+    producer = make_producer(src, stats=producer_stats, kv_key="old-key")
+    producer.add_lease("t", [1, 2], 30.0)
+    params = signed_params(src, port=producer.port, transfer_id="t", block_ids=[1, 2], kv_key="old-key")
+    dst = make_cache(None)
+    _expect_failure(
+        KVTransferConsumer(dst, stats=consumer_stats, kv_key="new-key"),
+        params,
+        [0, 1],
+        FailureReason.KV_KEY_MISMATCH,
+        "kv_transfer_params.kv_key: the producer's KV-compatibility key 'old-key' is not this "
+        "engine's 'new-key'",
+    )
+    wait_for(lambda: producer.leases.block_ids("t") is None, message="lease released")
+    assert producer.take_ended() == [("t", LeaseEnd.RELEASED)]
+    assert torch.count_nonzero(dst).item() == 0
+    assert consumer_stats.take().failures == {"kv_key_mismatch": 1}
+    assert producer_stats.take().bytes_sent == 0
+
+
+def test_producer_refuses_a_pull_from_a_consumer_of_another_kv_key(make_producer: MakeProducer) -> None:
+    """The producer checks too: params that claim the consumer's key (signed by the deployment,
+    so only a misconfigured pod could send them) get ERR kv_key_mismatch and no block."""
+    src = make_cache(13)
+    producer_stats = TransferStats()
+    producer = make_producer(src, stats=producer_stats, kv_key="key-a")
+    producer.add_lease("t", [3], 30.0)
+    params = signed_params(src, port=producer.port, transfer_id="t", block_ids=[3], kv_key="key-b")
+    _expect_failure(
+        KVTransferConsumer(make_cache(None), kv_key="key-b"),
+        params,
+        [0],
+        FailureReason.KV_KEY_MISMATCH,
+        "producer KV-compatibility key 'key-a' != consumer's 'key-b'",
+    )
+    assert producer_stats.take().failures == {"kv_key_mismatch": 1}
+    # The consumer releases after any refusal the producer answered (it might still hold it).
+    wait_for(lambda: producer.leases.block_ids("t") is None, message="lease released")
+    assert producer.take_ended() == [("t", LeaseEnd.RELEASED)]
+
+
+def test_same_kv_key_pulls(make_producer: MakeProducer) -> None:
+    src = make_cache(14)
+    producer = make_producer(src, kv_key="k1")
+    producer.add_lease("t", [5, 6], 30.0)
+    params = signed_params(src, port=producer.port, transfer_id="t", block_ids=[5, 6], kv_key="k1")
+    dst = make_cache(None)
+    assert KVTransferConsumer(dst, kv_key="k1").pull(params, [8, 9]).num_blocks == 2
+    assert torch.equal(dst[:, :, 8:10], src[:, :, 5:7])
+
+
 def test_cache_shape_mismatch_is_detected_by_the_producer_which_releases(make_producer: MakeProducer) -> None:
     src = make_cache(9, layers=4)
     producer = make_producer(src)

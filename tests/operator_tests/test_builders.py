@@ -9,6 +9,7 @@ import pytest
 
 from baton_operator.builders import BuildContext, Children, Owner, desired_children, router_endpoint
 from baton_operator.models import InferenceDeploymentSpec
+from baton_operator.models.engine import OPERATOR_ENV
 from tests.operator_tests.cases import DEMO_APPLIED_CHILDREN, VALID_SPEC, merged
 
 OWNER = Owner(name="demo", namespace="llm", uid="0f1e-uid")
@@ -110,9 +111,11 @@ def test_engine_args_flags_and_kv_roles() -> None:
         "--kv-lease-seconds", "30",
         "--kv-transfer-on-failure", "recompute",
         "--kv-events",
+        "--kv-compat-key", "a2cd80ac3dae1fc6",
         "--kv-events-port", "5557",
         "--kv-events-replay-port", "5558",
         "--kv-events-buffer-steps", "10000",
+        "--kv-events-encoding", "map",
     ]  # fmt: skip
     assert flag(decode["args"], "--kv-role") == "consumer"
     assert [(p["name"], p["containerPort"]) for p in prefill["ports"]] == [
@@ -189,13 +192,30 @@ def test_env_pod_ip_and_signing_key() -> None:
     assert base64.b64decode(secret["data"]["kv-transfer-key"]).decode() == KEY
 
 
+def test_user_env_cannot_collide_with_the_operators() -> None:
+    """OPERATOR_ENV (what the CRD refuses in spec.engine.env) is exactly what the builders set."""
+    engine = container(
+        by_kind(build({"engine": {"env": [{"name": "MINE", "value": "1"}]}}), "Deployment")["demo-decode"]
+    )
+    assert sorted(e["name"] for e in engine["env"]) == sorted([*OPERATOR_ENV, "MINE"])
+
+
 def test_resources_and_placement() -> None:
     patch = {
         "decode": {
             "resources": {"gpus": 2, "gpuResource": "nvidia.com/gpu", "cpu": 8, "memory": "64Gi"},
             "nodeSelector": {"pool": "mi300x"},
             "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
-            "affinity": {"nodeAffinity": {"x": 1}},
+            "affinity": {
+                "nodeAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "weight": 5,
+                            "preference": {"matchExpressions": [{"key": "zone", "operator": "Exists"}]},
+                        }
+                    ]
+                }
+            },
             "priorityClassName": "llm",
         }
     }
@@ -209,7 +229,14 @@ def test_resources_and_placement() -> None:
     pod = decode["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"pool": "mi300x"}
     assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    assert pod["affinity"] == {"nodeAffinity": {"x": 1}}
+    # Only what was given: no empty lists or nulls for the fields left out.
+    assert pod["affinity"] == {
+        "nodeAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 5, "preference": {"matchExpressions": [{"key": "zone", "operator": "Exists"}]}}
+            ]
+        }
+    }
     assert pod["priorityClassName"] == "llm"
     assert "nodeSelector" not in prefill["spec"]["template"]["spec"]
     # Accelerator pools roll without a spare accelerator; CPU pools without downtime.
@@ -291,8 +318,6 @@ def test_router_discovery_flags_and_rbac() -> None:
         "--tokenizer", "builtin:smollm2-135m-instruct",
         "--host", "$(BATON_POD_IP)",
         "--port", "9000",
-        "--block-size", "16",
-        "--prefix-hash", "fast",
         "--kv-events",
     ]  # fmt: skip
     pod = by_kind(children, "Deployment")["demo-router"]["spec"]["template"]["spec"]
@@ -314,6 +339,14 @@ def test_router_discovery_flags_and_rbac() -> None:
     )
     spec = InferenceDeploymentSpec.model_validate(VALID_SPEC)
     assert router_endpoint(BuildContext(OWNER, spec)) == "http://demo-router.llm.svc:80"
+
+
+def test_a_kv_layout_change_leaves_the_router_pod_alone() -> None:
+    """Block size and prefix hash reach the router through each engine pod's annotations, so a
+    rollout of either does not restart the router (it routes both generations meanwhile)."""
+    before = by_kind(build(), "Deployment")["demo-router"]
+    after = by_kind(build({"engine": {"blockSize": 32, "prefixHash": "vllm-sha256-cbor"}}), "Deployment")
+    assert after["demo-router"] == before
 
 
 def test_engine_services_are_headless() -> None:

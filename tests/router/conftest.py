@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import asyncio
+import queue
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,11 +20,45 @@ from tests.router.fake_engine import FakeEngine
 from tests.router.servers import ServerThread, stop_all
 
 
+class ThreadedDiscovery:
+    """A discovery source the test thread drives: `add`/`remove` change the router's registry on
+    the router's own event loop (as a Pod watch does) and return once applied."""
+
+    def __init__(self) -> None:
+        self._commands: queue.Queue[tuple[str, Endpoint | str, threading.Event]] = queue.Queue()
+
+    async def __call__(self, registry: EndpointRegistry) -> None:
+        while True:
+            try:
+                kind, what, applied = await asyncio.to_thread(self._commands.get, True, 0.1)
+            except queue.Empty:
+                continue
+            if kind == "add":
+                assert isinstance(what, Endpoint)
+                registry.upsert(what)
+            else:
+                assert isinstance(what, str)
+                registry.remove(what)
+            applied.set()
+
+    def _send(self, kind: str, what: Endpoint | str) -> None:
+        applied = threading.Event()
+        self._commands.put((kind, what, applied))
+        assert applied.wait(30), f"discovery did not apply {kind} {what}"
+
+    def add(self, endpoint: Endpoint) -> None:
+        self._send("add", endpoint)
+
+    def remove(self, key: str) -> None:
+        self._send("remove", key)
+
+
 class RunningRouter:
-    def __init__(self, server: ServerThread, app: Any) -> None:
+    def __init__(self, server: ServerThread, app: Any, discovery: ThreadedDiscovery) -> None:
         self.server = server
         self.url = server.url
         self.app = app
+        self.discovery = discovery
 
     @property
     def core(self) -> RouterCore:
@@ -77,10 +114,13 @@ def start_router() -> Iterator[Callable[..., RunningRouter]]:
         # the 0.5 s default, and a timed-out scrape makes a pod's load unknown (ranked last),
         # which would change where requests go. Dead pods are refused at once regardless.
         settings.setdefault("scrape_timeout_s", 10.0)
-        app = create_app(RouterSettings(**settings), registry, scorer=scorer, kv_index=kv_index)
+        discovery = ThreadedDiscovery()
+        app = create_app(
+            RouterSettings(**settings), registry, scorer=scorer, kv_index=kv_index, discovery=[discovery]
+        )
         server = ServerThread(app, lifespan="on").start()
         servers.append(server)
-        return RunningRouter(server, app)
+        return RunningRouter(server, app, discovery)
 
     yield start
     stop_all(servers)

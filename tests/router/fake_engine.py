@@ -44,6 +44,7 @@ class FakeEngine:
     stream_break_after: int | None = None  # abort the connection after this many chunks
     metrics_text: str = ""
     draining: bool = False  # answer every POST as an engine told to stop does (503 "draining")
+    prefill_gate: threading.Event | None = None  # prefill legs are answered only once it is set
     requests: list[Recorded] = field(default_factory=list)
     disconnects: list[str] = field(default_factory=list)  # request ids whose client went away
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -116,6 +117,8 @@ class FakeEngine:
             await _whole(send, 200, "application/json", json.dumps(self.completion(rid, "done")).encode())
 
     async def _prefill(self, rid: str, receive: Receive, send: Send) -> None:
+        if self.prefill_gate is not None and not await asyncio.to_thread(self.prefill_gate.wait, 60):
+            raise RuntimeError("fake engine: the prefill gate was never opened")
         if self.prefill_hang:
             while (await receive())["type"] != "http.disconnect":
                 pass

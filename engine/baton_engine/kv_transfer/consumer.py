@@ -127,7 +127,10 @@ class KVTransferConsumer:
         stats: TransferStats | None = None,
         timeout_s: float = 10.0,
         context: zmq.Context[Any] | None = None,
+        kv_key: str = "",
     ) -> None:
+        """`kv_key`: this engine's KV-compatibility key; params carrying another are refused."""
+        self.kv_key = kv_key
         self._scatterer = BlockScatterer(kv_cache)
         self.spec = self._scatterer.spec
         self.stats = stats if stats is not None else TransferStats()
@@ -135,7 +138,15 @@ class KVTransferConsumer:
         self._ctx = context if context is not None else zmq.Context.instance()
 
     def check_params(self, params: KVTransferParams) -> None:
-        """Raise SPEC_MISMATCH if the producer's cache cannot fill ours (before any connection)."""
+        """Raise KV_KEY_MISMATCH if the producer's KV-compatibility key is not ours, SPEC_MISMATCH
+        if its cache cannot fill ours (both before any connection)."""
+        if params.kv_key != self.kv_key:
+            raise KVTransferError(
+                FailureReason.KV_KEY_MISMATCH,
+                f"kv_transfer_params.kv_key: the producer's KV-compatibility key {params.kv_key!r} is "
+                f"not this engine's {self.kv_key!r} (they differ in model, KV dtype, block size, "
+                "parallel layout or prefix hash); refusing to pull",
+            )
         diffs = [
             f"{name} {mine!r} != {theirs!r}"
             for name, mine, theirs in (
@@ -175,6 +186,14 @@ class KVTransferConsumer:
         started = time.perf_counter()
         try:
             self.check_params(params)
+        except KVTransferError as exc:
+            self.stats.failed(exc.reason.value)
+            if exc.reason is FailureReason.KV_KEY_MISMATCH:
+                # Signed by this deployment but never to be pulled here: let the producer free
+                # the blocks now rather than at lease expiry.
+                self.release(params)
+            raise
+        try:
             channel = _Channel(self._ctx, endpoint(params), self.timeout_s)
         except KVTransferError as exc:
             self.stats.failed(exc.reason.value)
@@ -226,7 +245,12 @@ class KVTransferConsumer:
         dst: list[int],
         on_chunk: Callable[[int], None] | None,
     ) -> None:
-        request = {**self._ids(params, pull_id), "block_ids": wanted, "spec": self.spec.to_dict()}
+        request = {
+            **self._ids(params, pull_id),
+            "block_ids": wanted,
+            "spec": self.spec.to_dict(),
+            "kv_key": self.kv_key,
+        }
         channel.send(Kind.PULL, request)
         kind, meta, _ = channel.recv(pull_id)
         if kind is not Kind.META:

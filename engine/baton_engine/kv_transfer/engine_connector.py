@@ -68,6 +68,7 @@ class KVTransferConnector:
         self.stats = TransferStats()
         self.spec = cache_spec(kv_cache)
         self.engine_id = uuid.uuid4().hex
+        self.kv_key = config.kv_compat_key
         self.advertise_host = env.get(contract.ENV_POD_IP) or config.host
         self.producer: KVTransferProducer | None = None
         self.puller: BackgroundPuller | None = None
@@ -78,9 +79,12 @@ class KVTransferConnector:
                 bind_host=config.host,
                 port=config.kv_transfer_port if port is None else port,
                 stats=self.stats,
+                kv_key=self.kv_key,
             )
         if self.role in ("consumer", "both"):
-            self.puller = BackgroundPuller(kv_cache, stats=self.stats, timeout_s=pull_timeout_s)
+            self.puller = BackgroundPuller(
+                kv_cache, stats=self.stats, timeout_s=pull_timeout_s, kv_key=self.kv_key
+            )
         self._lease_of_request: dict[str, str] = {}  # producer: request id -> transfer id, while leased
         self._request_of_lease: dict[str, str] = {}
         self._consumer_params: dict[int, KVTransferParams] = {}  # seq id -> params, until pulled
@@ -143,6 +147,7 @@ class KVTransferConnector:
             spec=self.spec,
             model=self.model_name,
             lease_expires_at=expires_at,
+            kv_key=self.kv_key,
         )
 
     def release_request(self, request_id: str) -> bool:

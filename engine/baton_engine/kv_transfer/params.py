@@ -58,6 +58,7 @@ def sign_params(
     spec: CacheSpec,
     model: str,
     lease_expires_at: float,
+    kv_key: str = "",
 ) -> dict[str, Any]:
     """The producer's answer for one prefilled request, signed."""
     params = KVTransferParams(
@@ -73,5 +74,6 @@ def sign_params(
         layout=spec.layout,
         model=model,
         lease_expires_at=lease_expires_at,
+        kv_key=kv_key,
     )
     return params.signed(key).to_dict()

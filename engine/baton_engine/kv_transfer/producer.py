@@ -47,9 +47,12 @@ class KVTransferProducer:
         send_depth: int = 4,
         send_timeout_s: float = 10.0,
         context: zmq.Context[Any] | None = None,
+        kv_key: str = "",
     ) -> None:
-        """Bind the ROUTER on ``bind_host:port`` (port 0: any free port, see `port`)."""
+        """Bind the ROUTER on ``bind_host:port`` (port 0: any free port, see `port`). Pulls from
+        a consumer whose KV-compatibility key is not `kv_key` are refused."""
         self.engine_id = engine_id
+        self.kv_key = kv_key
         self.spec: CacheSpec = cache_spec(kv_cache)
         self.num_blocks = kv_cache.shape[2]
         self.stats = stats if stats is not None else TransferStats()
@@ -164,6 +167,12 @@ class KVTransferProducer:
         problem = self._check_request(header)
         if problem is not None:
             self._reply_error(ident, header, *problem)
+            return
+        theirs_key = header.get("kv_key", "")
+        if theirs_key != self.kv_key:
+            self.stats.failed(FailureReason.KV_KEY_MISMATCH.value)
+            message = f"producer KV-compatibility key {self.kv_key!r} != consumer's {theirs_key!r}"
+            self._reply_error(ident, header, FailureReason.KV_KEY_MISMATCH, message)
             return
         try:
             theirs = protocol.CacheSpec.from_dict(header.get("spec"))

@@ -7,7 +7,7 @@ taken for the current one.
 
     consumer                                  producer
     PULL {pull_id, transfer_id, engine_id,
-          block_ids, spec}           ---->    checks lease, engine id, ids, spec
+          block_ids, spec, kv_key}   ---->    checks lease, engine id, KV key, ids, spec
                                      <----    META {pull_id, num_chunks, spec} | ERR
                                      <----    DATA {pull_id, index, first, count} + bytes  (xN)
     (writes each chunk into its own blocks)
@@ -52,6 +52,7 @@ class FailureReason(enum.StrEnum):
     PROTOCOL = "protocol"  # a reply this side did not expect
     CANCELLED = "cancelled"  # the request was aborted (client gone) during its pull
     PROMPT_MISMATCH = "prompt_mismatch"  # the params describe another prompt than the request's
+    KV_KEY_MISMATCH = "kv_key_mismatch"  # the engines' KV-compatibility keys differ (see contract)
 
 
 class KVTransferError(Exception):

@@ -35,8 +35,10 @@ class PullJob:
 
 
 class BackgroundPuller:
-    def __init__(self, kv_cache: torch.Tensor, *, stats: TransferStats, timeout_s: float = 10.0) -> None:
-        self._consumer = KVTransferConsumer(kv_cache, stats=stats, timeout_s=timeout_s)
+    def __init__(
+        self, kv_cache: torch.Tensor, *, stats: TransferStats, timeout_s: float = 10.0, kv_key: str = ""
+    ) -> None:
+        self._consumer = KVTransferConsumer(kv_cache, stats=stats, timeout_s=timeout_s, kv_key=kv_key)
         self._jobs: queue.SimpleQueue[PullJob | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._finished: list[PullJob] = []

@@ -65,7 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PREFIX_HASHES,
         default=PREFIX_HASH_NONE,
         help="the engines' --prefix-hash, to compute their KV-event block keys from prompts; "
-        "none: route by load only (vllm-sha256-cbor also needs the engines' PYTHONHASHSEED)",
+        "none: route by load only (vllm-sha256 is what vLLM pods use by default)",
+    )
+    p.add_argument(
+        "--prefix-hash-seed",
+        default=None,
+        help="the engines' root seed of the vllm-* hashes (default: PYTHONHASHSEED if set, else "
+        "vLLM's own default, as on the engines)",
     )
     p.add_argument(
         "--kv-events",
@@ -143,6 +149,30 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--max-connections", type=int, default=1024, help="upstream connection pool size")
     tune.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between /metrics scrapes")
     tune.add_argument("--scrape-timeout", type=float, default=0.5, help="seconds per /metrics scrape")
+    hold = p.add_argument_group(
+        "holding requests while a needed pool has no pod (scaled to zero, or every pod restarting)"
+    )
+    hold.add_argument(
+        contract.FLAG_ROUTER_HOLD_QUEUE,
+        type=int,
+        default=RouterSettings.hold_queue,
+        metavar="N",
+        help="requests held at most at once; more get 503 with Retry-After (0: 503 at once)",
+    )
+    hold.add_argument(
+        contract.FLAG_ROUTER_HOLD_TIMEOUT,
+        type=float,
+        default=RouterSettings.hold_timeout_s,
+        metavar="SECONDS",
+        help="longest one request is held before it gets 503 with Retry-After",
+    )
+    hold.add_argument(
+        "--hold-retry-after",
+        type=float,
+        default=RouterSettings.hold_retry_after_s,
+        metavar="SECONDS",
+        help="the Retry-After of those 503 answers",
+    )
     tune.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -233,6 +263,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             max_connections=args.max_connections,
             scrape_interval_s=args.scrape_interval,
             scrape_timeout_s=args.scrape_timeout,
+            hold_queue=args.hold_queue,
+            hold_timeout_s=args.hold_timeout,
+            hold_retry_after_s=args.hold_retry_after,
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -252,9 +285,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     from baton_engine.router.kv_index import KVEventIndex
     from baton_engine.router.prefix import PrefixScorer
 
-    hasher = block_hasher(args.prefix_hash, args.block_size)
-    kv_index = KVEventIndex() if hasher is not None and args.kv_events and args.routing == "prefix" else None
-    scorer = PrefixScorer(tokenizer=request_tokenizer, hasher=hasher, index=kv_index)
+    hasher = block_hasher(args.prefix_hash, args.block_size, args.prefix_hash_seed)
+    # Discovered pods declare their own hashing (annotations), so they may be prefix-routed even
+    # when the flags' hash is none; static pods use the flags'.
+    prefix_capable = hasher is not None or bool(discovery)
+    kv_index = KVEventIndex() if prefix_capable and args.kv_events and args.routing == "prefix" else None
+    scorer = PrefixScorer(
+        tokenizer=request_tokenizer,
+        hasher=hasher,
+        index=kv_index,
+        hasher_factory=lambda prefix_hash, block_size: block_hasher(
+            prefix_hash, block_size, args.prefix_hash_seed
+        ),
+        default_prefix_hash=args.prefix_hash,
+        default_block_size=args.block_size,
+    )
     app = create_app(settings, registry, discovery=discovery, scorer=scorer, kv_index=kv_index)
     uvicorn.run(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, timeout_keep_alive=75

@@ -10,6 +10,7 @@ from typing import Any
 from baton_engine import contract
 from baton_engine.router import policy
 from baton_engine.router.endpoints import Endpoint, EndpointRegistry
+from baton_engine.router.hold import HoldQueue
 from baton_engine.router.load import LoadTracker
 from baton_engine.router.metrics import RouterMetrics
 from baton_engine.router.prefix import Api, PrefixScorer
@@ -17,11 +18,12 @@ from baton_engine.router.settings import RouterSettings
 
 
 class NoEndpoint(LookupError):
-    """No pod of a needed role is known."""
+    """No pod of a needed role is known (of the needed KV-compatibility key, if `paired`)."""
 
-    def __init__(self, role: str) -> None:
-        super().__init__(f"no {role} pod available")
+    def __init__(self, role: str, message: str | None = None, *, paired: bool = False) -> None:
+        super().__init__(message or f"no {role} pod available")
         self.role = role
+        self.paired = paired
 
 
 class RouterCore:
@@ -42,6 +44,13 @@ class RouterCore:
         self.background: set[asyncio.Future[None]] = set()  # fire-and-forget calls (lease releases)
         self._prefill_weights = settings.prefill_weights
         self._turns: Tally[str] = Tally()
+        self.hold = HoldQueue(
+            registry,
+            metrics,
+            capacity=settings.hold_queue,
+            timeout_s=settings.hold_timeout_s,
+            retry_after_s=settings.hold_retry_after_s,
+        )
         registry.subscribe(self._on_endpoint)
 
     def _on_endpoint(self, kind: str, endpoint: Endpoint) -> None:
@@ -62,17 +71,36 @@ class RouterCore:
                     running=load.running,
                     kv_usage=load.kv_usage,
                     in_flight=self.in_flight[e.key],
+                    block_size=e.block_size,
                 )
             )
         return out
 
-    def _usable(self, role: str) -> list[Endpoint]:
-        """The role's endpoints, less those the last scrape could not connect to (unless that is all)."""
-        endpoints = self.registry.by_role(role)
+    def _usable(self, role: str, kv_key: str | None = None) -> list[Endpoint]:
+        """The role's endpoints (of KV-compatibility key `kv_key` unless None), less those the last
+        scrape could not connect to (unless that is all)."""
+        endpoints = self.registry.by_role(role, kv_key)
         if not endpoints:
+            if kv_key is not None and self.registry.by_role(role):
+                raise NoEndpoint(role, f"no {role} pod of KV-compatibility key {kv_key!r}", paired=True)
             raise NoEndpoint(role)
         reachable = [e for e in endpoints if self.loads.get(e.key).reachable]
         return reachable or endpoints
+
+    def _paired_prefill(self) -> list[Endpoint]:
+        """Prefill pods that share their KV-compatibility key with at least one decode pod: only
+        those can hand their KV over (during a rollout, pods of two keys serve side by side)."""
+        prefill = self._usable(contract.ROLE_PREFILL)
+        decode_keys = {e.kv_key for e in self.registry.by_role(contract.ROLE_DECODE)}
+        paired = [e for e in prefill if e.kv_key in decode_keys]
+        if not paired:
+            keys = ", ".join(sorted(repr(k) for k in decode_keys)) or "none"
+            raise NoEndpoint(
+                contract.ROLE_PREFILL,
+                f"no prefill pod shares a KV-compatibility key with a decode pod (decode keys: {keys})",
+                paired=True,
+            )
+        return paired
 
     def _turn(self, role: str) -> int:
         turn = self._turns[role]
@@ -81,8 +109,10 @@ class RouterCore:
 
     def choose_first_leg(self, api: Api, body: Mapping[str, Any]) -> tuple[Endpoint, int]:
         """The prefill pod (aggregated: the pod) and its cached prompt tokens for this request."""
-        role = contract.ROLE_AGGREGATED if self.settings.mode == "aggregated" else contract.ROLE_PREFILL
-        endpoints = self._usable(role)
+        if self.settings.mode == "aggregated":
+            role, endpoints = contract.ROLE_AGGREGATED, self._usable(contract.ROLE_AGGREGATED)
+        else:
+            role, endpoints = contract.ROLE_PREFILL, self._paired_prefill()
         prefix = self.scorer.matched_blocks(api, body, endpoints) if self.settings.routing == "prefix" else {}
         chosen = policy.choose_prefill(
             self._candidates(endpoints, prefix),
@@ -90,17 +120,18 @@ class RouterCore:
             self._turn(role),
             self._prefill_weights,
         )
-        hit_tokens = chosen.prefix_blocks * self.settings.block_size
-        if hit_tokens:
-            self.metrics.prefix_hit_tokens.inc(hit_tokens)
         endpoint = self.registry.get(chosen.key)
         assert endpoint is not None
+        hit_tokens = chosen.prefix_blocks * (endpoint.block_size or self.settings.block_size)
+        if hit_tokens:
+            self.metrics.prefix_hit_tokens.inc(hit_tokens)
         return endpoint, hit_tokens
 
-    def decode_order(self) -> list[Endpoint]:
-        """Decode pods to try, best first (at most ``decode_attempts``)."""
+    def decode_order(self, kv_key: str | None = None) -> list[Endpoint]:
+        """Decode pods to try, best first (at most ``decode_attempts``): only those of
+        KV-compatibility key `kv_key` (the prefill pod's) unless it is None (a whole request)."""
         role = contract.ROLE_DECODE
-        endpoints = self._usable(role)
+        endpoints = self._usable(role, kv_key)
         candidates = self._candidates(endpoints, {})
         turn = self._turn(role)
         if self.settings.routing == "round-robin":
@@ -110,6 +141,12 @@ class RouterCore:
             ranked = policy.rank_decode(candidates, turn)
         picked = [self.registry.get(c.key) for c in ranked[: self.settings.decode_attempts]]
         return [e for e in picked if e is not None]
+
+    @property
+    def needed_role(self) -> str:
+        """The pool no request can do without: decode (a prefill pod alone cannot answer), or
+        the aggregated pool."""
+        return contract.ROLE_AGGREGATED if self.settings.mode == "aggregated" else contract.ROLE_DECODE
 
     def ready_roles(self) -> dict[str, int]:
         """Reachable endpoints per needed role (never-scraped endpoints count as reachable)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from baton_engine import contract
+from baton_engine.router.block_hashes import PREFIX_HASHES
 from baton_engine.router.endpoints import Endpoint, EndpointRegistry, static_endpoint
 
 log = logging.getLogger(__name__)
@@ -80,13 +81,32 @@ def endpoint_from_pod(pod: Mapping[str, Any], role: str) -> Endpoint | None:
     ports = named_ports(pod)
     host = f"[{ip}]" if ":" in ip else ip
     http_port = ports.get(contract.PORT_HTTP, contract.DEFAULT_HTTP_PORT)
+    labels = metadata.get("labels") or {}
+    block_size, prefix_hash = pod_hashing(metadata)
     return Endpoint(
         role=role,
         url=f"http://{host}:{http_port}",
         name=str(metadata.get("name", "")),
         uid=str(metadata.get("uid", "")),
         ports=ports,
+        kv_key=str(labels.get(contract.LABEL_KV_COMPAT, "")),
+        block_size=block_size,
+        prefix_hash=prefix_hash,
     )
+
+
+def pod_hashing(metadata: Mapping[str, Any]) -> tuple[int | None, str | None]:
+    """The block size and prefix hash a pod's annotations declare (None where absent or not
+    usable: the router's own settings apply then)."""
+    annotations = metadata.get("annotations") or {}
+    size = str(annotations.get(contract.ANNOTATION_BLOCK_SIZE, ""))
+    block_size = int(size) if size.isdigit() and int(size) > 0 else None
+    prefix_hash = annotations.get(contract.ANNOTATION_PREFIX_HASH)
+    if prefix_hash is not None and prefix_hash not in PREFIX_HASHES:
+        name, annotation = metadata.get("name"), contract.ANNOTATION_PREFIX_HASH
+        log.warning("pod %s: unknown %s %r ignored", name, annotation, prefix_hash)
+        prefix_hash = None
+    return block_size, prefix_hash
 
 
 def selector_string(labels: Mapping[str, str]) -> str:

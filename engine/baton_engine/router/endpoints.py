@@ -26,6 +26,12 @@ class Endpoint:
     name: str = ""  # pod name; the URL for static endpoints
     uid: str = ""  # pod uid ("" for static endpoints)
     ports: Mapping[str, int] = field(default_factory=dict, compare=False, hash=False)
+    #: The pod's KV-compatibility key (label contract.LABEL_KV_COMPAT; "" without one): a
+    #: prefill pod is paired only with decode pods of the same key.
+    kv_key: str = ""
+    #: How the pod hashes prompt blocks (its annotations); None: the router's own settings.
+    block_size: int | None = None
+    prefix_hash: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in contract.ENGINE_ROLES:
@@ -70,21 +76,29 @@ class Endpoint:
         )
 
 
+#: The fragment item of a static URL that sets the pod's KV-compatibility key.
+STATIC_KV_KEY = "kv-key"
+
+
 def static_endpoint(role: str, url: str, ports: Mapping[str, int] | None = None) -> Endpoint:
     """An endpoint from a command-line URL; a bare host:port gets http://. A fragment of named
     ports (``http://h:8000#kv-events=5601,kv-replay=5602``) overrides ``ports`` for this pod, for
-    several pods on one host."""
+    several pods on one host; ``kv-key=KEY`` in it sets the pod's KV-compatibility key."""
     url, _, fragment = url.strip().partition("#")
     url = url.rstrip("/")
     if "://" not in url:
         url = "http://" + url
     own = dict(ports or {})
+    kv_key = ""
     for item in filter(None, fragment.split(",")):
-        name, _, number = item.partition("=")
-        if not number.isdigit() or not 0 < int(number) < 65536:
+        name, _, value = item.partition("=")
+        if name.strip() == STATIC_KV_KEY:
+            kv_key = value.strip()
+            continue
+        if not value.isdigit() or not 0 < int(value) < 65536:
             raise ValueError(f"endpoint {url}: port {item!r} is not NAME=PORT with a TCP port")
-        own[name.strip()] = int(number)
-    return Endpoint(role=role, url=url, ports=own)
+        own[name.strip()] = int(value)
+    return Endpoint(role=role, url=url, ports=own, kv_key=kv_key)
 
 
 Listener = Callable[[EventKind, Endpoint], None]
@@ -104,8 +118,11 @@ class EndpointRegistry:
             listener("added", endpoint)
 
     def upsert(self, endpoint: Endpoint) -> None:
-        if endpoint.key in self._by_key:
+        known = self._by_key.get(endpoint.key)
+        if known == endpoint:
             return
+        if known is not None:  # the same pod relabelled (another key): its state goes with it
+            self.remove(endpoint.key)
         self._by_key[endpoint.key] = endpoint
         self._emit("added", endpoint)
 
@@ -126,8 +143,12 @@ class EndpointRegistry:
     def get(self, key: str) -> Endpoint | None:
         return self._by_key.get(key)
 
-    def by_role(self, role: str) -> list[Endpoint]:
-        return sorted((e for e in self._by_key.values() if e.role == role), key=lambda e: e.key)
+    def by_role(self, role: str, kv_key: str | None = None) -> list[Endpoint]:
+        """The role's endpoints; only those of KV-compatibility key `kv_key` unless it is None."""
+        return sorted(
+            (e for e in self._by_key.values() if e.role == role and (kv_key is None or e.kv_key == kv_key)),
+            key=lambda e: e.key,
+        )
 
     def all(self) -> list[Endpoint]:
         return sorted(self._by_key.values(), key=lambda e: e.key)

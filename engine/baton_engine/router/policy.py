@@ -40,6 +40,7 @@ class Candidate:
     running: float | None = None
     kv_usage: float | None = None  # 0..1
     in_flight: int = 0  # requests this router has open to the pod
+    block_size: int | None = None  # tokens per cached block on this pod; None: the weights' block size
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ def prefill_score(c: Candidate, weights: PrefillWeights) -> float:
     """The weighted score of one candidate (load unknown: its in-flight requests only)."""
     load = outstanding(c)
     load = float(c.in_flight) if load is None else load
-    return weights.prefix * c.prefix_blocks * weights.block_size - weights.load * load
+    block_size = weights.block_size if c.block_size is None else c.block_size
+    return weights.prefix * c.prefix_blocks * block_size - weights.load * load
 
 
 def _known(value: float | None) -> float:

@@ -10,7 +10,7 @@ pod scores zero cached blocks and routing falls back to load alone.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 from baton_engine.router.endpoints import Endpoint
@@ -48,8 +48,16 @@ def literal_token_ids(api: Api, body: Mapping[str, Any]) -> list[int] | None:
     return None
 
 
+#: ``(prefix hash name, block size) -> hasher`` (None: that pod is routed by load only).
+HasherFactory = Callable[[str, int], BlockHasher | None]
+
+
 class PrefixScorer:
-    """Cached prompt blocks per candidate endpoint for one request."""
+    """Cached prompt blocks per candidate endpoint for one request.
+
+    Endpoints that declare their own hashing (`Endpoint.block_size` / `prefix_hash`, from pod
+    annotations) are scored with `hasher_factory`'s hasher for it; the others with `hasher`.
+    During a block-size rollout the two generations of pods thus each get their own keys."""
 
     def __init__(
         self,
@@ -57,14 +65,29 @@ class PrefixScorer:
         tokenizer: RequestTokenizer | None = None,
         hasher: BlockHasher | None = None,
         index: PrefixIndex | None = None,
+        hasher_factory: HasherFactory | None = None,
+        default_prefix_hash: str = "none",
+        default_block_size: int = 16,
     ) -> None:
         self.tokenizer = tokenizer
         self.hasher = hasher
         self.index = index
+        self.hasher_factory = hasher_factory
+        self.default_prefix_hash = default_prefix_hash
+        self.default_block_size = default_block_size
+        self._hashers: dict[tuple[str, int], BlockHasher | None] = {}
 
-    @property
-    def enabled(self) -> bool:
-        return self.hasher is not None and self.index is not None
+    def hasher_for(self, endpoint: Endpoint) -> BlockHasher | None:
+        """The hasher of the endpoint's own settings, or the scorer's default one."""
+        if self.hasher_factory is None or (endpoint.block_size is None and endpoint.prefix_hash is None):
+            return self.hasher
+        settings = (
+            endpoint.prefix_hash or self.default_prefix_hash,
+            endpoint.block_size or self.default_block_size,
+        )
+        if settings not in self._hashers:
+            self._hashers[settings] = self.hasher_factory(*settings)
+        return self._hashers[settings]
 
     def token_ids(self, api: Api, body: Mapping[str, Any]) -> list[int] | None:
         ids = literal_token_ids(api, body)
@@ -80,21 +103,25 @@ class PrefixScorer:
         self, api: Api, body: Mapping[str, Any], endpoints: Sequence[Endpoint]
     ) -> dict[str, int]:
         """Endpoint key -> cached leading blocks (endpoints the index does not know are absent)."""
-        if self.hasher is None or self.index is None or not endpoints:
+        if self.index is None or not endpoints:
+            return {}
+        groups: dict[int, tuple[BlockHasher, list[Endpoint]]] = {}
+        for endpoint in endpoints:
+            hasher = self.hasher_for(endpoint)
+            if hasher is not None:
+                groups.setdefault(id(hasher), (hasher, []))[1].append(endpoint)
+        if not groups:
             return {}
         ids = self.token_ids(api, body)
         if not ids:
             return {}
-        hashes = self.hasher.block_hashes(ids)
-        if not hashes:
-            return {}
-        matches = self.index.longest_prefix_match(hashes)
-        if not matches:
-            return {}
         scores: dict[str, int] = {}
-        for endpoint in endpoints:
-            aliases = endpoint.aliases()
-            best = max((blocks for pod, blocks in matches.items() if pod in aliases), default=0)
-            if best:
-                scores[endpoint.key] = best
+        for hasher, members in groups.values():
+            hashes = hasher.block_hashes(ids)
+            matches = self.index.longest_prefix_match(hashes) if hashes else {}
+            for endpoint in members:
+                aliases = endpoint.aliases()
+                best = max((blocks for pod, blocks in matches.items() if pod in aliases), default=0)
+                if best:
+                    scores[endpoint.key] = best
         return scores

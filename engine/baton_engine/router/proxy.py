@@ -27,6 +27,7 @@ from baton_engine import contract
 from baton_engine.router import errors
 from baton_engine.router.core import NoEndpoint, RouterCore
 from baton_engine.router.endpoints import Endpoint
+from baton_engine.router.hold import PoolUnavailable
 from baton_engine.router.prefix import Api
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,13 @@ Send = Callable[[Message], Awaitable[None]]
 
 REQUEST_ID_HEADER = "x-request-id"
 #: Upstream response headers passed to the client; the rest are hop-by-hop or server-specific.
-_PASSED_HEADERS = frozenset({"content-type", "content-length", "content-encoding", "cache-control"})
+_PASSED_HEADERS = frozenset(
+    {"content-type", "content-length", "content-encoding", "cache-control", "retry-after"}
+)
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _RELEASE_TIMEOUT_S = 5.0
+#: Headers of a whole (non-streamed) answer the router sends itself or relays.
+_WHOLE_HEADERS = frozenset({"content-type", "cache-control", "retry-after"})
 
 
 class _Fallback(Exception):
@@ -106,6 +111,13 @@ class ProxyResponse(Response):
 
     async def _run(self, send: Send) -> None:
         try:
+            await self.core.hold.until_available(self.core.needed_role)
+        except PoolUnavailable as exc:
+            await self._fail(
+                send, 503, str(exc), errors.UNAVAILABLE, "unavailable", retry_after_s=exc.retry_after_s
+            )
+            return
+        try:
             if self.mode == "aggregated":
                 endpoint, _ = self.core.choose_first_leg(self.api, self.request_json)
                 await self._relay([endpoint], self.raw_body, "direct", send)
@@ -113,22 +125,35 @@ class ProxyResponse(Response):
             try:
                 params = await self._prefill_leg(send)
             except _Fallback as fb:
-                log.warning(
-                    "request %s: prefill leg failed (%s): %s; sending it whole to decode",
-                    self.request_id,
-                    fb.reason,
-                    fb,
-                )
-                self.core.metrics.fallbacks.labels(reason=fb.reason).inc()
-                await self._relay(self.core.decode_order(), self.raw_body, "direct", send)
+                await self._whole_to_decode(fb, send)
                 return
             if params is None:  # the prefill pod refused the request; its answer was relayed
                 return
             self._lease = (self._prefill_endpoint, params)
+            try:
+                # Only a decode pod of the prefill pod's KV-compatibility key can use its blocks.
+                order = self.core.decode_order(self._prefill_endpoint.kv_key)
+            except NoEndpoint as exc:
+                if not exc.paired:
+                    raise
+                self._release_lease(*self._lease)  # nobody can pull it now
+                self._lease = None
+                await self._whole_to_decode(_Fallback("no_paired_decode", str(exc)), send)
+                return
             decode_body = json.dumps({**self.request_json, "kv_transfer_params": params}).encode()
-            await self._relay(self.core.decode_order(), decode_body, "decode", send)
+            await self._relay(order, decode_body, "decode", send)
         except NoEndpoint as exc:
             await self._fail(send, 503, str(exc), errors.UNAVAILABLE, "unavailable")
+
+    async def _whole_to_decode(self, fb: _Fallback, send: Send) -> None:
+        log.warning(
+            "request %s: prefill leg failed (%s): %s; sending it whole to decode",
+            self.request_id,
+            fb.reason,
+            fb,
+        )
+        self.core.metrics.fallbacks.labels(reason=fb.reason).inc()
+        await self._relay(self.core.decode_order(), self.raw_body, "direct", send)
 
     # ------------------------------------------------------------------ legs
 
@@ -140,7 +165,7 @@ class ProxyResponse(Response):
         try:
             endpoint, _ = self.core.choose_first_leg(self.api, self.request_json)
         except NoEndpoint as exc:
-            raise _Fallback("no_prefill_pod", str(exc)) from None
+            raise _Fallback("no_paired_prefill" if exc.paired else "no_prefill_pod", str(exc)) from None
         self._prefill_endpoint = endpoint
         leg = dict(self.request_json)
         leg.pop("stream_options", None)  # only valid with stream: true
@@ -265,22 +290,29 @@ class ProxyResponse(Response):
         self.core.metrics.ttfb_seconds.observe(time.perf_counter() - self.arrived)
 
     async def _send_whole(self, send: Send, status: int, headers: Mapping[str, str], body: bytes) -> None:
-        kept = {k: v for k, v in headers.items() if k.lower() in ("content-type", "cache-control")}
+        kept = {k: v for k, v in headers.items() if k.lower() in _WHOLE_HEADERS}
         kept["content-length"] = str(len(body))
         await self._start(send, status, kept)
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _fail(self, send: Send, status: int, message: str, type_: str, outcome: str) -> None:
+    async def _fail(
+        self,
+        send: Send,
+        status: int,
+        message: str,
+        type_: str,
+        outcome: str,
+        *,
+        retry_after_s: int | None = None,
+    ) -> None:
         self._outcome = outcome
         if self._started:  # too late for a status: the stream just ends
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
-        await self._send_whole(
-            send,
-            status,
-            {"content-type": "application/json"},
-            errors.error_bytes(message, type_, code=status),
-        )
+        headers = {"content-type": "application/json"}
+        if retry_after_s is not None:
+            headers["retry-after"] = str(retry_after_s)
+        await self._send_whole(send, status, headers, errors.error_bytes(message, type_, code=status))
 
 
 async def _post_release(

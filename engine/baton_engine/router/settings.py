@@ -29,6 +29,9 @@ class RouterSettings:
     scrape_interval_s: float = 1.0
     scrape_timeout_s: float = 0.5
     scrape_concurrency: int = 16
+    hold_queue: int = 64  # requests held at most while a needed pool has no pod (0: 503 at once)
+    hold_timeout_s: float = 120.0  # longest one request is held
+    hold_retry_after_s: float = 5.0  # Retry-After of the 503 a request gets when it cannot be held
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -38,11 +41,14 @@ class RouterSettings:
         if self.block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {self.block_size}")
         _ = self.prefill_weights  # validates the weights
-        for name in ("prefill_timeout_s", "connect_timeout_s", "read_timeout_s", "scrape_interval_s"):
+        timeouts = ("prefill_timeout_s", "connect_timeout_s", "read_timeout_s", "scrape_interval_s")
+        for name in (*timeouts, "hold_timeout_s", "hold_retry_after_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.max_connections <= 0 or self.decode_attempts <= 0 or self.scrape_concurrency <= 0:
             raise ValueError("max_connections, decode_attempts and scrape_concurrency must be positive")
+        if self.hold_queue < 0:
+            raise ValueError(f"hold_queue: must be >= 0, got {self.hold_queue}")
         if self.api_key == "":
             raise ValueError("api_key: empty; leave it unset to disable authentication")
 

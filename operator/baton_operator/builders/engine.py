@@ -19,6 +19,7 @@ from baton_operator.builders.model_volume import model_mount
 from baton_operator.builders.workload import container_resources, deployment, pod_spec
 from baton_operator.models import EngineSpec
 from baton_operator.models.pods import Resources
+from baton_operator.rollout.kv_key import kv_compat_key
 
 ENGINE_CONTAINER = "engine"
 CACHE_MOUNT = "/var/cache/baton"
@@ -62,14 +63,18 @@ def engine_args(ctx: BuildContext, role: str, engine: EngineSpec, model_ref: str
         contract.FLAG_KV_LEASE_SECONDS, str(spec.kv_transfer.lease_seconds),
         contract.FLAG_KV_ON_FAILURE, spec.kv_transfer.on_failure,
         _switch(contract.FLAG_KV_EVENTS, spec.kv_events.enabled),
+        contract.FLAG_KV_COMPAT_KEY, kv_compat_key(spec.model, engine),
     ]  # fmt: skip
     if engine.num_kv_blocks is not None:
         args += [contract.FLAG_NUM_KV_BLOCKS, str(engine.num_kv_blocks)]
+    if engine.prefix_hash_seed is not None:
+        args += [contract.FLAG_PREFIX_HASH_SEED, engine.prefix_hash_seed]
     if spec.kv_events.enabled:
         args += [
             contract.FLAG_KV_EVENTS_PORT, str(spec.kv_events.port),
             contract.FLAG_KV_EVENTS_REPLAY_PORT, str(spec.kv_events.replay_port),
             contract.FLAG_KV_EVENTS_BUFFER_STEPS, str(spec.kv_events.buffer_steps),
+            contract.FLAG_KV_EVENTS_ENCODING, spec.kv_events.encoding,
         ]  # fmt: skip
     return args + list(engine.extra_args)
 
@@ -103,9 +108,35 @@ def _env(ctx: BuildContext, engine: EngineSpec) -> list[Manifest]:
     return env
 
 
+def role_engine(ctx: BuildContext, role: str) -> EngineSpec:
+    """The effective engine settings of one role: `spec.engine` with the role's overrides."""
+    return ctx.spec.engine.merged(ctx.spec.roles()[role].engine)
+
+
+def role_kv_key(ctx: BuildContext, role: str) -> str:
+    """The KV-compatibility key of one role's pods (label, flag, rollout generation)."""
+    return kv_compat_key(ctx.spec.model, role_engine(ctx, role))
+
+
+def engine_pod_metadata(ctx: BuildContext, role: str, engine: EngineSpec) -> tuple[Manifest, Manifest]:
+    """Labels and annotations an engine pod carries beyond its Deployment's: the engine and
+    llm-d role labels, its KV-compatibility key, and how it hashes prompt blocks (the router
+    hashes each pod's prompts its way, which differs between generations of a block-size
+    rollout)."""
+    labels = {
+        **contract.engine_pod_labels(ctx.owner.name, role),
+        contract.LABEL_KV_COMPAT: kv_compat_key(ctx.spec.model, engine),
+    }
+    annotations = {
+        contract.ANNOTATION_BLOCK_SIZE: str(engine.block_size),
+        contract.ANNOTATION_PREFIX_HASH: engine.prefix_hash,
+    }
+    return labels, annotations
+
+
 def engine_deployment(ctx: BuildContext, role: str) -> Manifest:
     role_spec = ctx.spec.roles()[role]
-    engine = ctx.spec.engine.merged(role_spec.engine)
+    engine = role_engine(ctx, role)
     model = model_mount(ctx.spec.model, engine.image, engine.image_pull_policy)
     name = child_name(ctx.owner, role)
     startup_failures = math.ceil(role_spec.startup_timeout_seconds / STARTUP_PERIOD_S)
@@ -138,6 +169,7 @@ def engine_deployment(ctx: BuildContext, role: str) -> Manifest:
         init_containers=model.init_containers,
         termination_grace_s=role_spec.termination_grace_period_seconds,
     )
+    pod_labels, pod_annotations = engine_pod_metadata(ctx, role, engine)
     # With accelerators a rollout must not need a spare one; without, keep serving during it.
     if role_spec.resources.gpus > 0:
         rolling_update = {"maxSurge": 0, "maxUnavailable": 1}
@@ -150,7 +182,8 @@ def engine_deployment(ctx: BuildContext, role: str) -> Manifest:
         pod,
         rolling_update,
         replicas=role_spec.replicas if ctx.replicas_owned else None,
-        pod_labels=contract.engine_pod_labels(ctx.owner.name, role),
+        pod_labels=pod_labels,
+        pod_annotations=pod_annotations,
         progressDeadlineSeconds=role_spec.startup_timeout_seconds + 300,
     )
 

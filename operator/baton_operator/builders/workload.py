@@ -71,11 +71,12 @@ def deployment(
     rolling_update: Mapping[str, int],
     replicas: int | None,
     pod_labels: Mapping[str, str] | None = None,
+    pod_annotations: Mapping[str, str] | None = None,
     **spec_fields: Any,
 ) -> Manifest:
     """A Deployment of `pod` selected by Baton's labels; `replicas` None leaves them out (another
-    field manager owns them); `pod_labels` go on the pods only; `spec_fields` are further
-    DeploymentSpec fields."""
+    field manager owns them); `pod_labels` and `pod_annotations` go on the pods only;
+    `spec_fields` are further DeploymentSpec fields."""
     container = pod["containers"][0]["name"]
     spec: Manifest = {} if replicas is None else {"replicas": replicas}
     spec |= {
@@ -86,7 +87,10 @@ def deployment(
         "template": {
             "metadata": {
                 "labels": {**labels(ctx.owner, component), **(pod_labels or {})},
-                "annotations": {"kubectl.kubernetes.io/default-container": container},
+                "annotations": {
+                    "kubectl.kubernetes.io/default-container": container,
+                    **(pod_annotations or {}),
+                },
             },
             "spec": pod,
         },

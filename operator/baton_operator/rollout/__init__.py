@@ -1,0 +1,1 @@
+"""Coherent P/D rollouts: the KV-compatibility key and the decode-first generation sequencer."""
