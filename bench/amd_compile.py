@@ -269,7 +269,7 @@ def build_result(
         "targets": {
             name: {
                 "gpus": TARGETS_BY_NAME[name].gpus,
-                "table": table_for_arch(TARGETS_BY_NAME[name].table_arch).name,
+                "table": table_for_arch(name).name,
                 "max_waves_per_simd": TARGETS_BY_NAME[name].max_waves_per_simd,
                 "lds_bytes_per_cu": TARGETS_BY_NAME[name].shared_bytes,
                 "fp8": TARGETS_BY_NAME[name].fp8_dtype,

@@ -57,7 +57,7 @@ def test_amd_register_occupancy_equals_llvm_own(compiled: CompileRun) -> None:
     amd = [report for report in compiled.reports if TARGETS_BY_NAME[report.target].backend == "hip"]
     assert amd
     mismatches = [
-        (report.key, report.constants, report.registers, report.sgprs, waves, report.llvm_occupancy)
+        (report.qualname, report.constants, report.registers, report.sgprs, waves, report.llvm_occupancy)
         for report in amd
         for waves in [None if report.occupancy is None else report.occupancy.waves_by_registers]
         if waves != report.llvm_occupancy

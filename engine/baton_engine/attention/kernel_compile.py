@@ -14,7 +14,7 @@ Triton compiles for a target named by a `GPUTarget` without its GPU: down to an 
 4. checks coverage: every ``@triton.jit`` function of the package is launched by a scenario or
    called by a launched kernel.
 
-Compiling takes a CPU core per kernel for about a second: `compile_reports` shards the work over
+Compiling one launch takes up to a second of a CPU core: `compile_reports` shards the work over
 worker processes (``python -m baton_engine.attention.kernel_compile --shard I/N``), each with
 its own empty Triton cache, so nothing is reused from an earlier run.
 """
@@ -81,8 +81,6 @@ class CompileTarget:
     shared_reserved_per_program: int
     #: Resident programs per CU / SM at most.
     max_programs: int
-    #: The launch table `launch_table.table_for_arch` gives this architecture.
-    table_arch: str
     #: torch's name of the target's FP8 (e4m3) format; None: no FP8 in hardware.
     fp8_dtype: str | None
 
@@ -92,49 +90,36 @@ class CompileTarget:
         return GPUTarget(self.backend, self.arch, self.warp_size)
 
 
-_CDNA = dict(
-    backend="hip",
-    warp_size=64,
-    simds=4,
-    max_waves_per_simd=8,
-    registers_per_simd=512,
-    register_granule=8,
-    shared_reserved_per_program=0,
-    max_programs=16,
-)
-_NVIDIA = dict(
-    backend="cuda",
-    warp_size=32,
-    simds=4,
-    max_waves_per_simd=16,
-    registers_per_simd=16384,
-    register_granule=256,
-    shared_reserved_per_program=1024,
-    max_programs=32,
-)
+def _cdna(name: str, gpus: str, lds_bytes: int, fp8_dtype: str | None) -> CompileTarget:
+    """A CDNA2-4 GPU: 4 SIMDs per CU of at most 8 waves, 512 unified VGPRs per lane in granules
+    of 8, at most 16 workgroups per CU, and `lds_bytes` of LDS per CU (one workgroup may use it
+    all)."""
+    return CompileTarget(
+        name=name, gpus=gpus, backend="hip", arch=name, warp_size=64, simds=4, max_waves_per_simd=8,
+        registers_per_simd=512, register_granule=8, shared_bytes=lds_bytes, max_shared_per_program=lds_bytes,
+        shared_reserved_per_program=0, max_programs=16, fp8_dtype=fp8_dtype,
+    )  # fmt: skip
+
+
+def _nvidia(capability: int, gpus: str, smem_bytes: int, fp8_dtype: str | None) -> CompileTarget:
+    """An sm_80+ GPU: 4 sub-partitions per SM of at most 16 warps and 16384 registers (allocated
+    per warp in granules of 256), at most 32 blocks per SM, `smem_bytes` of shared memory per SM,
+    of which 1 KiB is reserved per block and one block may use all but that."""
+    return CompileTarget(
+        name=f"sm_{capability}", gpus=gpus, backend="cuda", arch=capability, warp_size=32, simds=4,
+        max_waves_per_simd=16, registers_per_simd=16384, register_granule=256, shared_bytes=smem_bytes,
+        max_shared_per_program=smem_bytes - 1024, shared_reserved_per_program=1024, max_programs=32,
+        fp8_dtype=fp8_dtype,
+    )  # fmt: skip
+
 
 TARGETS: tuple[CompileTarget, ...] = (
-    CompileTarget(
-        name="gfx942", gpus="MI300X, MI325X (CDNA3)", arch="gfx942", shared_bytes=65536,
-        max_shared_per_program=65536, table_arch="gfx942", fp8_dtype="float8_e4m3fnuz", **_CDNA,  # type: ignore[arg-type]
-    ),
-    CompileTarget(
-        name="gfx950", gpus="MI350X, MI355X (CDNA4)", arch="gfx950", shared_bytes=163840,
-        max_shared_per_program=163840, table_arch="gfx950", fp8_dtype="float8_e4m3fn", **_CDNA,  # type: ignore[arg-type]
-    ),
-    CompileTarget(
-        name="gfx90a", gpus="MI250X, MI210 (CDNA2)", arch="gfx90a", shared_bytes=65536,
-        max_shared_per_program=65536, table_arch="gfx90a", fp8_dtype=None, **_CDNA,  # type: ignore[arg-type]
-    ),
-    CompileTarget(
-        name="sm_90", gpus="H100, H200", arch=90, shared_bytes=233472, max_shared_per_program=232448,
-        table_arch="sm_90", fp8_dtype="float8_e4m3fn", **_NVIDIA,  # type: ignore[arg-type]
-    ),
-    CompileTarget(
-        name="sm_80", gpus="A100", arch=80, shared_bytes=167936, max_shared_per_program=166912,
-        table_arch="sm_80", fp8_dtype=None, **_NVIDIA,  # type: ignore[arg-type]
-    ),
-)  # fmt: skip
+    _cdna("gfx942", "MI300X, MI325X (CDNA3)", 64 * 1024, "float8_e4m3fnuz"),
+    _cdna("gfx950", "MI350X, MI355X (CDNA4)", 160 * 1024, "float8_e4m3fn"),
+    _cdna("gfx90a", "MI250X, MI210 (CDNA2)", 64 * 1024, None),
+    _nvidia(90, "H100, H200", 228 * 1024, "float8_e4m3fn"),
+    _nvidia(80, "A100", 164 * 1024, None),
+)
 TARGETS_BY_NAME = {target.name: target for target in TARGETS}
 
 
@@ -242,7 +227,8 @@ class KernelReport:
     llvm_occupancy: int | None = None
 
     @property
-    def key(self) -> str:
+    def qualname(self) -> str:
+        """``target:module.kernel``, shared by the kernel's launches on the target."""
         return f"{self.target}:{self.module}.{self.kernel}"
 
     def failure(self, target: CompileTarget) -> str | None:
@@ -253,6 +239,8 @@ class KernelReport:
         if self.error is not None:
             return f"compile error: {self.error}"
         if self.spills and self.dtype not in SPILLS_ALLOWED:
+            if target.backend == "cuda":
+                return f"{self.spills} bytes of spill stores ({self.scratch_bytes} B stack frame)"
             return f"{self.spills} registers spilled ({self.scratch_bytes} scratch bytes)"
         if self.shared_bytes > target.max_shared_per_program:
             limit = target.max_shared_per_program
@@ -357,7 +345,7 @@ def capture_target(
     from baton_engine.attention.launch_table import table_for_arch
 
     kernel_registry.import_kernel_modules()
-    table = table_for_arch(target.table_arch) if table is None else table
+    table = table_for_arch(target.name) if table is None else table
     fp8 = getattr(torch, target.fp8_dtype) if target.fp8_dtype else None
     found: list[tuple[CapturedLaunch, str, str]] = []
     problems: list[str] = []
@@ -598,8 +586,11 @@ def compile_reports(
                     "--targets", ",".join(names), "--shard", f"{shard}/{workers}", "--out", out_path,
                     *table_args,
                 ]  # fmt: skip
-                with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would stall the worker
-                    processes.append((subprocess.Popen(command, env=env, stderr=log), out_path, log_path))
+                # stderr to a file (a full pipe would stall the worker); a process group of its own,
+                # so that a killed run's workers can be found by pid.
+                with open(log_path, "wb") as log:
+                    worker = subprocess.Popen(command, env=env, stderr=log, start_new_session=True)
+                processes.append((worker, out_path, log_path))
             deadline = time.monotonic() + timeout
             for process, _, _ in processes:
                 process.wait(timeout=max(0.0, deadline - time.monotonic()))
