@@ -217,8 +217,9 @@ def render_launch_table() -> str:
         cells = " | ".join(_launch_cell(getattr(t, name), unit[t.name]) for t in tables)
         lines.append(f"| `{name}` | {cells} |")
     for table in tables:
-        lines += ["", f"Why `{table.name}`:", ""]
-        lines += [f"- `{name}`: {getattr(table, name).reason}" for name in entries]
+        own = [name for name in entries if table is CUDA or getattr(table, name) != getattr(CUDA, name)]
+        lines += ["", f"Why `{table.name}`{'' if table is CUDA else ', where it differs from `cuda`'}:", ""]
+        lines += [f"- `{name}`: {getattr(table, name).reason}" for name in own]
     return "\n".join(lines)
 
 

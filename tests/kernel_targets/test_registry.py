@@ -169,7 +169,8 @@ def test_occupancy(
         ("6.2.41133", "gfx90a:sramecc+:xnack-", (9, 0), "gfx90a", "rocm"),
         ("6.4.43482", "gfx1100", (11, 0), "gfx1100", "rocm"),
         (None, "", (9, 0), "sm_90", "cuda"),
-        (None, "", (8, 0), "sm_80", "cuda"),
+        (None, "", (8, 0), "sm_80", "cuda-sm80"),
+        (None, "", (8, 9), "sm_89", "cuda"),
     ],
 )
 def test_each_device_gets_its_backends_table(
@@ -184,6 +185,13 @@ def test_every_table_entry_has_a_reason() -> None:
         for name, launch in vars(table).items():
             if name != "name":
                 assert launch.reason.strip(), (table.name, name)
+
+
+def test_the_a100_table_differs_from_the_h200s_in_one_entry() -> None:
+    a100 = LAUNCH_TABLES["cuda-sm80"]
+    differing = [name for name in vars(CUDA) if name != "name" and getattr(CUDA, name) != getattr(a100, name)]
+    assert differing == ["verify_unsplit"]
+    assert (a100.verify_unsplit.num_warps, a100.verify_unsplit.num_stages) == (8, 2)
 
 
 def test_nvidia_entries_are_the_h200_tuned_values() -> None:

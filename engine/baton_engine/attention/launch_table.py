@@ -12,6 +12,7 @@ The launchers take a `LaunchTable`; `launch_table_for` picks the one of the devi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -73,19 +74,20 @@ CUDA = LaunchTable(
     decode_split=Launch(8, 4, f"{_H200}: 8 warps and 4 stages for short split-K slices", 64),
     split_reduce=Launch(4, 3, "Triton's defaults (4 warps, 3 stages): a single pass over S x D partials"),
     verify_unsplit=Launch(
-        4,
-        2,
-        f"{_H200}: multi-query tiles without split-K; at most 64 rows per program: 128 rows "
+        num_warps=4,
+        num_stages=2,
+        block_n=64,
+        block_m=64,
+        reason=f"{_H200}: multi-query tiles without split-K; at most 64 rows per program: 128-row tiles "
         "spill on sm_90 (bench.amd_compile)",
-        64,
-        64,
     ),
     verify_split=Launch(
-        8,
-        3,
-        f"{_H200}: multi-query tiles with split-K; 64 rows per program: 256 rows spill on sm_90",
-        64,
-        64,
+        num_warps=8,
+        num_stages=3,
+        block_n=64,
+        block_m=64,
+        reason=f"{_H200}: multi-query tiles with split-K; at most 64 rows per program: 256-row tiles spill "
+        "on sm_90",
     ),
     prefill_small_head=Launch(4, 2, f"{_H200}: 64 x 64 tiles fit 2 stages", 64),
     prefill_large_head=Launch(4, 2, f"{_H200}: 32-key tiles keep head dim 128 in registers", 32),
@@ -94,74 +96,112 @@ CUDA = LaunchTable(
     silu=Launch(4, 3, "Triton's defaults with 1024 columns per program, memory-bound", 1024),
 )
 
-_CDNA = "gfx90a, gfx942, gfx950 (bench.amd_compile)"
+_ON_CDNA = "on gfx90a, gfx942 and gfx950 (bench.amd_compile)"
 
 #: AMD GPUs (CDNA2-4: MI250X, MI300X/MI325X, MI350X/MI355X), until measured on one. Derived from
-#: the NVIDIA entry by one rule, each step checked by compiling for the three targets (bf16, fp16
-#: and fp32, head dims 64 and 128, every verify tile): keep the H200's lanes per program (half its
-#: warps, a wavefront being 64 lanes), then drop stages, then add waves, until no launch spills or
-#: needs more LDS than a CU has (64 KiB on gfx90a and gfx942). The per-entry numbers are in
-#: docs/amd.md.
+#: the NVIDIA entry by one rule, each step checked by compiling for the three targets (bfloat16,
+#: float16 and float32, head dims 64 and 128, every verify tile): keep the H200's lanes per
+#: program (half its warps: a wavefront is 64 lanes), then drop stages, then add waves, until no
+#: launch spills (float32 included) or needs more LDS than a CU has (64 KiB on gfx90a and gfx942).
 ROCM = LaunchTable(
     name="rocm",
     decode_unsplit=Launch(
-        2,
-        1,
-        "1 wave (the H200's 64 lanes) spills 67 SGPRs at fp32 x head dim 128, and 2 stages need 68 KiB "
-        f"of LDS there: 2 waves, 1 stage spill nowhere and need at most 32 KiB on {_CDNA}",
-        64,
+        num_warps=2,
+        num_stages=1,
+        block_n=64,
+        reason="1 wave (the H200's 64 lanes) spills 67 SGPRs at float32 x head dim 128 on gfx942, and 2 "
+        "stages need 68 KiB of LDS there; 2 waves, 1 stage: no spill, at most 32 KiB of LDS, 1 to 4 waves "
+        f"per SIMD {_ON_CDNA}; twice the waves of 1 at bfloat16 x 128 (16 KiB of LDS per program limits)",
     ),
     decode_split=Launch(
-        4,
-        1,
-        "4 waves = the H200's 256 lanes; its 4 stages (and 2) need over 64 KiB of LDS at fp32 x head "
-        f"dim 128: 1 stage, at most 32 KiB, at least 2 waves per SIMD on {_CDNA}",
-        64,
+        num_warps=4,
+        num_stages=1,
+        block_n=64,
+        reason="4 waves = the H200's 256 lanes; 2 stages need 68 KiB of LDS at float32 x head dim 128 (its "
+        "4 stages at 8 waves: 132 KiB); 1 stage: no spill, at most 32 KiB of LDS, 1 to 6 waves per SIMD "
+        f"{_ON_CDNA}",
     ),
-    split_reduce=Launch(4, 2, "Triton's AMD defaults: at most 53 VGPRs, 8 waves per SIMD (no loop)"),
+    split_reduce=Launch(
+        num_warps=4,
+        num_stages=2,
+        reason=f"Triton's AMD defaults (no loop to pipeline): at most 53 VGPRs, 8 waves per SIMD {_ON_CDNA}",
+    ),
     verify_unsplit=Launch(
-        2,
-        1,
-        "2 waves = the H200's 128 lanes; 2 stages need 68 KiB of LDS at fp32 x head dim 128 and spill "
-        f"there: 1 stage spills nowhere on {_CDNA}; at most 64 rows per program, as on NVIDIA",
-        64,
-        64,
+        num_warps=2,
+        num_stages=1,
+        block_n=64,
+        block_m=64,
+        reason="2 waves = the H200's 128 lanes; 2 stages need 68 KiB of LDS at float32 x head dim 128 and "
+        "spill there; 1 stage: no spill, at most 32 KiB of LDS, 1 to 5 waves per SIMD "
+        f"{_ON_CDNA}; at most 64 rows per program, as on NVIDIA",
     ),
     verify_split=Launch(
-        4,
-        1,
-        "4 waves = the H200's 256 lanes; 3 or 2 stages need up to 80 KiB of LDS at fp32 x head dim "
-        f"128: 1 stage spills nowhere on {_CDNA}; at most 64 rows per program",
-        64,
-        64,
+        num_warps=4,
+        num_stages=1,
+        block_n=64,
+        block_m=64,
+        reason="4 waves = the H200's 256 lanes; 2 stages need 80 KiB of LDS at float32 x head dim 128 on "
+        "gfx942; 1 stage: no spill, at most 32 KiB of LDS, 1 to 6 waves per SIMD "
+        f"{_ON_CDNA}; at most 64 rows per program",
     ),
     prefill_small_head=Launch(
-        2, 2, f"2 waves = the H200's 128 lanes, its 2 stages: no spill, at most 32 KiB of LDS on {_CDNA}", 64
+        num_warps=2,
+        num_stages=2,
+        block_n=64,
+        reason="2 waves = the H200's 128 lanes, with its 2 stages: no spill, at most 32 KiB of LDS on "
+        "gfx90a and gfx942 (64 of gfx950's 160 KiB), 1 to 2 waves per SIMD (bench.amd_compile)",
     ),
     prefill_large_head=Launch(
-        2, 2, f"2 waves = the H200's 128 lanes, its 2 stages: no spill, at most 32 KiB of LDS on {_CDNA}", 32
+        num_warps=2,
+        num_stages=2,
+        block_n=32,
+        reason="2 waves = the H200's 128 lanes, with its 2 stages: no spill, at most 32 KiB of LDS on "
+        "gfx90a and gfx942 (64 of gfx950's 160 KiB), 1 to 2 waves per SIMD (bench.amd_compile)",
     ),
     rms_norm=Launch(
-        4,
-        2,
-        "Triton's AMD defaults: 4 waves spread a small decode batch's rows over more SIMDs than 2 "
-        "would; at most 67 VGPRs at 8192 columns (no loop to pipeline)",
+        num_warps=4,
+        num_stages=2,
+        reason="Triton's AMD defaults (no loop to pipeline): 4 waves spread a small decode batch's rows "
+        "over more SIMDs than the H200's 128 lanes (2 waves) would; at most 67 VGPRs, 7 to 8 waves per "
+        f"SIMD {_ON_CDNA}",
     ),
-    rotary=Launch(4, 2, "Triton's AMD defaults, like rms_norm: one token per program, at most 94 VGPRs"),
+    rotary=Launch(
+        num_warps=4,
+        num_stages=2,
+        reason=f"as rms_norm, one token per program: at most 94 VGPRs, 5 to 8 waves per SIMD {_ON_CDNA}",
+    ),
     silu=Launch(
-        4, 2, "Triton's AMD defaults with the H200's 1024 columns per program: at most 34 VGPRs", 1024
+        num_warps=4,
+        num_stages=2,
+        block_n=1024,
+        reason="as rms_norm, with the H200's 1024 columns per program: at most 34 VGPRs, 8 waves per SIMD "
+        f"{_ON_CDNA}",
     ),
 )
 
-#: By table name; AMD architectures without their own entry use "rocm".
-LAUNCH_TABLES: dict[str, LaunchTable] = {table.name: table for table in (CUDA, ROCM)}
+#: The A100 (sm_80): the H200's table but for one entry, where its compiled kernel spills.
+CUDA_SM80 = dataclasses.replace(
+    CUDA,
+    name="cuda-sm80",
+    verify_unsplit=Launch(
+        num_warps=8,
+        num_stages=2,
+        block_n=64,
+        block_m=64,
+        reason="the H200's 4 warps spill 8 bytes (255 registers) at 64 rows x head dim 128 on sm_80; 8 "
+        "warps, as in the split entry: 128 registers, no spill (bench.amd_compile)",
+    ),
+)
+
+#: By table name.
+LAUNCH_TABLES: dict[str, LaunchTable] = {table.name: table for table in (CUDA, CUDA_SM80, ROCM)}
 
 
 def table_for_arch(arch: str) -> LaunchTable:
     """The table of a device architecture: "sm_90", "sm_80"... (NVIDIA) or "gfx942"... (AMD)."""
     if arch.startswith("gfx"):
-        return LAUNCH_TABLES.get(arch, ROCM)
-    return CUDA
+        return ROCM
+    return CUDA_SM80 if arch == "sm_80" else CUDA
 
 
 def arch_from_properties(hip_version: str | None, gcn_arch_name: str, major: int, minor: int) -> str:
