@@ -98,8 +98,10 @@ def test_bench_amd_compile_reports_the_test_run(compiled: CompileRun) -> None:
         assert sorted(summary["kernels"]) == sorted(summary["kernels_float32"]) == ENGINE_KERNELS, name
         assert summary["launches"] == len(compiled.for_target(name))
         assert summary["spilling"] == summary["over_lds"] == summary["errors"] == 0
+        if TARGETS_BY_NAME[name].backend == "hip":  # the AMD table spills in no dtype
+            assert summary["spilling_float32"] == 0, name
         for kernel, row in summary["kernels"].items():
-            reports = [r for r in compiled.for_target(name) if r.kernel == kernel]
+            reports = [r for r in compiled.for_target(name) if r.kernel == kernel and r.dtype != "float32"]
             assert row["launches"] == len(reports)
             assert row["max_registers"] == max(r.registers for r in reports)
             assert row["max_lds_bytes"] == max(r.shared_bytes for r in reports)
