@@ -223,6 +223,10 @@ def render_launch_table() -> str:
     return "\n".join(lines)
 
 
+def _kib(size: int) -> str:
+    return "0" if size == 0 else "< 1" if size < 1024 else f"{size / 1024:.4g}"
+
+
 def render_results(result: dict[str, Any], kernels_key: str = "kernels") -> str:
     """The docs' table of a run: per kernel and target, "R / L / W": the most registers (VGPRs on
     AMD, per thread on NVIDIA) and KiB of LDS over its launches, and the fewest waves per SIMD
@@ -235,8 +239,7 @@ def render_results(result: dict[str, Any], kernels_key: str = "kernels") -> str:
     for kernel in kernels:
         rows = [summary[target][kernels_key][kernel] for target in targets]
         cells = [
-            f"{r['max_registers']} / {r['max_lds_bytes'] / 1024:g} / {r['min_waves_per_simd']:g}"
-            for r in rows
+            f"{r['max_registers']} / {_kib(r['max_lds_bytes'])} / {r['min_waves_per_simd']:g}" for r in rows
         ]
         lines.append(f"| `{kernel}` | {rows[0]['launches']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -248,6 +251,15 @@ def replace_block(text: str, name: str, body: str) -> str:
     if not pattern.search(text):
         raise ValueError(f"no {name} block in the page")
     return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+
+
+def write_docs(result: dict[str, Any]) -> None:
+    """Rewrite docs/amd.md's launch tables (from the code) and compile results (from `result`)."""
+    page = replace_block(DOCS_PAGE.read_text(), "launch-table", render_launch_table())
+    page = replace_block(page, "compile-results", render_results(result))
+    DOCS_PAGE.write_text(
+        replace_block(page, "compile-results-float32", render_results(result, "kernels_float32"))
+    )
 
 
 def build_result(
@@ -316,11 +328,24 @@ def main() -> None:
         help="rewrite docs/amd.md's launch-table and results tables from this run",
     )
     parser.add_argument(
+        "--docs-from",
+        metavar="JSON",
+        help="rewrite docs/amd.md's tables from a recorded run's JSON (no compile)",
+    )
+    parser.add_argument(
         "--sweep",
         action="store_true",
         help="compile the AMD table's candidate entries (slow) instead of the table",
     )
     args = parser.parse_args()
+    if args.docs_from:
+        with open(args.docs_from, encoding="utf-8") as f:
+            write_docs(json.loads(f.read().strip().splitlines()[-1]))
+        return
+    if args.docs_from:
+        with open(args.docs_from, encoding="utf-8") as f:
+            write_docs(json.loads(f.read().strip().splitlines()[-1]))
+        return
     if args.sweep:
         amd_targets = [t.name for t in TARGETS if t.backend == "hip"]
         print(json.dumps({"bench": "amd_compile", "quick": False, "sweep": sweep(amd_targets, args.workers)}))
@@ -331,11 +356,7 @@ def main() -> None:
     reference = None if args.quick or not amd else compile_reports(amd, workers=args.workers, table="cuda")
     result = build_result(run, args.quick, reference, args.launches)
     if args.write_docs:
-        page = replace_block(DOCS_PAGE.read_text(), "launch-table", render_launch_table())
-        page = replace_block(page, "compile-results", render_results(result))
-        DOCS_PAGE.write_text(
-            replace_block(page, "compile-results-float32", render_results(result, "kernels_float32"))
-        )
+        write_docs(result)
     if not args.json:
         for target, summary in result["summary"].items():
             for kernel, row in summary["kernels"].items():

@@ -582,7 +582,7 @@ def compile_reports(
                 out_path = os.path.join(scratch, f"shard{shard}.json")
                 log_path = os.path.join(scratch, f"shard{shard}.log")
                 command = [
-                    sys.executable, "-m", "baton_engine.attention.kernel_compile",
+                    sys.executable, "-m", __name__,  # this module, wherever the package puts it
                     "--targets", ",".join(names), "--shard", f"{shard}/{workers}", "--out", out_path,
                     *table_args,
                 ]  # fmt: skip

@@ -110,7 +110,7 @@ ROCM = LaunchTable(
         num_stages=1,
         block_n=64,
         reason="1 wave (the H200's 64 lanes) spills 67 SGPRs at float32 x head dim 128 on gfx942, and 2 "
-        "stages need 68 KiB of LDS there; 2 waves, 1 stage: no spill, at most 32 KiB of LDS, 1 to 4 waves "
+        "stages need 68 KiB of LDS there; 2 waves, 1 stage: no spill, at most 32 KiB of LDS, 1 to 5 waves "
         f"per SIMD {_ON_CDNA}; twice the waves of 1 at bfloat16 x 128 (16 KiB of LDS per program limits)",
     ),
     decode_split=Launch(
