@@ -1,7 +1,7 @@
 """Registers, spills, LDS and occupancy of every engine Triton kernel on AMD and NVIDIA GPUs.
 
 ``python -m bench.amd_compile --json`` compiles every launch the engine's kernel modules declare
-(`baton_engine.attention.kernel_registry`) for gfx942 (MI300X), gfx950 (MI355X), gfx90a (MI250X),
+(`baton_engine.model.kernels.kernel_registry`) for gfx942 (MI300X), gfx950 (MI355X), gfx90a (MI250X),
 sm_90 (H100/H200) and sm_80 (A100) on this machine — no GPU needed — and reports per kernel and
 target: VGPRs / registers per thread, SGPRs (AMD), spills, scratch, LDS / shared bytes per
 program, and the estimated waves per SIMD (warps per SM sub-partition on NVIDIA) against the
@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from baton_engine.attention.kernel_compile import (
+from baton_engine.model.kernels.kernel_compile import (
     SPILLS_ALLOWED,
     TARGETS,
     TARGETS_BY_NAME,
@@ -27,7 +27,14 @@ from baton_engine.attention.kernel_compile import (
     KernelReport,
     compile_reports,
 )
-from baton_engine.attention.launch_table import CUDA, LAUNCH_TABLES, ROCM, Launch, LaunchTable, table_for_arch
+from baton_engine.model.kernels.launch_table import (
+    CUDA,
+    LAUNCH_TABLES,
+    ROCM,
+    Launch,
+    LaunchTable,
+    table_for_arch,
+)
 
 DOCS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "amd.md"
 

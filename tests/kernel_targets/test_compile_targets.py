@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from baton_engine.attention.kernel_compile import TARGETS, TARGETS_BY_NAME, CompileRun, compile_reports
+from baton_engine.model.kernels.kernel_compile import TARGETS, TARGETS_BY_NAME, CompileRun, compile_reports
 
 # One compile of every launch for the module: about 420 launches, ~3 CPU-minutes (docs/amd.md).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]

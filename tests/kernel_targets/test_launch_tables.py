@@ -10,14 +10,14 @@ import dataclasses
 import pytest
 import torch
 
-from baton_engine.attention.launch_table import CUDA, ROCM, LaunchTable
-from baton_engine.attention.triton_attention import (
+from baton_engine.model.kernels.launch_table import CUDA, ROCM, LaunchTable
+from baton_engine.model.kernels.triton_attention import (
     DecodeWorkspace,
     paged_decode_attention,
     paged_prefill_attention,
     prefill_tiles,
 )
-from baton_engine.attention.triton_multi_query import (
+from baton_engine.model.kernels.triton_multi_query import (
     multi_query_workspace,
     paged_multi_query_attention,
     verify_tile_rows,

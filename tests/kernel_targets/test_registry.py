@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from baton_engine.attention import kernel_registry
-from baton_engine.attention.kernel_compile import TARGETS_BY_NAME, occupancy, uncovered_jit_functions
-from baton_engine.attention.kernel_registry import CASE_VERIFY_QUERY_LENS, find_jit_functions
-from baton_engine.attention.launch_table import CUDA, LAUNCH_TABLES, arch_from_properties, table_for_arch
-from baton_engine.verify_batch import verify_query_lens
+from baton_engine.model.kernels import kernel_registry
+from baton_engine.model.kernels.kernel_compile import TARGETS_BY_NAME, occupancy, uncovered_jit_functions
+from baton_engine.model.kernels.kernel_registry import CASE_VERIFY_QUERY_LENS, find_jit_functions
+from baton_engine.model.kernels.launch_table import CUDA, LAUNCH_TABLES, arch_from_properties, table_for_arch
+from baton_engine.worker.gpu.verify_batch import verify_query_lens
 
 PACKAGE = """
 import triton
@@ -250,7 +250,7 @@ def test_the_docs_launch_table_is_the_codes() -> None:
 
 
 def test_a_spill_fails_a_served_dtype_and_an_lds_overflow_every_dtype() -> None:
-    from baton_engine.attention.kernel_compile import KernelReport
+    from baton_engine.model.kernels.kernel_compile import KernelReport
 
     def report(dtype: str, spills: int, shared: int, error: str | None = None) -> KernelReport:
         return KernelReport(

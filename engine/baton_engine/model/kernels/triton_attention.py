@@ -1,0 +1,354 @@
+"""Paged attention in Triton: split-K decode (graph-capturable) and varlen prefill over the cache.
+
+Both read K/V from one layer's paged cache ``[2, num_blocks, block_size, kv_heads, head_dim]``
+through a ``[rows, max_blocks]`` int32 block table, so prefix-cached context, earlier chunks and
+the step's own tokens (written first by `rotary_cache_write`) are read the same way. Nothing
+here reads device values on the host, so decode runs inside a captured graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from baton_engine.model.kernels.kernel_registry import KernelCase, launch_scenario
+from baton_engine.model.kernels.launch_table import Launch, LaunchTable, launch_table_for
+from baton_engine.model.kernels.triton_tiles import (
+    attend_paged_keys,
+    packed_output,
+    paged_kernel_args,
+    paged_kernel_constants,
+    split_k_program,
+    store_attention_rows,
+)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [B, H, D]
+    cache_ptr,  # [2, NB, BS, KVH, D]
+    block_table_ptr,  # [B, MAXB] int32
+    v_offset,  # elements between the K and the V half of the cache
+    stride_bt,
+    stride_qt,
+    scale_log2,
+    seq_lens_ptr,  # [B] int32
+    out_ptr,  # [B, H, D] (NUM_SPLITS == 1) or partial [B, H, S, D] fp32
+    lse_ptr,  # [B, H, S] fp32
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KVH: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    row, kvh, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N)
+    H: tl.constexpr = KVH * GROUP
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = kvh * GROUP + g
+    q = tl.load(
+        q_ptr + row * stride_qt + heads[:, None] * HEAD_DIM + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    m_i, l_i, acc = attend_paged_keys(
+        q, None, None, start, end,
+        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2,
+        BLOCK_SIZE=BLOCK_SIZE, KVH=KVH, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION,
+    )  # fmt: skip
+    store_attention_rows(
+        out_ptr, lse_ptr, m_i, l_i, acc, row * H + heads, g_mask, split, NUM_SPLITS, HEAD_DIM
+    )
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    partial_ptr,  # [B, H, S, D] fp32
+    lse_ptr,  # [B, H, S]
+    out_ptr,  # [B, H, D]
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    s_mask = s < NUM_SPLITS
+    lse = tl.load(lse_ptr + bh * NUM_SPLITS + s, mask=s_mask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)
+    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
+    part = tl.load(
+        partial_ptr + (bh * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+        mask=s_mask[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    result = tl.sum(part * w[:, None], 0)
+    tl.store(out_ptr + bh * HEAD_DIM + d, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def decode_num_splits(
+    batch: int, num_kv_heads: int, max_len: int, block_n: int = 64, target: int = 264
+) -> int:
+    """Splits of the sequence axis so that a small batch still fills the GPU (fixed per graph size)."""
+    programs = batch * num_kv_heads
+    splits = max(1, -(-target // programs))
+    return int(min(splits, max(1, -(-max_len // block_n)), 64))
+
+
+class DecodeWorkspace:
+    """Scratch for split-K partial results, allocated once per (batch, splits) so graphs can reuse it."""
+
+    def __init__(
+        self, batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
+    ) -> None:
+        self.num_splits = num_splits
+        shape = (batch, num_heads, max(num_splits, 1))
+        self.partial = torch.empty((*shape, head_dim), dtype=torch.float32, device=device)
+        self.lse = torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def launch_split_k(
+    kernel: Any,
+    rows: int,
+    out: torch.Tensor,
+    workspace: DecodeWorkspace,
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    block_n: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+    unsplit: Launch,
+    split: Launch,
+    reduce: Launch,
+    extra_args: tuple[Any, ...] = (),
+    programs_per_kv_head: int = 1,
+    **kernel_constants: Any,
+) -> None:
+    """Run a split-K paged kernel over (row, kv head x `programs_per_kv_head`, split) and merge its
+    splits into `out`.
+
+    Without splits the kernel writes `out` directly; otherwise fp32 partials and their log2-sum-exp
+    go to `workspace` and the reduce kernel combines them. Unset tiles, warps and stages come from
+    the launch table's entry for the case (`unsplit` or `split`).
+    """
+    splits = workspace.num_splits
+    tuned = unsplit if splits == 1 else split
+    assert tuned.block_n is not None
+    constants = paged_kernel_constants(q, layer_cache, tuned.block_n if block_n is None else block_n)
+    kernel[(rows, layer_cache.shape[3] * programs_per_kv_head, splits)](
+        *paged_kernel_args(q, layer_cache, block_tables, scale),
+        seq_lens,
+        out if splits == 1 else workspace.partial,
+        workspace.lse,
+        *extra_args,
+        NUM_SPLITS=splits,
+        num_warps=tuned.num_warps if num_warps is None else num_warps,
+        num_stages=tuned.num_stages if num_stages is None else num_stages,
+        **kernel_constants,
+        **constants,
+    )
+    if splits == 1:
+        return
+    queries, num_heads, head_dim = out.shape
+    _decode_reduce_kernel[(queries * num_heads,)](
+        workspace.partial,
+        workspace.lse,
+        out,
+        NUM_SPLITS=splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=constants["HEAD_DIM_PAD"],
+        num_warps=reduce.num_warps,
+        num_stages=reduce.num_stages,
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    workspace: DecodeWorkspace,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    launch: LaunchTable | None = None,
+) -> torch.Tensor:
+    """One query token per row. q: [B, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32.
+
+    A row with seq_len 0 (graph padding) yields zeros. `launch` defaults to the table of q's device;
+    `block_n`, `num_warps` and `num_stages` override its entry (tuning sweeps).
+    """
+    batch, num_heads, _ = q.shape
+    num_kv_heads = layer_cache.shape[3]
+    out = packed_output(q, out)
+    table = launch_table_for(q.device) if launch is None else launch
+    launch_split_k(
+        _decode_split_kernel, batch, out, workspace, q, layer_cache, block_tables, seq_lens, scale, block_n,
+        num_warps, num_stages, table.decode_unsplit, table.decode_split, table.split_reduce,
+        GROUP_PAD=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
+    )  # fmt: skip
+    return out
+
+
+#: Graph batch sizes whose decode launches differ: the engine's largest (256 rows: one program
+#: per row and kv head, no split) and one row (split-K over the whole context, then the reduce).
+SCENARIO_DECODE_BATCHES = (256, 1)
+
+
+@launch_scenario("_decode_split_kernel", "_decode_reduce_kernel")
+def _decode_launches(case: KernelCase) -> None:
+    m = case.model
+    for batch in SCENARIO_DECODE_BATCHES:
+        splits = decode_num_splits(
+            batch, m.num_kv_heads, case.max_model_len, case.launch.decode_split.block_n or 64
+        )
+        workspace = DecodeWorkspace(batch, m.num_heads, m.head_dim, splits, torch.device("cpu"))
+        paged_decode_attention(
+            case.q(batch), case.kv_cache(), case.block_tables(batch), torch.zeros(batch, dtype=torch.int32),
+            m.head_dim**-0.5, workspace, launch=case.launch,
+        )  # fmt: skip
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [T, H, D]
+    cache_ptr,  # [2, NB, BS, KVH, D]
+    block_table_ptr,  # [B, MAXB] int32
+    v_offset,  # elements between the K and the V half of the cache
+    stride_bt,
+    stride_qt,
+    scale_log2,
+    query_start_ptr,  # [B + 1] int32
+    seq_lens_ptr,  # [B] int32
+    tile_row_ptr,  # [tiles] int32
+    tile_start_ptr,  # [tiles] int32 (query offset inside the row)
+    out_ptr,  # [T, H, D]
+    BLOCK_SIZE: tl.constexpr,
+    KVH: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    H: tl.constexpr = KVH * GROUP
+    kvh = head // GROUP
+    row = tl.load(tile_row_ptr + tile)
+    q_off = tl.load(tile_start_ptr + tile)
+    q_begin = tl.load(query_start_ptr + row)
+    q_len = tl.load(query_start_ptr + row + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + row)
+    context = seq_len - q_len  # tokens cached before this step
+
+    m = q_off + tl.arange(0, BLOCK_M)
+    m_mask = m < q_len
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + (q_begin + m)[:, None] * stride_qt + head * HEAD_DIM + d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    key_end = tl.minimum(context + q_off + BLOCK_M, seq_len)
+    m_i, l_i, acc = attend_paged_keys(
+        q, context + m, None, 0, key_end,
+        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2,
+        BLOCK_SIZE=BLOCK_SIZE, KVH=KVH, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL=True, PRECISION=PRECISION,
+    )  # fmt: skip
+    store_attention_rows(out_ptr, None, m_i, l_i, acc, (q_begin + m) * H + head, m_mask, 0, 1, HEAD_DIM)
+
+
+PREFILL_BLOCK_M = 64
+
+
+def prefill_tiles(
+    query_lens: list[int] | tuple[int, ...], block_m: int = PREFILL_BLOCK_M
+) -> tuple[list[int], list[int]]:
+    """(row, query offset) of every BLOCK_M tile of every row — planned on the host once per step."""
+    rows: list[int] = []
+    starts: list[int] = []
+    for row, length in enumerate(query_lens):
+        for start in range(0, int(length), block_m):
+            rows.append(row)
+            starts.append(start)
+    return rows, starts
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tile_rows: torch.Tensor,
+    tile_starts: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    launch: LaunchTable | None = None,
+) -> torch.Tensor:
+    """Causal attention of any number of query tokens per row over the row's cached positions.
+
+    q: [T, H, D]; a row's queries are its last ``query_len`` positions of ``seq_len``. `launch`
+    defaults to the table of q's device; the other keywords override its entry.
+    """
+    num_heads, head_dim = q.shape[1:]
+    out = packed_output(q, out)
+    num_tiles = tile_rows.shape[0]
+    if num_tiles == 0:
+        return out
+    tuned = (launch_table_for(q.device) if launch is None else launch).prefill(
+        triton.next_power_of_2(head_dim)
+    )
+    assert tuned.block_n is not None
+    _prefill_kernel[(num_tiles, num_heads)](
+        *paged_kernel_args(q, layer_cache, block_tables, scale),
+        query_start_loc,
+        seq_lens,
+        tile_rows,
+        tile_starts,
+        out,
+        BLOCK_M=PREFILL_BLOCK_M,
+        num_warps=tuned.num_warps if num_warps is None else num_warps,
+        num_stages=tuned.num_stages if num_stages is None else num_stages,
+        **paged_kernel_constants(q, layer_cache, tuned.block_n if block_n is None else block_n),
+    )
+    return out
+
+
+@launch_scenario("_prefill_kernel")
+def _prefill_launches(case: KernelCase) -> None:
+    """A prefill chunk of two rows (the launch's shape does not depend on the token count)."""
+    query_lens = (100, 28)
+    rows, starts = prefill_tiles(query_lens)
+    tokens = sum(query_lens)
+    query_start_loc = torch.tensor([0, query_lens[0], tokens], dtype=torch.int32)
+    paged_prefill_attention(
+        case.q(tokens), case.kv_cache(), case.block_tables(len(query_lens)), query_start_loc,
+        torch.tensor(query_lens, dtype=torch.int32), torch.tensor(rows, dtype=torch.int32),
+        torch.tensor(starts, dtype=torch.int32), case.model.head_dim**-0.5, launch=case.launch,
+    )  # fmt: skip
