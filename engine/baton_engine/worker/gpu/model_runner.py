@@ -183,7 +183,9 @@ class GpuModelRunner(ModelRunner):
     # -- graphs ---------------------------------------------------------------------------
     def _decode_meta(self, batch: int) -> DecodeMeta:
         mc = self.model_config
-        splits = decode_num_splits(batch, mc.num_kv_heads, self.config.max_model_len)
+        splits = decode_num_splits(
+            batch, mc.num_kv_heads, self.config.max_model_len, self.fused.launch.decode_split.block_n or 64
+        )
         return DecodeMeta(
             block_tables=self._g_tables[:batch],
             seq_lens=self._g_seq_lens[:batch],
@@ -200,7 +202,9 @@ class GpuModelRunner(ModelRunner):
         mc = self.model_config
         # The split count of a plain decode step of `batch` rows: each program's tile holds all
         # query_len tokens of its row, so the programs per split are the same.
-        splits = decode_num_splits(batch, mc.num_kv_heads, self.config.max_model_len)
+        splits = decode_num_splits(
+            batch, mc.num_kv_heads, self.config.max_model_len, self.fused.launch.verify_split.block_n or 64
+        )
         return VerifyMeta(
             block_tables=self._v_tables[:batch],
             seq_lens=self._v_seq_lens[:batch],
