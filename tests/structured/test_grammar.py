@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from baton_engine.loader.tokenizer_loading import load_tokenizer
-from baton_engine.structured.bitmask import apply_bitmask, bitmask_to_allowed
+from baton_engine.model.loader.tokenizer_loading import load_tokenizer
 from baton_engine.structured.grammar import (
     StructuredOutputError,
     parse_tools,
@@ -21,7 +20,8 @@ from baton_engine.structured.grammar import (
     tool_call_grammar,
 )
 from baton_engine.structured.matcher import GrammarMatcher, allowed, bitmask_words, grammar_tokenizer
-from baton_engine.tokenizer import Tokenizer
+from baton_engine.text.tokenizer import Tokenizer
+from baton_engine.worker.token_bitmask import apply_token_bitmask_host
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -57,7 +57,7 @@ def _sample(tokenizer: Tokenizer, grammar: str, seed: int, max_tokens: int = 200
     for _ in range(max_tokens):
         matcher.fill_bitmask(bitmask, 0)
         logits = torch.randn(1, vocab, generator=generator)
-        apply_bitmask(logits, torch.from_numpy(bitmask))
+        apply_token_bitmask_host(logits, bitmask)
         token = int(logits.argmax(dim=-1))
         assert allowed(bitmask, 0, token)
         if token == eos:
@@ -191,20 +191,6 @@ def test_drafts_the_grammar_refuses_are_cut_and_verify_masks_follow_the_drafts(t
     closing = tokenizer.encode('":', add_special_tokens=False)[0]
     assert allowed(bitmask, len(good), closing)  # after the key "days" its colon follows
     assert matcher.accept(good) == len(good)
-    matcher.rollback(len(good))
-    assert matcher.valid_prefix(good) == len(good)
-
-
-def test_bitmask_expansion_matches_the_bits() -> None:
-    bitmask = torch.tensor([[0b101, -1], [0, -(1 << 31)]], dtype=torch.int32)  # bit 31 of word 1: token 63
-    allowed_rows = bitmask_to_allowed(bitmask, 40)
-    assert allowed_rows[0].nonzero().flatten().tolist() == [0, 2, *range(32, 40)]
-    assert allowed_rows[1].nonzero().flatten().tolist() == []  # bit 63 is past the vocabulary
-    logits = torch.zeros(3, 40)
-    apply_bitmask(logits, bitmask, rows=torch.tensor([2, 0]))
-    assert torch.isinf(logits[1]).sum() == 0  # row 1 is unconstrained
-    assert (~torch.isinf(logits[2])).nonzero().flatten().tolist() == [0, 2, *range(32, 40)]
-    assert torch.isinf(logits[0]).all()
 
 
 def test_tool_call_format_from_the_template() -> None:
