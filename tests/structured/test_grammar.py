@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from baton_engine.model.loader.tokenizer_loading import load_tokenizer
+from baton_engine.server.tool_calls import parse_tool_calls
 from baton_engine.structured.grammar import (
     StructuredOutputError,
+    ToolCallFormat,
     parse_tools,
     response_format_grammar,
     tool_call_format,
@@ -148,6 +150,22 @@ def test_required_tool_calls_follow_the_hermes_format(tokenizer: Tokenizer, seed
     assert set(call) == {"name", "arguments"}
     spec = next(t for t in tools if t.name == call["name"])
     jsonschema.validate(call["arguments"], spec.parameters)
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+def test_parallel_calls_are_one_or_more_valid_calls(tokenizer: Tokenizer, fmt: ToolCallFormat) -> None:
+    tools = parse_tools([WEATHER, TIME])
+    grammar = tool_call_grammar(tools, fmt, parallel=True)
+    counts = []
+    for seed in range(4):
+        text = _sample(tokenizer, grammar, seed, max_tokens=400)
+        parsed = parse_tool_calls(text, fmt)
+        assert parsed.content is None and parsed.tool_calls, text
+        for call in parsed.tool_calls:
+            spec = next(t for t in tools if t.name == call.name)
+            jsonschema.validate(json.loads(call.arguments), spec.parameters)
+        counts.append(len(parsed.tool_calls))
+    assert max(counts) > 1  # the grammar lets the model go on with another call
 
 
 def test_a_named_tool_in_llama3_json_format(tokenizer: Tokenizer) -> None:

@@ -266,7 +266,7 @@ class Scheduler:
         try:
             self.structured_output.add(seq.seq_id, grammar)
         except StructuredOutputError as exc:
-            return f"grammar: {exc}"
+            return str(exc)  # "grammar: ..." (the server names the request field it came from)
         return None
 
     @property
