@@ -166,7 +166,7 @@ def _json_grammar(schema: dict[str, Any], param: str) -> str:
     except ValueError as exc:
         raise StructuredOutputError(param, "cannot be enforced: numbers must be finite") from exc
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
     except (ValueError, TypeError, RuntimeError) as exc:
         raise StructuredOutputError(param, f"cannot be enforced: {exc}") from exc
 
