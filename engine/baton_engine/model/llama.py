@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from baton_engine.model.attention_backend import AttentionBackend
-from baton_engine.model.attention_batch import AttentionBatch
+from baton_engine.model.attention.backend import AttentionBackend
+from baton_engine.model.attention.batch import AttentionBatch
 from baton_engine.model.config import ModelConfig
 from baton_engine.model.layers import BuildContext, GatedMLP, RMSNorm
 from baton_engine.model.linear import (
