@@ -10,6 +10,7 @@ the default is the whole model on one rank), each layer holds its rank's shard (
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import cast
 
 import torch
 from torch import nn
@@ -82,7 +83,8 @@ class SelfAttention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         out = backend.forward(q, k, v, layer_cache, batch, plan, self.scale)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        projected: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return projected
 
 
 class DecoderLayer(nn.Module):
@@ -138,6 +140,9 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(ctx, f"model.layers.{i}") for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.device)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [cast(DecoderLayer, layer) for layer in self.layers]
+
 
 class CausalLM(nn.Module):
     """Decoder plus LM head. `forward` returns hidden states; `compute_logits` the chosen rows' logits."""
@@ -171,13 +176,11 @@ class CausalLM(nn.Module):
     @property
     def num_local_kv_heads(self) -> int:
         """KV heads this rank holds (the KV cache's head dimension)."""
-        attn: SelfAttention = self.model.layers[0].self_attn
-        return attn.num_kv_heads
+        return self.model.decoder_layers()[0].self_attn.num_kv_heads
 
     @property
     def num_local_heads(self) -> int:
-        attn: SelfAttention = self.model.layers[0].self_attn
-        return attn.num_heads
+        return self.model.decoder_layers()[0].self_attn.num_heads
 
     @property
     def lm_head_layer(self) -> VocabParallelEmbedding:
@@ -195,9 +198,10 @@ class CausalLM(nn.Module):
         plan = backend.prepare(batch)
         cos, sin = self.rotary.lookup(batch.positions)
         hidden = self.model.embed_tokens(input_ids)
-        for index, layer in enumerate(self.model.layers):
+        for index, layer in enumerate(self.model.decoder_layers()):
             hidden = layer(hidden, cos, sin, kv_cache[index], backend, batch, plan)
-        return self.model.norm(hidden)
+        normed: torch.Tensor = self.model.norm(hidden)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab], whole rows on every rank."""
