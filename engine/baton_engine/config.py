@@ -32,6 +32,20 @@ class EngineConfig(BaseModel):
         "auto", description="Weights and KV-cache dtype; auto = float32 on CPU, bfloat16 on GPU."
     )
     seed: int = Field(0, description="Seed of the engine's generator for unseeded sampling.")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Ranks (GPUs, or CPU processes) one engine's model is split across, Megatron-style: "
+        "one process per rank, each loading only its shard; must divide the attention heads, and divide "
+        "or be a multiple of the KV heads.",
+    )
+    tensor_parallel_timeout_seconds: float = Field(
+        15.0,
+        gt=0,
+        description="A tensor-parallel rank silent this long (no heartbeat) is taken as hung and the "
+        "engine exits (a rank that dies ends it at once).",
+    )
 
     # -- cache
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")

@@ -37,6 +37,18 @@ def parameter_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def read_model_config(reference: str) -> ModelConfig:
+    """The model's hyper-parameters alone (no tensor read)."""
+    resolved = resolve_model(reference)
+    if resolved.format == "gguf":
+        from baton_engine.model.loader import gguf_loader
+
+        return gguf_loader.read_config(gguf_loader.open_gguf(resolved.path), resolved.name)
+    from baton_engine.model.loader import safetensors_loader
+
+    return safetensors_loader.read_config(resolved.path, resolved.name)
+
+
 def load_model(
     reference: str,
     device: torch.device | str = "cpu",

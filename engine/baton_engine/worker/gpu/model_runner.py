@@ -31,6 +31,7 @@ from baton_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutpu
 from baton_engine.model.kernels.triton_attention import PREFILL_BLOCK_M, DecodeWorkspace, decode_num_splits
 from baton_engine.model.kernels.triton_multi_query import multi_query_workspace
 from baton_engine.model.loader.model_loading import LoadedModel
+from baton_engine.model.parallel import SINGLE, TensorParallel
 from baton_engine.worker.gpu.decode_ahead import AheadPlan, is_decode_only, match_rows, plan_next_decode
 from baton_engine.worker.gpu.fused_decoder import DecodeMeta, FusedDecoder, PrefillMeta, VerifyMeta
 from baton_engine.worker.gpu.verify_batch import (
@@ -114,8 +115,9 @@ class GpuModelRunner(ModelRunner):
         sync_debug: bool = False,
         decode_ahead: bool = True,
         verify_graphs: bool = True,
+        parallel: TensorParallel = SINGLE,
     ) -> None:
-        super().__init__(config, loaded)
+        super().__init__(config, loaded, parallel=parallel)
         if self.device.type != "cuda":
             raise ValueError(f"GpuModelRunner needs a cuda device, got {self.device}")
         log.info(
@@ -126,7 +128,9 @@ class GpuModelRunner(ModelRunner):
             self.device,
         )
         self.sync_debug = sync_debug
-        self.decode_ahead = decode_ahead
+        # Decode-ahead launches a step before the scheduler sent it; the other ranks could not
+        # follow (their collectives would wait for a step they never got).
+        self.decode_ahead = decode_ahead and not parallel.is_parallel
         self._max_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.ahead_hits = 0
         self.ahead_misses = 0
