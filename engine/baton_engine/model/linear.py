@@ -85,10 +85,18 @@ class UnquantizedLinearMethod:
         pass
 
     def apply(self, layer: ParallelLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.packed is not None:
+            return onednn_linear(x, layer.packed, bias)
         return F.linear(x, layer.weight, bias)
 
 
 UNQUANTIZED = UnquantizedLinearMethod()
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) with W reordered by ``torch.ops.mkldnn._reorder_linear_weight`` (CPU, oneDNN)."""
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
 
 
 class QuantizationConfig(Protocol):
@@ -140,6 +148,9 @@ class ParallelLinear(nn.Module):
         self.prefix = prefix
         self.quant_method: LinearMethod = UNQUANTIZED if quant_method is None else quant_method
         self.shardings: dict[str, ParamSharding] = {}
+        self.packed: torch.Tensor | None = None
+        """The unquantized method's `weight` reordered for oneDNN (`cpu_linear.pack_linears`), or
+        None: plain ``F.linear``."""
         self.part_offsets = (0, *accumulate(s.length for s in self.output_shards))
         """Where each part's rows start in this rank's output dimension."""
         self.quant_method.create_weights(self, dtype, device)
@@ -365,9 +376,10 @@ class VocabParallelEmbedding(nn.Module):
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.parallel.all_reduce(out)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden] -> [T, vocab]`` (every rank gets the whole row)."""
-        local = F.linear(hidden, self.weight)
+    def logits(self, hidden: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, hidden] -> [T, vocab]`` (every rank gets the whole row); `packed`: this rank's
+        `weight` reordered for oneDNN (CPU)."""
+        local = F.linear(hidden, self.weight) if packed is None else onednn_linear(hidden, packed, None)
         if not self.parallel.is_parallel:
             return local
         return self.parallel.all_gather_last_dim(local)[..., : self.vocab_size]

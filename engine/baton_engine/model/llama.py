@@ -172,6 +172,8 @@ class CausalLM(nn.Module):
                 parallel=parallel,
             )
         self.rotary = RotaryTable(config, dtype, device)
+        self.logits_packed: torch.Tensor | None = None
+        """The LM head's weight (tied: the embedding's) reordered for oneDNN, or None."""
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -205,7 +207,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab], whole rows on every rank."""
-        return self.lm_head_layer.logits(hidden)
+        return self.lm_head_layer.logits(hidden, self.logits_packed)
 
 
 Weights = Mapping[str, torch.Tensor | WeightSource] | Iterable[tuple[str, torch.Tensor | WeightSource]]
