@@ -211,10 +211,10 @@ class _ScaledMethod:
 
     def process_weights_after_loading(self, layer: ParallelLinear) -> None:
         rows = torch.repeat_interleave(layer.weight_scale, torch.tensor(layer.output_sizes_per_rank))
-        layer.register_buffer("packed", (layer.weight * rows[:, None] / 2).t().contiguous())
+        layer.register_buffer("scaled_t", (layer.weight * rows[:, None] / 2).t().contiguous())
 
     def apply(self, layer: ParallelLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = 2 * x @ layer.packed
+        out = 2 * x @ layer.scaled_t
         return out if bias is None else out + bias
 
 
