@@ -5,6 +5,7 @@ load only their shards; bad sizes are refused naming the dimension."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,10 @@ from baton_engine.core.scheduler_output import SamplingBatch, SchedulerOutput
 from baton_engine.entrypoints.engine_factory import build_engine_core, close_runner
 from baton_engine.model.parallel import TensorParallelShapeError
 from baton_engine.prefix.events import KVCacheEvent
+from baton_engine.structured.grammar import json_schema_grammar
 from baton_engine.worker import step_message
 from baton_engine.worker.distributed import TensorParallelDeviceError, check_devices
-from baton_support.tiny_models import SPECULATIVE, parity_model
+from baton_support.tiny_models import CHAT, SPECULATIVE, parity_model
 from tests.worker.tp_helpers import live_children
 
 pytestmark = pytest.mark.slow
@@ -133,6 +135,45 @@ def test_speculative_decoding_and_kv_events_at_tp2_equal_one_rank(tiny_models: d
     assert got_events == want_events and len(want_events) > 0
 
 
+POINT: dict[str, Any] = {
+    "type": "object",
+    "properties": {"x": {"type": "integer", "maximum": 999}, "y": {"type": "integer", "maximum": 999}},
+    "required": ["x", "y"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_at_tp2_masks_rank_zeros_gathered_logits(tmp_path: Path) -> None:
+    """Grammar bitmasks are applied to the all-gathered logits on rank 0 (the vocabulary is split
+    across ranks before the gather): constrained seeded and greedy answers, with and without
+    n-gram drafts, are one rank's and valid; a free request beside them is untouched."""
+    model = tmp_path / "chat"
+    CHAT.save(model)
+    grammar = json_schema_grammar(POINT)
+    params = [
+        SamplingParams(temperature=1.0, seed=3, max_tokens=60, grammar=grammar),
+        SamplingParams(temperature=0.0, max_tokens=60, grammar=grammar),
+        SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True),
+    ]
+
+    def run(tp: int, **settings: Any) -> tuple[list[list[int]], list[str]]:
+        options = SETTINGS | settings
+        llm = LLM(str(model), tensor_parallel_size=tp, num_kv_blocks=64, max_model_len=256, **options)
+        try:
+            prompt = llm.tokenizer.encode("Paris is the capital of France.")
+            outputs = llm.generate([prompt] * 3, params)
+            assert llm.core.stats().num_grammar_requests == 0
+            return [o.outputs[0].token_ids for o in outputs], [o.outputs[0].text for o in outputs]
+        finally:
+            llm.close()
+
+    want, texts = run(1)
+    for text in texts[:2]:
+        assert set(json.loads(text)) == {"x", "y"}, text
+    assert run(2) == (want, texts)
+    assert run(2, speculative="ngram", num_speculative_tokens=3)[0] == want
+
+
 @pytest.mark.model
 def test_smollm2_splits_three_ways_not_two() -> None:
     """SmolLM2-135M has 9 attention heads over 3 KV heads: 3 ranks split it, 2 cannot."""
@@ -176,6 +217,8 @@ def test_sizes_the_model_or_devices_cannot_take_are_refused(tiny_models: dict[st
     )
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match=r"--kv-role consumer needs --tensor-parallel-size 1 .*got 2\)"):
+        EngineConfig(kv_role="consumer", tensor_parallel_size=2)
 
 
 def test_step_message_round_trip_cuts_the_block_table() -> None:
