@@ -13,9 +13,9 @@ import torch
 from tokenizers import pre_tokenizers
 
 from baton_engine.cli import main as cli_main
-from baton_engine.loader import load_model
-from baton_engine.loader.gguf_loader import open_gguf, read_config, read_weights
-from baton_engine.loader.hf_export import STAMP_FILE, ExportError, export_hf_folder
+from baton_engine.model.loader.gguf_loader import open_gguf, read_config, read_weights
+from baton_engine.model.loader.hf_export import STAMP_FILE, ExportError, export_hf_folder
+from baton_engine.model.loader.model_loading import load_model
 from tests.model.test_gguf_roundtrip import _write_gguf
 from tests.model.tiny_models import make_tiny_model
 
@@ -169,7 +169,7 @@ def test_smollm2_export_tokenizes_like_baton_in_transformers(tmp_path: Path) -> 
     folder = export_hf_folder("builtin:smollm2-135m-instruct", tmp_path / "smollm2")
     config = json.loads((folder / "config.json").read_text())
     assert (config["num_hidden_layers"], config["num_key_value_heads"], config["eos_token_id"]) == (30, 3, 2)
-    from baton_engine.loader.tokenizer_loading import load_tokenizer
+    from baton_engine.model.loader.tokenizer_loading import load_tokenizer
 
     baton = load_tokenizer("builtin:smollm2-135m-instruct")
     theirs = AutoTokenizer.from_pretrained(folder)

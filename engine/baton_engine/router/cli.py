@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from baton_engine import contract
-from baton_engine.router.block_hashes import PREFIX_HASH_NONE, PREFIX_HASHES
 from baton_engine.router.discovery import (
     KubernetesDiscovery,
     default_namespace,
@@ -19,6 +18,7 @@ from baton_engine.router.discovery import (
 )
 from baton_engine.router.endpoints import EndpointRegistry
 from baton_engine.router.policy import ROUTINGS, PrefillWeights
+from baton_engine.router.prefix import PREFIX_HASH_NONE, PREFIX_HASHES, block_hasher
 from baton_engine.router.settings import MODES, RouterSettings
 
 if TYPE_CHECKING:
@@ -235,7 +235,7 @@ def _request_tokenizer(reference: str | None, p: argparse.ArgumentParser) -> Eng
     """The engines' tokenizer and chat template (torch-free); None routes text prompts by load."""
     if reference is None:
         return None
-    from baton_engine.loader.tokenizer_loading import load_tokenizer
+    from baton_engine.model.loader.tokenizer_loading import load_tokenizer
     from baton_engine.router.request_tokens import EngineRequestTokenizer
 
     try:
@@ -281,11 +281,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn  # imported after the flags are checked: a typo fails fast
 
     from baton_engine.router.app import create_app
-    from baton_engine.router.block_hashes import block_hasher
     from baton_engine.router.kv_index import KVEventIndex
-    from baton_engine.router.prefix import PrefixScorer
+    from baton_engine.router.prefix import BlockHasher, PrefixScorer
 
-    hasher = block_hasher(args.prefix_hash, args.block_size, args.prefix_hash_seed)
+    def pod_hasher(prefix_hash: str, block_size: int) -> BlockHasher | None:
+        return block_hasher(prefix_hash, block_size, args.prefix_hash_seed)
+
+    hasher = pod_hasher(args.prefix_hash, args.block_size)
     # Discovered pods declare their own hashing (annotations), so they may be prefix-routed even
     # when the flags' hash is none; static pods use the flags'.
     prefix_capable = hasher is not None or bool(discovery)
@@ -294,9 +296,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tokenizer=request_tokenizer,
         hasher=hasher,
         index=kv_index,
-        hasher_factory=lambda prefix_hash, block_size: block_hasher(
-            prefix_hash, block_size, args.prefix_hash_seed
-        ),
+        hasher_factory=pod_hasher,
         default_prefix_hash=args.prefix_hash,
         default_block_size=args.block_size,
     )
