@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) on flattened tokens.
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3; Qwen3-MoE and Mixtral, whose
+sparse layers' MLP is `moe.SparseMoeBlock`) on flattened tokens.
 
 Module names follow the Hugging Face checkpoints (``model.layers.N.self_attn.o_proj`` ...),
 except for the fused ``qkv_proj`` and ``gate_up_proj`` (see `weights.py`). One forward runs a
@@ -16,6 +17,7 @@ from baton_engine.model.attention.backend import AttentionBackend
 from baton_engine.model.attention.batch import AttentionBatch
 from baton_engine.model.config import ModelConfig
 from baton_engine.model.layers import Embedding, GatedMLP, Linear, RMSNorm
+from baton_engine.model.moe import SparseMoeBlock
 from baton_engine.model.rope import RotaryTable, apply_rotary
 from baton_engine.model.weights import fuse_checkpoint_weights
 
@@ -63,12 +65,16 @@ class SelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SelfAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.mlp: GatedMLP | SparseMoeBlock
+        if config.moe is not None and config.is_sparse_layer(index):
+            self.mlp = SparseMoeBlock(config.hidden_size, config.moe)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(
         self,
@@ -92,7 +98,7 @@ class DecoderStack(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton_engine.model.config import MoeConfig
+from baton_engine.model.config import ModelConfig, MoeConfig
 
 #: Which implementation computes the experts: the torch reference, or the Triton kernels
 #: ("auto": Triton on GPU devices, the reference elsewhere).
@@ -142,3 +142,43 @@ class SparseMoeBlock(nn.Module):
             )  # fmt: skip
         gate_up, down = experts.dequantized(hidden.dtype)
         return experts_reference(hidden, gate_up, down, weights, ids)
+
+
+#: Checkpoint module names of expert `{e}`'s gate, up and down projections and of the router,
+#: under a sparse layer's prefix (``model.layers.N.``), per family.
+CHECKPOINT_NAMES: dict[str, tuple[str, str, str, str]] = {
+    "qwen3_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj", "mlp.gate"),
+    "mixtral": (
+        "block_sparse_moe.experts.{e}.w1",
+        "block_sparse_moe.experts.{e}.w3",
+        "block_sparse_moe.experts.{e}.w2",
+        "block_sparse_moe.gate",
+    ),
+}
+
+
+def stack_expert_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint tensors -> the stacked ``mlp.experts.gate_up_proj`` [E, 2I, H] and
+    ``mlp.experts.down_proj`` [E, H, I], and the router as ``mlp.gate.weight``, for every sparse
+    layer (other tensors pass through)."""
+    if config.moe is None:
+        return weights
+    gate_name, up_name, down_name, router_name = CHECKPOINT_NAMES[config.family]
+    stacked = dict(weights)
+    for layer in config.moe.sparse_layers:
+        prefix = f"model.layers.{layer}."
+
+        def take(name: str, expert: int) -> torch.Tensor:
+            key = f"{prefix}{name.format(e=expert)}.weight"
+            if key not in stacked:
+                raise ValueError(f"checkpoint lacks {key} (expert {expert} of layer {layer})")
+            return stacked.pop(key)
+
+        experts = range(config.moe.num_experts)
+        gate_up = [torch.cat([take(gate_name, e), take(up_name, e)], dim=0) for e in experts]
+        stacked[f"{prefix}mlp.experts.gate_up_proj"] = torch.stack(gate_up)
+        stacked[f"{prefix}mlp.experts.down_proj"] = torch.stack([take(down_name, e) for e in experts])
+        router = f"{prefix}{router_name}.weight"
+        if router in stacked:
+            stacked[f"{prefix}mlp.gate.weight"] = stacked.pop(router)
+    return stacked

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from baton_engine.model.config import ModelConfig
+from baton_engine.model.moe import stack_expert_weights
 
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -17,7 +18,7 @@ _FUSED = {
 
 
 def fuse_checkpoint_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    fused = dict(weights)
+    fused = stack_expert_weights(weights, config)
     for layer in range(config.num_layers):
         prefix = f"model.layers.{layer}."
         for target, parts in _FUSED.items():
