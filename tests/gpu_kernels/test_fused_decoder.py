@@ -12,6 +12,7 @@ from baton_engine.model.attention.backend import get_attention_backend
 from baton_engine.model.attention.batch import AttentionBatch
 from baton_engine.model.kernels.triton_attention import DecodeWorkspace, prefill_tiles
 from baton_engine.model.loader.model_loading import load_model
+from baton_engine.model.moe import SparseMoeBlock
 from baton_engine.worker.gpu.fused_decoder import DecodeMeta, FusedDecoder, PrefillMeta
 from baton_engine.worker.kv_cache import allocate_kv_cache
 from baton_support.tiny_models import parity_model
@@ -41,7 +42,13 @@ def _batch(
 
 @pytest.mark.parametrize(
     "family",
-    ["llama", pytest.param("qwen2", marks=pytest.mark.slow), pytest.param("qwen3", marks=pytest.mark.slow)],
+    [
+        "llama",
+        pytest.param("qwen2", marks=pytest.mark.slow),
+        pytest.param("qwen3", marks=pytest.mark.slow),
+        "qwen3_moe",
+        pytest.param("mixtral", marks=pytest.mark.slow),
+    ],
 )
 def test_prefill_then_decode_matches_reference(
     family: str, tmp_path: Path, kernel_device: torch.device
@@ -49,6 +56,8 @@ def test_prefill_then_decode_matches_reference(
     parity_model(family).save(tmp_path / family)
     loaded = load_model(str(tmp_path / family), kernel_device, torch.float32)
     model, config = loaded.model, loaded.config
+    moe_blocks = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert bool(moe_blocks) == (config.moe is not None)
     ref_cache = allocate_kv_cache(config, 16, BLOCK, torch.float32, kernel_device)
     fast_cache = torch.zeros_like(ref_cache)
     backend = get_attention_backend("torch", kernel_device)
@@ -65,7 +74,11 @@ def test_prefill_then_decode_matches_reference(
             [t for s, c in zip(seqs, context, strict=True) for t in s[c:]], device=kernel_device
         )
         with torch.no_grad():
+            for block in moe_blocks:  # the reference experts for the reference decoder
+                block.implementation = "torch"
             ref = model(ids, ref_cache, backend, batch)
+            for block in moe_blocks:  # the fused decoder's experts: Triton's grouped GEMMs
+                block.implementation = "triton"
             qlens = [n - c for n, c in zip(lens, context, strict=True)]
             bt = torch.from_numpy(tables.astype(np.int32)).to(kernel_device)
             seq_lens = torch.tensor(lens, dtype=torch.int32, device=kernel_device)

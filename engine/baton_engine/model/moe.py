@@ -147,7 +147,12 @@ class SparseMoeBlock(nn.Module):
 #: Checkpoint module names of expert `{e}`'s gate, up and down projections and of the router,
 #: under a sparse layer's prefix (``model.layers.N.``), per family.
 CHECKPOINT_NAMES: dict[str, tuple[str, str, str, str]] = {
-    "qwen3_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj", "mlp.gate"),
+    "qwen3_moe": (
+        "mlp.experts.{e}.gate_proj",
+        "mlp.experts.{e}.up_proj",
+        "mlp.experts.{e}.down_proj",
+        "mlp.gate",
+    ),
     "mixtral": (
         "block_sparse_moe.experts.{e}.w1",
         "block_sparse_moe.experts.{e}.w3",
@@ -165,19 +170,20 @@ def stack_expert_weights(weights: dict[str, torch.Tensor], config: ModelConfig) 
         return weights
     gate_name, up_name, down_name, router_name = CHECKPOINT_NAMES[config.family]
     stacked = dict(weights)
+
+    def take(prefix: str, name: str, expert: int) -> torch.Tensor:
+        key = f"{prefix}{name.format(e=expert)}.weight"
+        if key not in stacked:
+            raise ValueError(f"checkpoint lacks {key} (expert {expert} of {prefix.rstrip('.')})")
+        return stacked.pop(key)
+
     for layer in config.moe.sparse_layers:
         prefix = f"model.layers.{layer}."
-
-        def take(name: str, expert: int) -> torch.Tensor:
-            key = f"{prefix}{name.format(e=expert)}.weight"
-            if key not in stacked:
-                raise ValueError(f"checkpoint lacks {key} (expert {expert} of layer {layer})")
-            return stacked.pop(key)
-
         experts = range(config.moe.num_experts)
-        gate_up = [torch.cat([take(gate_name, e), take(up_name, e)], dim=0) for e in experts]
+        gate_up = [torch.cat([take(prefix, gate_name, e), take(prefix, up_name, e)]) for e in experts]
         stacked[f"{prefix}mlp.experts.gate_up_proj"] = torch.stack(gate_up)
-        stacked[f"{prefix}mlp.experts.down_proj"] = torch.stack([take(down_name, e) for e in experts])
+        down = [take(prefix, down_name, e) for e in experts]
+        stacked[f"{prefix}mlp.experts.down_proj"] = torch.stack(down)
         router = f"{prefix}{router_name}.weight"
         if router in stacked:
             stacked[f"{prefix}mlp.gate.weight"] = stacked.pop(router)

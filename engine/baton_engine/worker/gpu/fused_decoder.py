@@ -2,7 +2,8 @@
 
 The model already fuses q/k/v and gate/up into single projections; this forward adds the fused
 element-wise kernels, so a layer is 9 launches: add+norm, qkv, rotary+cache write, attention,
-o_proj, add+norm, gate_up, silu*mul, down. It holds no weights of its own.
+o_proj, add+norm, gate_up, silu*mul, down (a sparse layer's MLP is the MoE block: router, top-k,
+two grouped expert GEMMs). It holds no weights of its own.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from baton_engine.model.kernels.triton_fused import (
     silu_and_mul,
 )
 from baton_engine.model.kernels.triton_multi_query import paged_multi_query_attention
+from baton_engine.model.layers import GatedMLP
 from baton_engine.model.llama import CausalLM
+from baton_engine.model.moe import SparseMoeBlock
 
 
 @dataclass
@@ -66,9 +69,9 @@ class _Layer:
     qkv_bias: torch.Tensor | None
     o_proj: nn.Linear
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down_proj: nn.Linear
+    mlp: GatedMLP | SparseMoeBlock
+    """The dense MLP (gate_up, silu * up, down through the fused kernels) or the MoE block
+    (router and Triton fused experts)."""
     q_norm: nn.Module | None
     k_norm: nn.Module | None
 
@@ -91,7 +94,6 @@ class FusedDecoder:
         self.layers: list[_Layer] = []
         for layer in model.model.layers:
             attn = layer.self_attn
-            mlp = layer.mlp
             self.layers.append(
                 _Layer(
                     input_norm=layer.input_layernorm.weight,
@@ -99,9 +101,7 @@ class FusedDecoder:
                     qkv_bias=attn.qkv_proj.bias,
                     o_proj=attn.o_proj,
                     post_norm=layer.post_attention_layernorm.weight,
-                    gate_up_weight=mlp.gate_up_proj.weight,
-                    gate_up_bias=mlp.gate_up_proj.bias,
-                    down_proj=mlp.down_proj,
+                    mlp=layer.mlp,
                     q_norm=attn.q_norm,
                     k_norm=attn.k_norm,
                 )
@@ -165,8 +165,11 @@ class FusedDecoder:
                 )
             attn_out = layer.o_proj(attn.view(tokens, self.q_size))
             normed = fused_add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
-            gate_up = F.linear(normed, layer.gate_up_weight, layer.gate_up_bias)
-            mlp_out = layer.down_proj(silu_and_mul(gate_up))
+            mlp = layer.mlp
+            if isinstance(mlp, SparseMoeBlock):
+                mlp_out = mlp(normed)
+            else:
+                mlp_out = mlp.down_proj(silu_and_mul(mlp.gate_up_proj(normed)))
         assert mlp_out is not None
         return fused_add_rms_norm(mlp_out, residual, self.final_norm, self.eps)
 
