@@ -53,13 +53,31 @@ def _batch(
 def test_prefill_then_decode_matches_reference(
     family: str, tmp_path: Path, kernel_device: torch.device
 ) -> None:
+    _prefill_then_decode(family, torch.float32, tmp_path, kernel_device)
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+def test_fp8_kv_cache_matches_reference(
+    fmt: torch.dtype, tmp_path: Path, kernel_device: torch.device
+) -> None:
+    """Both decoders store K/V as FP8 (per-layer scales) and attend over the stored values."""
+    _prefill_then_decode("qwen3", fmt, tmp_path, kernel_device)
+
+
+def _prefill_then_decode(
+    family: str, kv_dtype: torch.dtype, tmp_path: Path, kernel_device: torch.device
+) -> None:
     parity_model(family).save(tmp_path / family)
     loaded = load_model(str(tmp_path / family), kernel_device, torch.float32)
     model, config = loaded.model, loaded.config
+    kv_scales = None
+    if kv_dtype != torch.float32:  # distinct scales per layer, K and V
+        kv_scales = torch.tensor([[0.5 + 0.25 * i, 2.0 - 0.5 * i] for i in range(config.num_layers)])
+        kv_scales = kv_scales.to(kernel_device)
     moe_blocks = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
     assert bool(moe_blocks) == (config.moe is not None)
-    ref_cache = allocate_kv_cache(config, 16, BLOCK, torch.float32, kernel_device)
-    fast_cache = torch.zeros_like(ref_cache)
+    ref_cache = allocate_kv_cache(config, 16, BLOCK, kv_dtype, kernel_device)
+    fast_cache = torch.zeros_like(ref_cache.view(torch.uint8)).view(kv_dtype)
     backend = get_attention_backend("torch", kernel_device)
     fused = FusedDecoder(model)
     tables = np.array([[3, 7, 1, 0], [2, 9, 4, 5]])
@@ -76,7 +94,7 @@ def test_prefill_then_decode_matches_reference(
         with torch.no_grad():
             for block in moe_blocks:  # the reference experts for the reference decoder
                 block.implementation = "torch"
-            ref = model(ids, ref_cache, backend, batch)
+            ref = model(ids, ref_cache, backend, batch, kv_scales)
             for block in moe_blocks:  # the fused decoder's experts: Triton's grouped GEMMs
                 block.implementation = "triton"
             qlens = [n - c for n, c in zip(lens, context, strict=True)]
@@ -95,7 +113,7 @@ def test_prefill_then_decode_matches_reference(
                 meta = DecodeMeta(
                     bt, seq_lens, DecodeWorkspace(2, config.num_heads, config.head_dim, 2, bt.device)
                 )
-            out = fused.forward(ids, batch.positions, batch.slot_mapping, fast_cache, meta)
+            out = fused.forward(ids, batch.positions, batch.slot_mapping, fast_cache, meta, kv_scales)
         err = float((out - ref).norm() / ref.norm())
         assert err < 1e-5, (step, err)
         last = torch.tensor(np.cumsum(qlens) - 1, device=kernel_device)

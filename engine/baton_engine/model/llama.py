@@ -49,6 +49,7 @@ class SelfAttention(nn.Module):
         backend: AttentionBackend,
         batch: AttentionBatch,
         plan: object,
+        kv_scale: torch.Tensor | None,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
         q_flat, k_flat, v_flat = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
@@ -60,7 +61,7 @@ class SelfAttention(nn.Module):
             k = self.k_norm(k)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        out = backend.forward(q, k, v, layer_cache, batch, plan, self.scale)
+        out = backend.forward(q, k, v, layer_cache, batch, plan, self.scale, kv_scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
@@ -85,9 +86,11 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         batch: AttentionBatch,
         plan: object,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         residual = hidden
-        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, layer_cache, backend, batch, plan)
+        normed = self.input_layernorm(hidden)
+        hidden = self.self_attn(normed, cos, sin, layer_cache, backend, batch, plan, kv_scale)
         hidden = residual + hidden
         residual = hidden
         hidden = self.mlp(self.post_attention_layernorm(hidden))
@@ -120,13 +123,16 @@ class CausalLM(nn.Module):
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
         batch: AttentionBatch,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids: [T]; kv_cache: [layers, 2, blocks, block_size, kv_heads, head_dim]."""
+        """input_ids: [T]; kv_cache: [layers, 2, blocks, block_size, kv_heads, head_dim];
+        kv_scales: [layers, 2] (K, V) scales of an FP8 cache (None: a 16-bit cache)."""
         plan = backend.prepare(batch)
         cos, sin = self.rotary.lookup(batch.positions)
         hidden = self.model.embed_tokens(input_ids)
         for index, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, cos, sin, kv_cache[index], backend, batch, plan)
+            scale = None if kv_scales is None else kv_scales[index]
+            hidden = layer(hidden, cos, sin, kv_cache[index], backend, batch, plan, scale)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

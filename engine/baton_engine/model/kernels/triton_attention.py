@@ -33,6 +33,7 @@ def _decode_split_kernel(
     stride_bt,
     stride_qt,
     scale_log2,
+    kv_scale_ptr,  # [2] float32 (K, V) scales of an FP8 cache (KV_FP8 only)
     seq_lens_ptr,  # [B] int32
     out_ptr,  # [B, H, D] (NUM_SPLITS == 1) or partial [B, H, S, D] fp32
     lse_ptr,  # [B, H, S] fp32
@@ -45,6 +46,7 @@ def _decode_split_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     row, kvh, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N)
     H: tl.constexpr = KVH * GROUP
@@ -61,8 +63,9 @@ def _decode_split_kernel(
     )
     m_i, l_i, acc = attend_paged_keys(
         q, None, None, start, end,
-        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2,
+        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2, kv_scale_ptr,
         BLOCK_SIZE=BLOCK_SIZE, KVH=KVH, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION,
+        KV_FP8=KV_FP8,
     )  # fmt: skip
     store_attention_rows(
         out_ptr, lse_ptr, m_i, l_i, acc, row * H + heads, g_mask, split, NUM_SPLITS, HEAD_DIM
@@ -140,6 +143,7 @@ def launch_split_k(
     tuned_unsplit: tuple[int, int],
     tuned_split: tuple[int, int],
     extra_args: tuple[Any, ...] = (),
+    kv_scale: torch.Tensor | None = None,
     **kernel_constants: Any,
 ) -> None:
     """Run a split-K paged kernel over (row, kv head, split) and merge its splits into `out`.
@@ -152,7 +156,7 @@ def launch_split_k(
     warps, stages = tuned_unsplit if splits == 1 else tuned_split
     constants = paged_kernel_constants(q, layer_cache, block_n)
     kernel[(rows, layer_cache.shape[3], splits)](
-        *paged_kernel_args(q, layer_cache, block_tables, scale),
+        *paged_kernel_args(q, layer_cache, block_tables, scale, kv_scale),
         seq_lens,
         out if splits == 1 else workspace.partial,
         workspace.lse,
@@ -189,8 +193,10 @@ def paged_decode_attention(
     block_n: int = 64,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per row. q: [B, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32.
+    """One query token per row. q: [B, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32;
+    kv_scale: the layer's [2] (K, V) scales when the cache is FP8.
 
     A row with seq_len 0 (graph padding) yields zeros.
     """
@@ -201,7 +207,7 @@ def paged_decode_attention(
     # each program walks a whole row (large batch); 8 warps and 4 stages for short split-K slices.
     launch_split_k(
         _decode_split_kernel, batch, out, workspace, q, layer_cache, block_tables, seq_lens, scale, block_n,
-        num_warps, num_stages, (2, 2), (8, 4),
+        num_warps, num_stages, (2, 2), (8, 4), kv_scale=kv_scale,
         GROUP_PAD=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
     )  # fmt: skip
     return out
@@ -216,6 +222,7 @@ def _prefill_kernel(
     stride_bt,
     stride_qt,
     scale_log2,
+    kv_scale_ptr,  # [2] float32 (K, V) scales of an FP8 cache (KV_FP8 only)
     query_start_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     tile_row_ptr,  # [tiles] int32
@@ -229,6 +236,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -253,8 +261,9 @@ def _prefill_kernel(
     key_end = tl.minimum(context + q_off + BLOCK_M, seq_len)
     m_i, l_i, acc = attend_paged_keys(
         q, context + m, None, 0, key_end,
-        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2,
+        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2, kv_scale_ptr,
         BLOCK_SIZE=BLOCK_SIZE, KVH=KVH, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL=True, PRECISION=PRECISION,
+        KV_FP8=KV_FP8,
     )  # fmt: skip
     store_attention_rows(out_ptr, None, m_i, l_i, acc, (q_begin + m) * H + head, m_mask, 0, 1, HEAD_DIM)
 
@@ -288,10 +297,12 @@ def paged_prefill_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of any number of query tokens per row over the row's cached positions.
 
-    q: [T, H, D]; a row's queries are its last ``query_len`` positions of ``seq_len``.
+    q: [T, H, D]; a row's queries are its last ``query_len`` positions of ``seq_len``; kv_scale:
+    the layer's [2] (K, V) scales when the cache is FP8.
     """
     num_heads, head_dim = q.shape[1:]
     out = packed_output(q, out)
@@ -301,7 +312,7 @@ def paged_prefill_attention(
     if block_n is None:
         block_n = 64 if triton.next_power_of_2(head_dim) <= 64 else 32
     _prefill_kernel[(num_tiles, num_heads)](
-        *paged_kernel_args(q, layer_cache, block_tables, scale),
+        *paged_kernel_args(q, layer_cache, block_tables, scale, kv_scale),
         query_start_loc,
         seq_lens,
         tile_rows,

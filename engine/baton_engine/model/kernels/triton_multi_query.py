@@ -36,6 +36,7 @@ def _multi_query_split_kernel(
     stride_bt,
     stride_qt,
     scale_log2,
+    kv_scale_ptr,  # [2] float32 (K, V) scales of an FP8 cache (KV_FP8 only)
     seq_lens_ptr,  # [B] int32
     out_ptr,  # [B * Q, H, D] (NUM_SPLITS == 1) or partial [B * Q, H, S, D] fp32
     lse_ptr,  # [B * Q, H, S] fp32
@@ -50,6 +51,7 @@ def _multi_query_split_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     row, kvh, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N)
     H: tl.constexpr = KVH * GROUP
@@ -73,8 +75,9 @@ def _multi_query_split_kernel(
     )
     m_i, l_i, acc = attend_paged_keys(
         q, context + j, real, start, end,
-        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2,
+        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2, kv_scale_ptr,
         BLOCK_SIZE=BLOCK_SIZE, KVH=KVH, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL=True, PRECISION=PRECISION,
+        KV_FP8=KV_FP8,
     )  # fmt: skip
     store_attention_rows(
         out_ptr, lse_ptr, m_i, l_i, acc, token * H + heads, in_window, split, NUM_SPLITS, HEAD_DIM
@@ -101,8 +104,10 @@ def paged_multi_query_attention(
     block_n: int = 64,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [B * query_len, H, D], row-major by (row, token); query_lens: [B] int32 (<= query_len).
+    """q: [B * query_len, H, D], row-major by (row, token); query_lens: [B] int32 (<= query_len);
+    kv_scale: the layer's [2] (K, V) scales when the cache is FP8.
 
     Returns [B * query_len, H, D]; padding tokens (j >= query_lens[row]) and rows with seq_len 0
     get zeros.
@@ -117,7 +122,7 @@ def paged_multi_query_attention(
         return out
     launch_split_k(
         _multi_query_split_kernel, batch, out, workspace, q, layer_cache, block_tables, seq_lens, scale,
-        block_n, num_warps, num_stages, (4, 2), (8, 3), (query_lens,), QUERY_LEN=query_len,
+        block_n, num_warps, num_stages, (4, 2), (8, 3), (query_lens,), kv_scale, QUERY_LEN=query_len,
         M_PAD=max(16, triton.next_power_of_2(query_len * (num_heads // num_kv_heads))),
     )  # fmt: skip
     return out

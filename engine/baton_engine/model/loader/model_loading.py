@@ -24,6 +24,8 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     name: str
     source: ResolvedModel
+    kv_scales: torch.Tensor | None = None
+    """[layers, 2] calibrated (K, V) scales for an FP8 KV cache, when the checkpoint has them."""
 
 
 def load_model(

@@ -41,6 +41,14 @@ def fp8_dtype_for_arch(arch: str) -> torch.dtype:
     return torch.float8_e4m3fnuz if arch.split(":")[0] in FNUZ_ARCHS else torch.float8_e4m3fn
 
 
+def fp8_dtype_for_device(device: torch.device) -> torch.dtype:
+    """The FP8 format of `device`: ROCm builds of torch name AMD GPUs "cuda" and set
+    `torch.version.hip`; their architecture ("gfx942:sramecc+:xnack-") decides."""
+    if device.type != "cuda" or not torch.version.hip:
+        return torch.float8_e4m3fn
+    return fp8_dtype_for_arch(str(torch.cuda.get_device_properties(device).gcnArchName))
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     if dtype not in FP8_DTYPES:
         raise ValueError(f"{dtype} is not an FP8 format (expected one of {FP8_DTYPES})")

@@ -114,8 +114,10 @@ class FusedDecoder:
         slot_mapping: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: DecodeMeta | VerifyMeta | PrefillMeta,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
+        """Final-norm hidden states [T, hidden]; writes the step's K/V into `kv_cache` (FP8 with
+        `kv_scales` [layers, 2], else 16/32-bit)."""
         tokens = input_ids.shape[0]
         residual = F.embedding(input_ids, self.embed)
         mlp_out: torch.Tensor | None = None
@@ -133,14 +135,17 @@ class FusedDecoder:
                 q_view.copy_(layer.q_norm(q_view))
                 k_view.copy_(layer.k_norm(k_view))
             layer_cache = kv_cache[index]
+            kv_scale = None if kv_scales is None else kv_scales[index]
             rotary_cache_write(
-                qkv, positions, self.cos, self.sin, slot_mapping, layer_cache, h, self.num_kv_heads, d
-            )
+                qkv, positions, self.cos, self.sin, slot_mapping, layer_cache, h, self.num_kv_heads, d,
+                kv_scale,
+            )  # fmt: skip
             q = qkv[:, : self.q_size].view(tokens, h, d)
             if isinstance(meta, DecodeMeta):
                 attn = paged_decode_attention(
-                    q, layer_cache, meta.block_tables, meta.seq_lens, self.scale, meta.workspace
-                )
+                    q, layer_cache, meta.block_tables, meta.seq_lens, self.scale, meta.workspace,
+                    kv_scale=kv_scale,
+                )  # fmt: skip
             elif isinstance(meta, VerifyMeta):
                 attn = paged_multi_query_attention(
                     q,
@@ -151,6 +156,7 @@ class FusedDecoder:
                     meta.query_len,
                     self.scale,
                     meta.workspace,
+                    kv_scale=kv_scale,
                 )
             else:
                 attn = paged_prefill_attention(
@@ -162,6 +168,7 @@ class FusedDecoder:
                     meta.tile_rows,
                     meta.tile_starts,
                     self.scale,
+                    kv_scale=kv_scale,
                 )
             attn_out = layer.o_proj(attn.view(tokens, self.q_size))
             normed = fused_add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
