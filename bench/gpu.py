@@ -488,6 +488,12 @@ def agreement(result: dict[str, Any]) -> None:
     result["fp32_top2_gap_median"] = round(float((top2[:, 0] - top2[:, 1]).median()), 4)
 
 
+def _moe_section(result: dict[str, Any], quick: bool) -> None:
+    from bench.gpu_moe import moe
+
+    moe(result, quick)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -513,6 +519,7 @@ def main() -> None:
         "8b": lambda: eight_b(result),
         "agree": lambda: agreement(result),
         "1b": lambda: one_b(result, args.quick),
+        "moe": lambda: _moe_section(result, args.quick),
     }
     for name in args.sections.split(","):
         t0 = time.perf_counter()

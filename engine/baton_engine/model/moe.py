@@ -165,7 +165,8 @@ CHECKPOINT_NAMES: dict[str, tuple[str, str, str, str]] = {
 def stack_expert_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Per-expert checkpoint tensors -> the stacked ``mlp.experts.gate_up_proj`` [E, 2I, H] and
     ``mlp.experts.down_proj`` [E, H, I], and the router as ``mlp.gate.weight``, for every sparse
-    layer (other tensors pass through)."""
+    layer (other tensors pass through, and so do layers already stacked: transformers 5's
+    in-memory names)."""
     if config.moe is None:
         return weights
     gate_name, up_name, down_name, router_name = CHECKPOINT_NAMES[config.family]
@@ -179,6 +180,8 @@ def stack_expert_weights(weights: dict[str, torch.Tensor], config: ModelConfig) 
 
     for layer in config.moe.sparse_layers:
         prefix = f"model.layers.{layer}."
+        if f"{prefix}mlp.experts.gate_up_proj" in stacked:
+            continue
         experts = range(config.moe.num_experts)
         gate_up = [torch.cat([take(prefix, gate_name, e), take(prefix, up_name, e)]) for e in experts]
         stacked[f"{prefix}mlp.experts.gate_up_proj"] = torch.stack(gate_up)
