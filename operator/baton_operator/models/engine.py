@@ -1,8 +1,8 @@
 """Engine settings: one set at `spec.engine`, overridable per role at `spec.<role>.engine`.
 
 Settings that must agree across one deployment's pods (block size, KV dtype, weight quantization,
-the prefix hash, the context length, the HTTP port) exist only at the top: a decode pod can only pull KV blocks laid
-out like its own, and the router hashes prompts with the engines' block size.
+the prefix hash, the context length, the HTTP port) exist only at the top: a decode pod can only
+pull KV blocks laid out like its own, and the router hashes prompts with the engines' block size.
 """
 
 from __future__ import annotations
