@@ -14,6 +14,7 @@ from baton_engine.config import EngineConfig
 from baton_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton_engine.model.attention.backend import get_attention_backend
 from baton_engine.model.attention.batch import AttentionBatch
+from baton_engine.model.cpu_linear import pack_linears
 from baton_engine.model.loader.model_loading import LoadedModel, load_model
 from baton_engine.text.tokenizer import Tokenizer
 from baton_engine.worker.kv_cache import (
@@ -56,6 +57,8 @@ class ModelRunner:
                 f"the preloaded model is {weight.dtype} on {weight.device}, but the engine is configured "
                 f"for {self.dtype} on {self.device}"
             )
+        if self.device.type == "cpu":
+            pack_linears(self.model)
         self.model_config = self.loaded.config
         self.block_size = config.block_size
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
