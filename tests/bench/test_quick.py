@@ -68,6 +68,7 @@ BENCHMARKS: dict[str, Bench] = {
 #: Modules under bench/ that are not benchmarks of their own.
 HELPERS = {
     "shapes": "model shapes the GPU benchmarks share",
+    "gpu_moe": "bench.gpu's moe section (Qwen3-30B-A3B shape)",
     "router_upstream": "the fixed-rate upstream that bench.router starts",
     "operator_load": "the code of bench.operator",
     "autoscaler_reaction": "the operator-process part of bench.autoscaler",
