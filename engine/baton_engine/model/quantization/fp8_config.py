@@ -126,7 +126,6 @@ def _parse_fp8(raw: dict[str, Any]) -> Fp8Checkpoint:
         format="fp8",
         groups=((("Linear",), Fp8Scheme("tensor", scheme)),),
         ignore=tuple(str(name) for name in ignored),
-        kv_cache_scales=raw.get("kv_cache_scheme") is not None,
     )
 
 
