@@ -59,6 +59,10 @@ BENCHMARKS: dict[str, Bench] = {
         ("requests", "unexpected", "end", "rss_mib"),
         smoke_test="tests/server/test_soak.py::test_short_soak_leaks_no_block_and_leaves_no_request_stuck",
     ),
+    "amd_compile": Bench(
+        ("summary", "kernels", "failures", "cost"),
+        smoke_test="tests/kernel_targets/test_compile_targets.py::test_bench_amd_compile_reports_the_test_run",
+    ),
     # vLLM's start alone takes minutes on a loaded 2-core machine: the smoke run measures Baton
     # only (its full run compares both sides).
     "serving": Bench(("serving", "offline", "notes", "load_average_1m"), extra_args=("--skip-vllm",)),

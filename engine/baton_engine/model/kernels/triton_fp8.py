@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from baton_engine.model.kernels.kernel_registry import KernelCase, launch_scenario
 from baton_engine.model.quantization.fp8 import MIN_SCALE, fp8_max
 
 #: 1.5 * 2**23: adding and subtracting it rounds a float32 of magnitude below 2**22 to the nearest
@@ -218,3 +219,25 @@ def fp8_gemm(
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return out
+
+
+#: Activation rows of the FP8 GEMM scenario: one for each tile shape `gemm_tiles` picks.
+_SCENARIO_ROWS = (4, 64, 256)
+
+
+@launch_scenario("_quantize_rows_kernel", "_fp8_gemm_kernel", dtypes=("fp8",))
+def _fp8_gemm_launches(case: KernelCase) -> None:
+    """An FP8 linear layer (hidden -> hidden) in the target's format, for bfloat16 and float16
+    activations: quantized per token and with a static scale, then the W8A8 product and the
+    weight-only one (16-bit activations), with and without a bias, for each tile shape."""
+    width = case.model.hidden_size
+    weight = torch.zeros(width, width, dtype=case.dtype)
+    weight_scale = torch.ones(width)
+    for activation_dtype in (torch.bfloat16, torch.float16):
+        for rows in _SCENARIO_ROWS:
+            x = torch.zeros(rows, width, dtype=activation_dtype)
+            q, row_scale = quantize_rows(x, case.dtype)
+            quantize_rows(x, case.dtype, torch.ones(()))
+            for bias in (None, torch.zeros(width, dtype=activation_dtype)):
+                fp8_gemm(q, row_scale, weight, weight_scale, bias, activation_dtype, native_fp8_dot=True)
+                fp8_gemm(x, None, weight, weight_scale, bias, activation_dtype, native_fp8_dot=True)

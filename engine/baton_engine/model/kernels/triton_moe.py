@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from baton_engine.model.kernels.kernel_registry import KernelCase, launch_scenario
+
 
 @dataclass
 class MoeAlignment:
@@ -267,3 +269,31 @@ def fused_moe(
         PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return per_pair.view(tokens, top_k, hidden).sum(dim=1)
+
+
+#: Token counts of the MoE scenario: decode-sized, mid-sized and prefill-sized steps, one for
+#: each tile height `moe_tiles` picks with `_SCENARIO_EXPERTS` experts and top-2 routing.
+_SCENARIO_TOKENS = (4, 128, 512)
+_SCENARIO_EXPERTS = 8
+
+
+@launch_scenario("_moe_gate_up_kernel", "_moe_down_kernel")
+def _moe_launches(case: KernelCase) -> None:
+    """The two grouped GEMMs for each tile height, with 16-bit experts and (16-bit activations on
+    a target with FP8) with FP8 experts and their per-channel scales. The expert shapes are
+    runtime arguments; the case's hidden size with a 256-wide expert keeps the tensors small."""
+    hidden, inter, experts = case.model.hidden_size, 256, _SCENARIO_EXPERTS
+    weight_dtypes: list[torch.dtype] = [case.dtype]
+    if case.fp8_dtype is not None and case.case_dtype in ("bfloat16", "float16"):
+        weight_dtypes.append(case.fp8_dtype)
+    for tokens in _SCENARIO_TOKENS:
+        x = torch.zeros(tokens, hidden, dtype=case.dtype)
+        ids = (torch.arange(tokens * 2, dtype=torch.int64) % experts).view(tokens, 2)
+        weights = torch.zeros(tokens, 2, dtype=torch.float32)
+        for weight_dtype in weight_dtypes:
+            fp8 = weight_dtype != case.dtype
+            fused_moe(
+                x, torch.zeros(experts, 2 * inter, hidden, dtype=weight_dtype),
+                torch.zeros(experts, hidden, inter, dtype=weight_dtype), weights, ids,
+                torch.ones(experts, 2 * inter) if fp8 else None, torch.ones(experts, hidden) if fp8 else None,
+            )  # fmt: skip
