@@ -26,7 +26,7 @@ from baton_engine.core.engine_core import EngineCore
 from baton_engine.core.sampling_params import SamplingParams
 from baton_engine.core.scheduler import Scheduler
 from baton_engine.model.config import ModelConfig
-from baton_engine.model.llama import build_model
+from baton_engine.model.llama import Weights, build_model
 from baton_engine.model.loader.model_loading import LoadedModel
 from baton_engine.model.loader.reference import ResolvedModel
 from baton_engine.worker.gpu.model_runner import GpuModelRunner
@@ -102,7 +102,7 @@ def random_weights(
 
 def make_core(
     config: ModelConfig,
-    weights: dict[str, torch.Tensor],
+    weights: Weights,
     dtype: torch.dtype,
     graph_sizes: tuple[int, ...],
     **settings: Any,

@@ -2,7 +2,8 @@
 concurrent requests.
 
 For each concurrency: Baton's output tokens per second and transformers' on the same weights
-(shared tensors; its default experts implementation, ``grouped_mm`` where torch has it), then the
+(transformers' parameters are views of the engine's: one copy of the ~57 GiB on the device; its
+default experts implementation, ``grouped_mm`` where torch has it), then the
 device time of Baton's captured decode step at that batch against the roofline of the bytes the
 step must read: every active expert's weights (the experts the step's tokens were routed to,
 counted per layer by an eager run of the same step), the attention, router and LM-head weights,
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from baton_engine.model.config import ModelConfig
+from baton_engine.model.llama import CausalLM
 from baton_engine.model.moe import SparseMoeBlock, route
 from bench.gpu import cuda_time_ms, make_core, run_requests
 from bench.shapes import QWEN3_30B_A3B
@@ -28,8 +31,9 @@ H200_BANDWIDTH_GBPS = 4800.0
 
 def moe_random_weights(
     config: ModelConfig, dtype: torch.dtype, seed: int, device: str = "cuda"
-) -> dict[str, torch.Tensor]:
-    """Random weights, experts already stacked (transformers 5's in-memory names)."""
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights, experts already stacked (transformers 5's in-memory names), made one
+    layer at a time as the loader reads them (the device never holds them twice)."""
     assert config.moe is not None
     moe = config.moe
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -41,14 +45,14 @@ def moe_random_weights(
         return (1.0 + 0.1 * torch.randn(size, generator=gen, device=device)).to(dtype)
 
     h, d, e, i = config.hidden_size, config.head_dim, moe.num_experts, moe.moe_intermediate_size
-    weights = {
+    yield from {
         "model.embed_tokens.weight": normal(config.vocab_size, h),
         "model.norm.weight": norm(h),
         "lm_head.weight": normal(config.vocab_size, h),
-    }
+    }.items()
     for layer in range(config.num_layers):
         p = f"model.layers.{layer}."
-        weights |= {
+        yield from {
             p + "input_layernorm.weight": norm(h),
             p + "post_attention_layernorm.weight": norm(h),
             p + "self_attn.q_proj.weight": normal(config.num_heads * d, h),
@@ -60,8 +64,42 @@ def moe_random_weights(
             p + "mlp.gate.weight": normal(e, h),
             p + "mlp.experts.gate_up_proj": normal(e, 2 * i, h),
             p + "mlp.experts.down_proj": normal(e, h, i),
+        }.items()
+
+
+def hf_state_from_engine(model: CausalLM) -> dict[str, torch.Tensor]:
+    """transformers' Qwen3-MoE state dict as views of one-rank engine `model`'s parameters
+    (q/k/v: row ranges of the merged projection)."""
+    config = model.config
+    d = config.head_dim
+    state = {
+        "model.embed_tokens.weight": model.model.embed_tokens.weight,
+        "model.norm.weight": model.model.norm.weight,
+    }
+    state["lm_head.weight"] = model.lm_head_layer.weight
+    for index, layer in enumerate(model.model.decoder_layers()):
+        p = f"model.layers.{index}."
+        attn = layer.self_attn
+        q, k, v = attn.qkv_proj.weight.split(
+            [config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d]
+        )
+        assert attn.q_norm is not None and attn.k_norm is not None
+        mlp = layer.mlp
+        assert isinstance(mlp, SparseMoeBlock)
+        state |= {
+            p + "input_layernorm.weight": layer.input_layernorm.weight,
+            p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+            p + "self_attn.q_proj.weight": q,
+            p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": attn.o_proj.weight,
+            p + "self_attn.q_norm.weight": attn.q_norm.weight,
+            p + "self_attn.k_norm.weight": attn.k_norm.weight,
+            p + "mlp.gate.weight": mlp.gate.weight,
+            p + "mlp.experts.gate_up_proj": mlp.experts.gate_up_proj,
+            p + "mlp.experts.down_proj": mlp.experts.down_proj,
         }
-    return weights
+    return state
 
 
 def hf_qwen3_moe(config: ModelConfig, weights: dict[str, torch.Tensor], device: str = "cuda") -> Any:
@@ -140,10 +178,11 @@ def moe(result: dict[str, Any], quick: bool) -> None:
         enable_prefix_caching=False,
     )  # fmt: skip
     result["moe_kv_blocks"] = runner.num_blocks
-    result["moe_weight_gib"] = round(sum(w.numel() * w.element_size() for w in weights.values()) / 2**30, 2)
+    weight_bytes = sum(w.numel() * w.element_size() for w in runner.model.parameters())
+    result["moe_weight_gib"] = round(weight_bytes / 2**30, 2)
     rng = np.random.default_rng(9)
     run_requests(core, [rng.integers(0, config.vocab_size, size=40).tolist() for _ in range(8)], [8] * 8)
-    hf = hf_qwen3_moe(config, weights)
+    hf = hf_qwen3_moe(config, hf_state_from_engine(runner.model))
     result["moe_hf_experts_implementation"] = str(hf.config._experts_implementation)
     bandwidth = float(result.get("copy_bandwidth_gbps") or H200_BANDWIDTH_GBPS)
     moe_cfg = config.moe

@@ -1,5 +1,6 @@
 """The MoE GPU benchmark's model builders, checked on the CPU with a tiny Qwen3-MoE shape: the
-engine and transformers hold the same random weights (shared tensors) and give the same logits."""
+engine and transformers hold the same random weights (transformers' are views of the engine's)
+and give the same logits."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from baton_engine.model.attention.backend import get_attention_backend
 from baton_engine.model.attention.batch import AttentionBatch
 from baton_engine.model.config import MoeConfig
 from baton_engine.model.llama import build_model
-from bench.gpu_moe import hf_qwen3_moe, moe_random_weights
+from bench.gpu_moe import hf_qwen3_moe, hf_state_from_engine, moe_random_weights
 from bench.shapes import QWEN3_30B_A3B
 
 TINY = dataclasses.replace(
@@ -30,9 +31,13 @@ TINY = dataclasses.replace(
 def test_engine_and_transformers_share_the_weights_and_agree() -> None:
     weights = moe_random_weights(TINY, torch.float32, seed=1, device="cpu")
     model = build_model(TINY, weights, torch.float32, "cpu")
-    hf = hf_qwen3_moe(TINY, weights, device="cpu")
+    hf = hf_qwen3_moe(TINY, hf_state_from_engine(model), device="cpu")
     experts = model.model.layers[1].mlp.experts.gate_up_proj
     assert experts.data_ptr() == hf.model.layers[1].mlp.experts.gate_up_proj.data_ptr()
+    v_rows = TINY.num_kv_heads * TINY.head_dim
+    assert hf.model.layers[0].self_attn.v_proj.weight.data_ptr() == (
+        model.model.layers[0].self_attn.qkv_proj.weight[-v_rows:].data_ptr()
+    )
     prompt = list(range(3, 20))
     n = len(prompt)
     cache = torch.zeros(TINY.num_layers, 2, 4, 8, TINY.num_kv_heads, TINY.head_dim)

@@ -79,6 +79,8 @@ def test_checkpoint_missing_an_expert_is_refused(tmp_path: Path) -> None:
     del weights["model.layers.2.block_sparse_moe.experts.3.w2.weight"]
     save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(
-        ValueError, match=r"checkpoint lacks model\.layers\.2\.block_sparse_moe\.experts\.3\.w2\.weight"
+        ValueError,
+        match=r"checkpoint lacks 1 weights the model needs, e\.g\. "
+        r"\['model\.layers\.2\.block_sparse_moe\.experts\.3\.w2\.weight'\]$",
     ):
         ModelRunner(EngineConfig(model=str(tmp_path), dtype="float32", block_size=8, num_kv_blocks=4))

@@ -16,17 +16,27 @@ grouped GEMMs, no loop over experts on the host).
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton_engine.model.config import ModelConfig, MoeConfig
+from baton_engine.model.config import MoeConfig
+from baton_engine.model.parallel import SINGLE, TensorParallel
+from baton_engine.model.weight_source import WeightSource
+
+if TYPE_CHECKING:
+    from baton_engine.model.layers import BuildContext
 
 #: Which implementation computes the experts: the torch reference, or the Triton kernels
 #: ("auto": Triton on GPU devices, the reference elsewhere).
 MoeImplementation = Literal["auto", "torch", "triton"]
+
+#: A checkpoint tensor of the experts: one expert's gate, up or down projection, or (stacked)
+#: every expert's gate_up or down.
+ExpertPart = Literal["gate", "up", "down", "gate_up"]
 
 
 def route(
@@ -72,21 +82,42 @@ def experts_reference(
 
 
 class TopKRouter(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int) -> None:
+    """The router's [E, H] weight (replicated on every tensor-parallel rank)."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
 
 
 class StackedExperts(nn.Module):
-    """E gated MLPs as two stacked weights (16-bit, or FP8 with per-(expert, channel) scales)."""
+    """This rank's share of E gated MLPs as two stacked weights (16-bit, or FP8 with
+    per-(expert, channel) scales): ``gate_up_proj`` [E, 2 I_r, H] (the rank's gate rows, then its up
+    rows) and ``down_proj`` [E, H, I_r], where I_r is the rank's even shard of the intermediate
+    size: sharded like `layers.GatedMLP` (gate/up by output rows, down by input columns), so the
+    block's output is a partial sum that one all-reduce completes."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        parallel: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
+        self.intermediate_size = intermediate_size
+        self.shard = parallel.even(intermediate_size, "moe_intermediate_size")
+        local = self.shard.length
         self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
+            torch.empty(num_experts, 2 * local, hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
+            torch.empty(num_experts, hidden_size, local, dtype=dtype, device=device), requires_grad=False
         )
         self.gate_up_scale: torch.Tensor | None = None
         self.down_scale: torch.Tensor | None = None
@@ -94,6 +125,33 @@ class StackedExperts(nn.Module):
     @property
     def is_fp8(self) -> bool:
         return self.gate_up_scale is not None
+
+    def load_projection(self, kind: ExpertPart, expert: int | None, source: WeightSource, where: str) -> None:
+        """Copy this rank's shard of one checkpoint tensor: one expert's ``gate``/``up`` [I, H] or
+        ``down`` [H, I] (`expert` its index), or every expert's stacked ``gate_up`` [E, 2I, H] /
+        ``down`` [E, H, I] (`expert` None: transformers 5's in-memory layout)."""
+        num_experts, hidden = self.down_proj.shape[0], self.down_proj.shape[1]
+        inter, local, start = self.intermediate_size, self.shard.length, self.shard.start
+        rows = slice(start, start + local)
+        if kind == "down":
+            dest = self.down_proj.data if expert is None else self.down_proj.data[expert]
+            if expert is None:
+                _check_shape(source, (num_experts, hidden, inter), where)
+                dest.copy_(source.read((slice(0, num_experts), slice(0, hidden), rows)))
+            else:
+                _check_shape(source, (hidden, inter), where)
+                dest.copy_(source.read((slice(0, hidden), rows)))
+            return
+        if expert is None:  # stacked gate_up: gate rows [0, I), up rows [I, 2I)
+            _check_shape(source, (num_experts, 2 * inter, hidden), where)
+            for half in (0, 1):
+                first = half * inter + start
+                part = source.read((slice(0, num_experts), slice(first, first + local)))
+                self.gate_up_proj.data[:, half * local : (half + 1) * local].copy_(part)
+            return
+        _check_shape(source, (inter, hidden), where)
+        half = 0 if kind == "gate" else 1
+        self.gate_up_proj.data[expert, half * local : (half + 1) * local].copy_(source.read((rows,)))
 
     def set_fp8(
         self, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor
@@ -114,16 +172,24 @@ class StackedExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + experts; module names follow the checkpoints (``mlp.gate``, ``mlp.experts``)."""
+    """Router + experts; module names follow the checkpoints (``mlp.gate``, ``mlp.experts``).
+
+    It loads its own checkpoint tensors (`weights.CheckpointModule`): each expert's gate, up and
+    down projection under the family's names (`CHECKPOINT_NAMES`), or the stacked ones."""
 
     def __init__(
-        self, hidden_size: int, config: MoeConfig, implementation: MoeImplementation = "auto"
+        self, ctx: BuildContext, prefix: str, config: MoeConfig, implementation: MoeImplementation = "auto"
     ) -> None:
         super().__init__()
         self.config = config
         self.implementation = implementation
-        self.gate = TopKRouter(config.num_experts, hidden_size)
-        self.experts = StackedExperts(config.num_experts, hidden_size, config.moe_intermediate_size)
+        self.parallel = ctx.parallel
+        hidden = ctx.config.hidden_size
+        self.gate = TopKRouter(config.num_experts, hidden, ctx.dtype, ctx.device)
+        self.experts = StackedExperts(
+            config.num_experts, hidden, config.moe_intermediate_size, ctx.dtype, ctx.device, ctx.parallel
+        )
+        self._names = _checkpoint_names(prefix, ctx.config.family, config.num_experts)
 
     def uses_triton(self, device: torch.device) -> bool:
         if self.implementation == "auto":
@@ -136,12 +202,37 @@ class SparseMoeBlock(nn.Module):
         if self.uses_triton(hidden.device):
             from baton_engine.model.kernels.triton_moe import fused_moe
 
-            return fused_moe(
+            out = fused_moe(
                 hidden, experts.gate_up_proj, experts.down_proj, weights, ids,
                 experts.gate_up_scale, experts.down_scale,
             )  # fmt: skip
-        gate_up, down = experts.dequantized(hidden.dtype)
-        return experts_reference(hidden, gate_up, down, weights, ids)
+        else:
+            gate_up, down = experts.dequantized(hidden.dtype)
+            out = experts_reference(hidden, gate_up, down, weights, ids)
+        return self.parallel.all_reduce(out)
+
+    # -- weights.CheckpointModule
+    def checkpoint_names(self) -> dict[str, Hashable]:
+        return {name: key for name, key in self._names.items()}
+
+    def load_checkpoint_tensor(self, key: Hashable, source: WeightSource, name: str) -> None:
+        kind, expert = cast(tuple[str, int | None], key)
+        if kind == "router":
+            _check_shape(source, tuple(self.gate.weight.shape), name)
+            self.gate.weight.data.copy_(source.read())
+            return
+        self.experts.load_projection(cast(ExpertPart, kind), expert, source, name)
+
+    def missing_checkpoint_names(self, loaded: set[Hashable]) -> list[str]:
+        by_key = {key: name for name, key in self._names.items()}
+        missing = [] if ("router", None) in loaded else [by_key[("router", None)]]
+        stacked = {"gate_up": ("gate_up", None) in loaded, "down": ("down", None) in loaded}
+        for expert in range(self.config.num_experts):
+            for kind in ("gate", "up", "down"):
+                whole = stacked["down" if kind == "down" else "gate_up"]
+                if not whole and (kind, expert) not in loaded:
+                    missing.append(by_key[(kind, expert)])
+        return missing
 
 
 #: Checkpoint module names of expert `{e}`'s gate, up and down projections and of the router,
@@ -162,32 +253,19 @@ CHECKPOINT_NAMES: dict[str, tuple[str, str, str, str]] = {
 }
 
 
-def stack_expert_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Per-expert checkpoint tensors -> the stacked ``mlp.experts.gate_up_proj`` [E, 2I, H] and
-    ``mlp.experts.down_proj`` [E, H, I], and the router as ``mlp.gate.weight``, for every sparse
-    layer (other tensors pass through, and so do layers already stacked: transformers 5's
-    in-memory names)."""
-    if config.moe is None:
-        return weights
-    gate_name, up_name, down_name, router_name = CHECKPOINT_NAMES[config.family]
-    stacked = dict(weights)
+def _checkpoint_names(prefix: str, family: str, num_experts: int) -> dict[str, tuple[str, int | None]]:
+    """Checkpoint name -> (projection, expert) for the block at `prefix` (``model.layers.N.mlp``)."""
+    layer = prefix.rpartition(".")[0] + "."
+    gate_name, up_name, down_name, router_name = CHECKPOINT_NAMES[family]
+    names: dict[str, tuple[str, int | None]] = {f"{layer}{router_name}.weight": ("router", None)}
+    for expert in range(num_experts):
+        for kind, pattern in (("gate", gate_name), ("up", up_name), ("down", down_name)):
+            names[f"{layer}{pattern.format(e=expert)}.weight"] = (kind, expert)
+    names[f"{prefix}.experts.gate_up_proj"] = ("gate_up", None)
+    names[f"{prefix}.experts.down_proj"] = ("down", None)
+    return names
 
-    def take(prefix: str, name: str, expert: int) -> torch.Tensor:
-        key = f"{prefix}{name.format(e=expert)}.weight"
-        if key not in stacked:
-            raise ValueError(f"checkpoint lacks {key} (expert {expert} of {prefix.rstrip('.')})")
-        return stacked.pop(key)
 
-    for layer in config.moe.sparse_layers:
-        prefix = f"model.layers.{layer}."
-        if f"{prefix}mlp.experts.gate_up_proj" in stacked:
-            continue
-        experts = range(config.moe.num_experts)
-        gate_up = [torch.cat([take(prefix, gate_name, e), take(prefix, up_name, e)]) for e in experts]
-        stacked[f"{prefix}mlp.experts.gate_up_proj"] = torch.stack(gate_up)
-        down = [take(prefix, down_name, e) for e in experts]
-        stacked[f"{prefix}mlp.experts.down_proj"] = torch.stack(down)
-        router = f"{prefix}{router_name}.weight"
-        if router in stacked:
-            stacked[f"{prefix}mlp.gate.weight"] = stacked.pop(router)
-    return stacked
+def _check_shape(source: WeightSource, want: tuple[int, ...], where: str) -> None:
+    if tuple(source.shape) != tuple(want):
+        raise ValueError(f"{where}: checkpoint shape {tuple(source.shape)}, the model's {tuple(want)}")
