@@ -79,10 +79,9 @@ def table_entry(kernel: str, constants: dict[str, Any]) -> str:
         "_rms_norm_kernel": "rms_norm",
         "_rotary_cache_kernel": "rotary",
         "_silu_mul_kernel": "silu",
-        # Not in the launch table: these kernels pick their tiles by the step's shape
-        # (`triton_moe.moe_tiles`, `triton_fp8.gemm_tiles`, `triton_fp8.quantize_rows`).
-        "_moe_gate_up_kernel": "moe_tiles",
-        "_moe_down_kernel": "moe_tiles",
+        "_moe_gate_up_kernel": "moe",
+        "_moe_down_kernel": "moe",
+        # Not in the launch table: these pick their tiles by the step's shape (`triton_fp8`).
         "_fp8_gemm_kernel": "gemm_tiles",
         "_quantize_rows_kernel": "quantize_rows",
     }[kernel]

@@ -50,3 +50,20 @@ def test_fp8_kv_cache_fast_path_matches_reference_runner(
     reference = _generate(tmp_path, False, monkeypatch, kv_cache_dtype="fp8")
     fast = _generate(tmp_path, True, monkeypatch, kv_cache_dtype="fp8")
     assert fast == reference
+
+
+def test_fp8_weights_fast_path_matches_reference_runner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Quantized on load (`--quantization fp8`): the fused decoder applies the same FP8 linear
+    methods as the reference runner, so the greedy tokens are the same, with an FP8 KV cache too."""
+    from baton_engine.model.linear import ParallelLinear
+
+    parity_model("qwen3").save(tmp_path)
+    for kv in ("auto", "fp8"):
+        reference = _generate(tmp_path, False, monkeypatch, quantization="fp8", kv_cache_dtype=kv)
+        fast = _generate(tmp_path, True, monkeypatch, quantization="fp8", kv_cache_dtype=kv)
+        assert fast == reference, kv
+    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", quantization="fp8", num_kv_blocks=16)
+    formats = {m.weight.dtype for m in llm.core.runner.model.modules() if isinstance(m, ParallelLinear)}
+    assert formats == {fp8_dtype_for_device(torch.device("cuda"))}

@@ -119,5 +119,5 @@ def test_bench_amd_compile_reports_the_test_run(compiled: CompileRun) -> None:
     assert {row["entry"] for row in result["launches"]} == {
         "decode_unsplit", "decode_split", "split_reduce", "verify_unsplit", "verify_split",
         "prefill_small_head", "prefill_large_head", "rms_norm", "rotary", "silu",
-        "moe_tiles", "gemm_tiles", "quantize_rows",
+        "moe", "gemm_tiles", "quantize_rows",
     }  # fmt: skip

@@ -84,3 +84,47 @@ def test_checkpoint_missing_an_expert_is_refused(tmp_path: Path) -> None:
         r"\['model\.layers\.2\.block_sparse_moe\.experts\.3\.w2\.weight'\]$",
     ):
         ModelRunner(EngineConfig(model=str(tmp_path), dtype="float32", block_size=8, num_kv_blocks=4))
+
+
+def test_quantize_on_load_stores_each_experts_fp8_weights_with_per_channel_scales(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from baton_engine.model.loader.model_loading import load_model
+    from baton_engine.model.quantization import fp8
+
+    _spec("qwen3_moe").save(tmp_path)
+    loaded = load_model(str(tmp_path), "cpu", torch.float32, requested_quantization="fp8")
+    experts = loaded.model.model.layers[2].mlp.experts
+    assert (
+        experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.down_proj.dtype == torch.float8_e4m3fn
+    )
+    assert experts.gate_up_scale is not None and experts.down_scale is not None
+    assert (tuple(experts.gate_up_scale.shape), tuple(experts.down_scale.shape)) == ((8, 128), (8, 64))
+    checkpoint = load_file(str(tmp_path / "model.safetensors"))
+    up = checkpoint["model.layers.2.mlp.experts.5.up_proj.weight"]
+    q, scale = fp8.quantize_weight(up, torch.float8_e4m3fn)
+    assert torch.equal(experts.gate_up_proj[5, 64:].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(experts.gate_up_scale[5, 64:], scale)
+    gate_up, _ = experts.dequantized(torch.float32)
+    assert torch.equal(gate_up[5, 64:], fp8.dequantize(q, scale))
+    dense = loaded.model.model.layers[1].mlp  # qwen3_moe's mlp_only layer: an FP8 linear method
+    assert dense.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+
+
+def test_fp8_checkpoints_of_moe_models_are_refused_naming_the_layer() -> None:
+    from baton_engine.model.llama import CausalLM
+    from baton_engine.model.loader.hf_config import model_config_from_hf
+    from baton_engine.model.quantization.fp8_config import (
+        UnsupportedQuantizationError,
+        parse_quantization_config,
+    )
+    from baton_engine.model.quantization.fp8_linear import Fp8Quantization
+
+    raw = {**_spec("mixtral").hf_config().to_dict(), "architectures": ["MixtralForCausalLM"]}
+    config = model_config_from_hf(raw, "tiny-mixtral")
+    checkpoint = parse_quantization_config({"quant_method": "fp8", "activation_scheme": "dynamic"})
+    with pytest.raises(
+        UnsupportedQuantizationError,
+        match=r"^model\.layers\.0\.mlp: FP8 checkpoints of mixture-of-experts models are not supported yet",
+    ):
+        CausalLM(config, torch.float32, "cpu", quantization=Fp8Quantization(checkpoint, torch.float8_e4m3fn))

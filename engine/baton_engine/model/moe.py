@@ -25,6 +25,9 @@ from torch import nn
 
 from baton_engine.model.config import MoeConfig
 from baton_engine.model.parallel import SINGLE, TensorParallel
+from baton_engine.model.quantization import fp8
+from baton_engine.model.quantization.fp8_config import UnsupportedQuantizationError
+from baton_engine.model.quantization.fp8_linear import Fp8Quantization
 from baton_engine.model.weight_source import WeightSource
 
 if TYPE_CHECKING:
@@ -127,6 +130,11 @@ class StackedExperts(nn.Module):
         return self.gate_up_scale is not None
 
     def load_projection(self, kind: ExpertPart, expert: int | None, source: WeightSource, where: str) -> None:
+        self._load_projection(kind, expert, _Refuse8Bit(source, where), where)
+
+    def _load_projection(
+        self, kind: ExpertPart, expert: int | None, source: WeightSource, where: str
+    ) -> None:
         """Copy this rank's shard of one checkpoint tensor: one expert's ``gate``/``up`` [I, H] or
         ``down`` [H, I] (`expert` its index), or every expert's stacked ``gate_up`` [E, 2I, H] /
         ``down`` [E, H, I] (`expert` None: transformers 5's in-memory layout)."""
@@ -190,6 +198,16 @@ class SparseMoeBlock(nn.Module):
             config.num_experts, hidden, config.moe_intermediate_size, ctx.dtype, ctx.device, ctx.parallel
         )
         self._names = _checkpoint_names(prefix, ctx.config.family, config.num_experts)
+        quantization = ctx.quantization
+        self._fp8_on_load: torch.dtype | None = None
+        """The FP8 format to quantize the experts into after loading (``--quantization fp8``)."""
+        if isinstance(quantization, Fp8Quantization):
+            if not quantization.quantize_on_load:
+                raise UnsupportedQuantizationError(
+                    f"{prefix}: FP8 checkpoints of mixture-of-experts models are not supported yet "
+                    "(serve the 16-bit checkpoint with --quantization fp8)"
+                )
+            self._fp8_on_load = quantization.fp8_dtype
 
     def uses_triton(self, device: torch.device) -> bool:
         if self.implementation == "auto":
@@ -222,6 +240,21 @@ class SparseMoeBlock(nn.Module):
             self.gate.weight.data.copy_(source.read())
             return
         self.experts.load_projection(cast(ExpertPart, kind), expert, source, name)
+
+    def process_weights_after_loading(self) -> None:
+        """Quantize the experts on load: one scale per (expert, output channel)."""
+        if self._fp8_on_load is None:
+            return
+        experts = self.experts
+        gate_up, down = experts.gate_up_proj.data, experts.down_proj.data
+        q_gate_up, gate_up_scale = fp8.quantize_weight(
+            gate_up.reshape(-1, gate_up.shape[2]), self._fp8_on_load
+        )
+        q_down, down_scale = fp8.quantize_weight(down.reshape(-1, down.shape[2]), self._fp8_on_load)
+        experts.set_fp8(
+            q_gate_up.view(gate_up.shape), gate_up_scale.view(gate_up.shape[:2]),
+            q_down.view(down.shape), down_scale.view(down.shape[:2]),
+        )  # fmt: skip
 
     def missing_checkpoint_names(self, loaded: set[Hashable]) -> list[str]:
         by_key = {key: name for name, key in self._names.items()}
@@ -264,6 +297,27 @@ def _checkpoint_names(prefix: str, family: str, num_experts: int) -> dict[str, t
     names[f"{prefix}.experts.gate_up_proj"] = ("gate_up", None)
     names[f"{prefix}.experts.down_proj"] = ("down", None)
     return names
+
+
+class _Refuse8Bit:
+    """`source`, refusing an FP8 tensor: copied into a 16-bit weight it would lose its scale."""
+
+    def __init__(self, source: WeightSource, where: str) -> None:
+        self.source = source
+        self.where = where
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.source.shape
+
+    def read(self, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        tensor = self.source.read(index)
+        if tensor.dtype in fp8.FP8_DTYPES:
+            raise UnsupportedQuantizationError(
+                f"{self.where}: an FP8 expert weight ({tensor.dtype}); FP8 checkpoints of mixture-of-experts "
+                "models are not supported yet"
+            )
+        return tensor
 
 
 def _check_shape(source: WeightSource, want: tuple[int, ...], where: str) -> None:

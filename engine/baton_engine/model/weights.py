@@ -35,6 +35,10 @@ class CheckpointModule(Protocol):
         """The names the module still needs after the keys `loaded` (alternatives: any one)."""
         ...
 
+    def process_weights_after_loading(self) -> None:
+        """Finish the loaded weights (e.g. quantize them)."""
+        ...
+
 
 @dataclass(frozen=True)
 class _Target:
@@ -108,4 +112,6 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, WeightSource]
         raise ValueError(f"checkpoint lacks {len(missing)} weights the model needs, e.g. {missing[:3]}")
     for module in model.modules():
         if isinstance(module, ParallelLinear):
+            module.process_weights_after_loading()
+        elif isinstance(module, CheckpointModule):
             module.process_weights_after_loading()

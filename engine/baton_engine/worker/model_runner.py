@@ -64,7 +64,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if loaded is None:
             loaded = load_model(
-                config.model, self.device, self.dtype, parallel=parallel, load_tokenizer=parallel.rank == 0
+                config.model,
+                self.device,
+                self.dtype,
+                parallel=parallel,
+                requested_quantization=config.quantization,
+                load_tokenizer=parallel.rank == 0,
             )
         self.loaded = loaded
         self.model = self.loaded.model

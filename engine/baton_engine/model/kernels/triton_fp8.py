@@ -26,7 +26,7 @@ from baton_engine.model.quantization.fp8 import MIN_SCALE, fp8_max
 
 #: 1.5 * 2**23: adding and subtracting it rounds a float32 of magnitude below 2**22 to the nearest
 #: integer, ties to even (the FPU's rounding), for either sign.
-_ROUND_MAGIC = 12582912.0
+_ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from baton_engine.model.kernels.kernel_registry import KernelCase, launch_scenario
+from baton_engine.model.kernels.launch_table import LaunchTable, launch_table_for
 
 
 @dataclass
@@ -208,16 +209,13 @@ class MoeTiles:
     num_stages: int
 
 
-def moe_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
+def moe_tiles(num_pairs: int, num_experts: int, launch: LaunchTable) -> MoeTiles:
     """BLOCK_M by the pairs an expert gets on average: decode steps give each active expert a
     few pairs (16-row tiles, the smallest a dot takes, waste the least padding), large prefill
-    steps fill 64-row tiles."""
+    steps fill 64-row tiles; warps and stages from the backend's `LaunchTable.moe`."""
     per_expert = num_pairs / max(1, num_experts)
-    if per_expert <= 16:
-        return MoeTiles(16, 64, 64, 4, 3)
-    if per_expert <= 64:
-        return MoeTiles(32, 64, 64, 4, 3)
-    return MoeTiles(64, 64, 64, 4, 3)
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    return MoeTiles(block_m, 64, 64, launch.moe.num_warps, launch.moe.num_stages)
 
 
 def _precision(dtype: torch.dtype) -> str | None:
@@ -234,11 +232,13 @@ def fused_moe(
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     tiles: MoeTiles | None = None,
+    launch: LaunchTable | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum for each token: [T, H].
 
     x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I] (16-bit like x, or FP8 with scales [E, 2I] and
-    [E, H]); topk_weights / topk_ids: [T, K] (weights in x's dtype or float32).
+    [E, H]); topk_weights / topk_ids: [T, K] (weights in x's dtype or float32). `launch`
+    defaults to the table of x's device; `tiles` overrides the tiles it gives.
     """
     tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
@@ -250,7 +250,8 @@ def fused_moe(
     assert x.stride(1) == 1 and gate_up.is_contiguous() and down.is_contiguous()
     if tokens == 0:
         return torch.zeros_like(x)
-    t = moe_tiles(num_pairs, num_experts) if tiles is None else tiles
+    table = launch_table_for(x.device) if launch is None else launch
+    t = moe_tiles(num_pairs, num_experts, table) if tiles is None else tiles
     alignment = align_by_expert(topk_ids, num_experts, t.block_m)
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     common = (alignment.sorted_pairs, alignment.block_experts, alignment.num_padded, num_pairs, hidden, inter)
@@ -296,4 +297,5 @@ def _moe_launches(case: KernelCase) -> None:
                 x, torch.zeros(experts, 2 * inter, hidden, dtype=weight_dtype),
                 torch.zeros(experts, hidden, inter, dtype=weight_dtype), weights, ids,
                 torch.ones(experts, 2 * inter) if fp8 else None, torch.ones(experts, hidden) if fp8 else None,
+                launch=case.launch,
             )  # fmt: skip

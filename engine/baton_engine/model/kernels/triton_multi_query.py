@@ -137,6 +137,10 @@ def paged_multi_query_attention(
     tuned = table.verify_unsplit if workspace.num_splits == 1 else table.verify_split
     pairs = query_len * (num_heads // num_kv_heads)
     block_m = verify_tile_rows(pairs, tuned.block_m)
+    if kv_scale is not None and num_stages is None:
+        # FP8 keys and values are widened in registers: sm_90's 3-stage split tiles (8 warps,
+        # head dim 128, 32 rows) spill 16 bytes with them; one stage fewer does not (bench.amd_compile).
+        num_stages = max(1, tuned.num_stages - 1)
     launch_split_k(
         _multi_query_split_kernel, batch, out, workspace, q, layer_cache, block_tables, seq_lens, scale,
         block_n, num_warps, num_stages, table.verify_unsplit, table.verify_split, table.split_reduce,
