@@ -12,7 +12,7 @@ import pytest
 
 from baton_engine.model.kernels.kernel_compile import TARGETS, TARGETS_BY_NAME, CompileRun, compile_reports
 
-# One compile of every launch for the module: about 420 launches, ~3 CPU-minutes (docs/amd.md).
+# One compile of every launch for the module: 750 launches, ~7 CPU-minutes (docs/amd.md).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 #: Every kernel the engine launches, by target: a kernel added without a declared scenario fails
