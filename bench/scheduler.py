@@ -71,7 +71,7 @@ class _Bench:
         while s.waiting or s.batch.num_decode < self.n:
             out = s.schedule()
             s.postprocess(out, self._output(out.step_id, len(out.sample_rows)))
-            s.block_manager.take_events()
+            s.kv_cache_manager.take_events()
 
     def _output(self, step_id: int, rows: int) -> ModelRunnerOutput:
         tokens = self.rng.integers(3, VOCAB, rows)
@@ -99,7 +99,7 @@ class _Bench:
                 self.add_prompt()
             out = s.schedule()
             s.postprocess(out, outputs[i])
-            s.block_manager.take_events()
+            s.kv_cache_manager.take_events()
         elapsed = time.perf_counter() - start
         elapsed_cpu = time.process_time() - start_cpu
         assert s.num_preemptions == 0, "benchmark must run without preemption"

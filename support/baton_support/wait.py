@@ -68,7 +68,7 @@ async def async_wait_for(
         result = condition()
         value = await result if inspect.isawaitable(result) else result
         if value:
-            return value  # type: ignore[return-value]
+            return value
         if time.monotonic() >= deadline:
             raise WaitTimeout(message, timeout, value)
         await asyncio.sleep(interval)

@@ -98,7 +98,7 @@ def test_a_step_without_sampling_rows_returns_no_tokens(tiny_llama: tuple[Path, 
     runner = _runner(directory)
     step = SchedulerOutput(
         step_id=41,
-        seq_ids=[0],
+        req_ids=[0],
         num_decode_rows=0,
         query_lens=np.array([3], np.int32),
         query_start_loc=np.array([0, 3], np.int32),

@@ -8,6 +8,8 @@ routed through a backend.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,7 +61,8 @@ class SelfAttention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         out = backend.forward(q, k, v, layer_cache, batch, plan, self.scale)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        projected: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return projected
 
 
 class DecoderLayer(nn.Module):
@@ -95,6 +98,11 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """`layers`, typed (to a type checker an ``nn.ModuleList`` holds plain ``nn.Module``s)."""
+        return cast(list[DecoderLayer], list(self.layers))
+
 
 class CausalLM(nn.Module):
     """Decoder plus LM head. `forward` returns hidden states; `compute_logits` the chosen rows' logits."""
@@ -119,9 +127,10 @@ class CausalLM(nn.Module):
         plan = backend.prepare(batch)
         cos, sin = self.rotary.lookup(batch.positions)
         hidden = self.model.embed_tokens(input_ids)
-        for index, layer in enumerate(self.model.layers):
+        for index, layer in enumerate(self.model.decoder_layers):
             hidden = layer(hidden, cos, sin, kv_cache[index], backend, batch, plan)
-        return self.model.norm(hidden)
+        normed: torch.Tensor = self.model.norm(hidden)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

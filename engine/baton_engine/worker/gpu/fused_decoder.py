@@ -25,6 +25,7 @@ from baton_engine.model.kernels.triton_fused import (
     silu_and_mul,
 )
 from baton_engine.model.kernels.triton_multi_query import paged_multi_query_attention
+from baton_engine.model.layers import Linear
 from baton_engine.model.llama import CausalLM
 
 
@@ -64,11 +65,11 @@ class _Layer:
     input_norm: torch.Tensor
     qkv_weight: torch.Tensor
     qkv_bias: torch.Tensor | None
-    o_proj: nn.Linear
+    o_proj: Linear
     post_norm: torch.Tensor
     gate_up_weight: torch.Tensor
     gate_up_bias: torch.Tensor | None
-    down_proj: nn.Linear
+    down_proj: Linear
     q_norm: nn.Module | None
     k_norm: nn.Module | None
 
@@ -89,7 +90,7 @@ class FusedDecoder:
         self.cos = model.rotary.cos
         self.sin = model.rotary.sin
         self.layers: list[_Layer] = []
-        for layer in model.model.layers:
+        for layer in model.model.decoder_layers:
             attn = layer.self_attn
             mlp = layer.mlp
             self.layers.append(

@@ -68,7 +68,7 @@ class _Staging:
         self.block_tables = pair((max_rows, max_blocks), torch.int32)
         self.tile_rows = pair((max_tiles,), torch.int32)
         self.tile_starts = pair((max_tiles,), torch.int32)
-        self.done = torch.cuda.Event()
+        self.done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         self.done.record()
 
 
@@ -133,7 +133,10 @@ class GpuModelRunner(ModelRunner):
         self._ahead: _Ahead | None = None
         # Two pinned token buffers: the one being read and the one the next ahead step fills.
         self._ahead_slots = [
-            (torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            (
+                torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=True),
+                torch.cuda.Event(),  # type: ignore[no-untyped-call]
+            )
             for _ in range(2)
         ]
         self._ahead_turn = 0
@@ -223,7 +226,7 @@ class GpuModelRunner(ModelRunner):
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for batch in reversed(self.graph_sizes):
@@ -390,10 +393,10 @@ class GpuModelRunner(ModelRunner):
             query_len, batch = verify
             inputs = plan_verify(step, query_len, batch, self.max_blocks)
             index = self._stage_verify(st, inputs)
-            graph = self._verify_graphs[verify]
-            graph.graph.replay()
+            verify_graph = self._verify_graphs[verify]
+            verify_graph.graph.replay()
             self.verify_graph_steps += 1
-            return graph.logits[index]
+            return verify_graph.logits[index]
         rows = step.num_rows
         tokens = step.num_tokens
         query_lens = np.asarray(step.query_lens)
