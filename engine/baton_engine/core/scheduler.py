@@ -182,6 +182,13 @@ class Scheduler:
     def num_held_transfers(self) -> int:
         return len(self._held)
 
+    @property
+    def num_parked(self) -> int:
+        """P/D consumers holding KV blocks without a row: pulling, or their KV arrived."""
+        kv = self.kv_cache_manager
+        arrived = sum(1 for request in self.waiting if kv.num_blocks_of(request.req_id))
+        return len(self._remote_pending) + arrived
+
     def has_unfinished(self) -> bool:
         return bool(self._unfinished) or bool(self._finished)
 
