@@ -69,10 +69,10 @@ def drive(
         if not scheduler.has_unfinished():
             return results
         out = scheduler.schedule(drafts(scheduler) if callable(drafts) else None)
-        if out.num_rows == 0:
-            results.append(StepResult(out.step_id, [], [], scheduler.take_finished()))
-            continue
-        check_step_invariants(scheduler, out, decoding)
-        results.append(scheduler.postprocess(out, model.run(out)))
+        if out.num_rows == 0:  # nothing ran (its decode rows may have been preempted)
+            results.append(StepResult(out.step_id, [], [], finished=scheduler.take_finished()))
+        else:
+            check_step_invariants(scheduler, out, decoding)
+            results.append(scheduler.postprocess(out, model.run(out)))
         decoding = set(scheduler.batch.req_ids[: scheduler.batch.num_decode])
     raise AssertionError(f"scheduler did not drain within {max_steps} steps")

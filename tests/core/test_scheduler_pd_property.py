@@ -51,7 +51,26 @@ def workloads(draw: st.DrawFn) -> tuple[dict[str, int], list[Plan]]:
     config["budget"] = max(config["budget"], config["max_num_seqs"])
     shared = tuple(draw(st.lists(st.integers(1, VOCAB - 1), max_size=8)))
     plans = []
-    for _ in range(draw(st.integers(1, 7))):
+    if draw(st.booleans()):
+        # A burst of consumers whose prompts fill whole blocks, pulled at once: with the producer's
+        # first token each needs one block more than it reserved (the tight case).
+        config["num_blocks"] = draw(st.integers(3, 9))
+        for _ in range(draw(st.integers(2, 4))):
+            blocks = draw(st.integers(1, 2))
+            plans.append(
+                Plan(
+                    prompt=tuple(
+                        draw(st.lists(st.integers(1, VOCAB - 1), min_size=BS * blocks, max_size=BS * blocks))
+                    ),
+                    max_tokens=draw(st.integers(1, 6)),
+                    arrival_step=draw(st.integers(0, 1)),
+                    remote=True,
+                    pull_delay=draw(st.integers(0, 1)),
+                    pull_outcome=draw(st.sampled_from(PULL_OUTCOMES[:2])),
+                    abort_step=draw(st.none() | st.integers(0, 25)),
+                )
+            )
+    for _ in range(draw(st.integers(0 if plans else 1, 5))):
         tail = tuple(draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=14)))
         prompt = (shared if draw(st.booleans()) else ()) + tail
         plans.append(
@@ -141,9 +160,9 @@ def run(config: dict[str, int], plans: list[Plan]) -> None:
         if out.num_rows:
             check_step_invariants(scheduler, out, decoding)
             scheduler.postprocess(out, model.run(out))
-            decoding = set(scheduler.batch.req_ids[: scheduler.batch.num_decode])
         else:
             scheduler.take_finished()
+        decoding = set(scheduler.batch.req_ids[: scheduler.batch.num_decode])
         scheduler.kv_cache_manager.take_events()
     else:
         raise AssertionError("workload did not drain in 600 steps")

@@ -122,6 +122,7 @@ class Scheduler:
         self._admitted: dict[int, Request] = {}  # running requests in admission order
         self._unfinished: dict[int, Request] = {}
         self._remote_pending: dict[int, Request] = {}  # blocks reserved, KV being pulled
+        self._arrived: deque[Request] = deque()  # KV pulled into their blocks, waiting for a row
         self._aborted_while_pulling: dict[int, str | None] = {}  # req id -> abort message
         self._held: dict[int, Request] = {}  # producer: finished, blocks leased for a pull
         self._finished: list[Request] = []  # since the last postprocess
@@ -172,7 +173,7 @@ class Scheduler:
     # -- inspection -------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self._remote_pending)
+        return len(self.waiting) + len(self._remote_pending) + len(self._arrived)
 
     @property
     def num_running(self) -> int:
@@ -184,10 +185,9 @@ class Scheduler:
 
     @property
     def num_parked(self) -> int:
-        """P/D consumers holding KV blocks without a row: pulling, or their KV arrived."""
-        kv = self.kv_cache_manager
-        arrived = sum(1 for request in self.waiting if kv.num_blocks_of(request.req_id))
-        return len(self._remote_pending) + arrived
+        """P/D consumers holding KV blocks without a row: pulling, or their KV arrived. Running
+        plus parked stays within `max_num_seqs` (a parked consumer is admitted: it needs a row)."""
+        return len(self._remote_pending) + len(self._arrived)
 
     def has_unfinished(self) -> bool:
         return bool(self._unfinished) or bool(self._finished)
@@ -308,7 +308,8 @@ class Scheduler:
         # that had to preempt: the victim would come straight back and thrash.
         delay_passed = self.delay_factor <= 0 or self._passed_delay(now)
         all_prefills_served = num_decode + len(chunks) == batch.num_rows
-        if budget > 0 and all_prefills_served and self.waiting and delay_passed and not preempted:
+        queued = self.waiting or self._arrived
+        if budget > 0 and all_prefills_served and queued and delay_passed and not preempted:
             budget = self._admit(budget, chunks, now)
 
         finished_ids, self._finished_ids = self._finished_ids, []
@@ -378,63 +379,102 @@ class Scheduler:
                 return
 
     def _admit(self, budget: int, chunks: list[int], now: float) -> int:
+        """Give rows to queued requests, first come first served within each queue: first the P/D
+        consumers whose KV arrived (they hold blocks already), then the waiting queue (preempted
+        requests at its front, then arrivals; a consumer there gets its blocks reserved for the
+        pull). Stops at the first request that does not fit, so nobody is overtaken."""
         batch = self.batch
         kv = self.kv_cache_manager
-        skipped: list[Request] = []
         admitted_any = False
-        while self.waiting and budget > 0 and batch.num_rows < self.max_num_seqs:
+        while self._arrived and budget > 0 and batch.num_rows < self.max_num_seqs:
+            request = self._arrived[0]
+            reason = self.rejection_reason(request)
+            if reason is not None:  # the producer's first token made it too long for this pool
+                self._arrived.popleft()
+                self._finish_unschedulable(request, "cannot run after its KV arrived", reason)
+                continue
+            missing = kv.blocks_needed(request.num_tokens) - kv.num_blocks_of(request.req_id)
+            if missing > kv.num_free_blocks and not self._make_room(missing):
+                break
+            num_new = request.num_tokens - request.num_computed_tokens
+            if not self.enable_chunked_prefill and num_new > budget:
+                break
+            kv.append_slots(request, request.num_tokens)
+            self._arrived.popleft()
+            budget = self._start(request, num_new, budget, chunks, now)
+            admitted_any = True
+        while (
+            not self._arrived
+            and self.waiting
+            and budget > 0
+            and batch.num_rows + self.num_parked < self.max_num_seqs
+        ):
             request = self.waiting[0]
             if request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
-                self.waiting.popleft()
                 if not self._reserve_for_remote(request):
-                    skipped.append(request)
-                continue
-            has_blocks = kv.num_blocks_of(request.req_id) > 0
-            reason = None if has_blocks else self.rejection_reason(request)
-            if reason is not None:
-                # Only a preempted request that grew past what can ever be recomputed gets here
-                # with output: it ends as if it hit a length limit.
+                    break
                 self.waiting.popleft()
-                del self._unfinished[request.req_id]
-                if request.num_output_tokens:
-                    self._mark_finished(
-                        request, FinishReason.LENGTH, f"cannot resume after preemption: {reason}"
-                    )
-                else:
-                    self._mark_finished(request, FinishReason.REJECTED, reason)
                 continue
-            if has_blocks:
-                # KV arrived from a producer: blocks are there, the rest is computed normally.
-                missing = kv.blocks_needed(request.num_tokens) - kv.num_blocks_of(request.req_id)
-                if missing > kv.num_free_blocks:
-                    break
-                num_new = request.num_tokens - request.num_computed_tokens
-                if not self.enable_chunked_prefill and num_new > budget:
-                    break
-                kv.append_slots(request, request.num_tokens)
-            else:
-                hits = kv.find_prefix_hits(request)
-                if hits is None:
-                    break
-                num_new = request.num_tokens - hits * self.block_size
-                if not self.enable_chunked_prefill and num_new > budget:
-                    break
-                self._allocate(request, hits)
+            reason = self.rejection_reason(request)
+            if reason is not None:
+                # Only a preempted request that grew past what can ever be recomputed gets here.
+                self.waiting.popleft()
+                self._finish_unschedulable(request, "cannot resume after preemption", reason)
+                continue
+            hits = kv.find_prefix_hits(request)
+            if hits is None:
+                break
+            num_new = request.num_tokens - hits * self.block_size
+            if not self.enable_chunked_prefill and num_new > budget:
+                break
+            self._allocate(request, hits)
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-            self._admitted[request.req_id] = request
-            self._add_row(request)
-            chunk = min(num_new, budget)
-            chunks.append(chunk)
-            budget -= chunk
+            budget = self._start(request, num_new, budget, chunks, now)
             admitted_any = True
-        if skipped:
-            self.waiting.extend(skipped)
         if admitted_any:
             self._prev_prompt = True
         return budget
+
+    def _start(self, request: Request, num_new: int, budget: int, chunks: list[int], now: float) -> int:
+        """Give admitted `request` the next prefill row and its first chunk; the budget left."""
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+        self._admitted[request.req_id] = request
+        self._add_row(request)
+        chunk = min(num_new, budget)
+        chunks.append(chunk)
+        return budget - chunk
+
+    def _finish_unschedulable(self, request: Request, what: str, reason: str) -> None:
+        """A queued request that can never be computed in this pool: one with output ends as if it
+        hit a length limit (it did: the pool's), one without is rejected."""
+        del self._unfinished[request.req_id]
+        if request.num_output_tokens:
+            self._mark_finished(request, FinishReason.LENGTH, f"{what}: {reason}")
+        else:
+            self._mark_finished(request, FinishReason.REJECTED, reason)
+
+    def _make_room(self, num_blocks: int) -> bool:
+        """Free blocks for the first arrived consumer by preempting, by recompute, the most recently
+        arrived of the other parked ones (as a local decode preempts the most recently admitted).
+        Rows of this step are already planned, so running requests are left alone: they free
+        blocks by finishing or, short of blocks themselves, by preempting each other."""
+        kv = self.kv_cache_manager
+        while kv.num_free_blocks < num_blocks and len(self._arrived) > 1:
+            victim = self._arrived.pop()
+            kv.free(victim.req_id, keep_keys=True)
+            self._to_recompute(victim)
+        return kv.num_free_blocks >= num_blocks
+
+    def _to_recompute(self, request: Request) -> None:
+        """Back to the front of the waiting queue to compute its KV again (its tokens are kept,
+        so its output does not change)."""
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
 
     def _allocate(self, request: Request, num_hit_blocks: int) -> None:
         blocks = self.kv_cache_manager.allocate(request, num_hit_blocks)
@@ -686,11 +726,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self._remove_row(request)
         self.kv_cache_manager.free(request.req_id, keep_keys=True)
-        request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._to_recompute(request)
 
     def abort(self, req_id: int, message: str | None = None) -> Request | None:
         """Finish a request now (client gone, stop string matched) and free its blocks.
@@ -715,6 +751,8 @@ class Scheduler:
                 self._aborted_while_pulling[req_id] = message
                 return request
             del self._remote_pending[req_id]
+        elif request in self._arrived:
+            self._arrived.remove(request)
         else:
             self.waiting.remove(request)
         del self._unfinished[req_id]
@@ -801,7 +839,7 @@ class Scheduler:
                 del self._unfinished[req_id]
                 self._mark_finished(request, reason)
                 return
-        self.waiting.appendleft(request)
+        self._arrived.append(request)
 
     def _remote_kv_failed(self, failed: RemoteKVFailed) -> None:
         """Consumer: the pull failed. Recompute the prompt locally, or fail the request."""
