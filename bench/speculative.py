@@ -127,7 +127,7 @@ def timed_generate(
             trace.forwards += 1
             trace.decode_row_steps += step.num_decode_rows
             drafts = step.num_draft_tokens
-            for row, tokens in zip(step.sample_rows.tolist(), result.sampled_token_ids, strict=True):
+            for row, tokens in zip(step.sample_rows.tolist(), result.tokens_per_row(), strict=True):
                 if row < step.num_decode_rows and drafts[row]:
                     trace.drafts.append(int(drafts[row]))
                     trace.accepted.append(len(tokens) - 1)

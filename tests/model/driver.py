@@ -142,15 +142,14 @@ class TestDriver:
         if decodes and len(rows) > len(decodes):
             self.stats.mixed_steps += 1
         sampling_rows = [(seq, drafts) for seq, _, samples, drafts in rows if samples]
-        assert len(out.sampled_token_ids) == len(sampling_rows)
+        sampled = out.tokens_per_row()
+        assert len(sampled) == len(sampling_rows)
         decoding = {seq.req_id for seq in decodes}
         for seq, fed, _, _ in rows:
             if seq.req_id not in decoding:
                 seq.num_computed += len(fed)
                 self._publish_prompt_blocks(seq)
-        for index, ((seq, drafts), tokens) in enumerate(
-            zip(sampling_rows, out.sampled_token_ids, strict=True)
-        ):
+        for index, ((seq, drafts), tokens) in enumerate(zip(sampling_rows, sampled, strict=True)):
             assert 1 <= len(tokens) <= 1 + drafts
             if seq.req_id in decoding:
                 # KV is valid for the fed token and the accepted drafts, not the rejected ones.

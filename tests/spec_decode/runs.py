@@ -49,7 +49,7 @@ def generate(llm: LLM, prompts: Sequence[Prompt], params: SamplingParams | Seque
 
     def recording_execute(step: SchedulerOutput) -> ModelRunnerOutput:
         result = execute(step)
-        for row, tokens in zip(step.sample_rows.tolist(), result.sampled_token_ids, strict=True):
+        for row, tokens in zip(step.sample_rows.tolist(), result.tokens_per_row(), strict=True):
             steps.setdefault(step.req_ids[row] - first_req_id, []).append(list(tokens))
         return result
 

@@ -131,14 +131,20 @@ class ModelRunnerOutput:
 
     step_id: int
     """The `SchedulerOutput.step_id` this answers."""
-    sampled_token_ids: list[list[int]]
-    """Per sampling row (aligned with `sample_rows`): the tokens accepted this step, 1 normally,
-    1..K+1 when speculating (accepted drafts plus the bonus/corrected token)."""
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    """Steps where some row verified drafts: per sampling row (aligned with `sample_rows`), the
+    tokens accepted, 1..K+1 (accepted drafts plus the bonus/corrected token). Empty when
+    `sampled_token_array` carries the step's tokens."""
     logprobs: list[list[list[tuple[int, float]]]] | None = None
     """Per sampling row, per accepted token: the sampled token's logprob first, then the top-n
     ``(token id, logprob)`` pairs; None when no row asked for logprobs."""
     sampled_token_array: Int64Array | None = None
-    """Optional fast path (added by the engine core): the same tokens as one flat array, one per
-    sampling row, when no row speculated. The runner has them as an array already; with it,
-    `postprocess` needs no per-row Python pass. When given it must agree with
-    `sampled_token_ids`."""
+    """Steps without drafts: one sampled token per sampling row, as one array — what the runners
+    return (they sample into an array; `Scheduler.postprocess` then reads the step's tokens
+    without a per-row Python pass). When `sampled_token_ids` is given too, they must agree."""
+
+    def tokens_per_row(self) -> list[list[int]]:
+        """The step's tokens per sampling row, whichever form carries them."""
+        if self.sampled_token_ids or self.sampled_token_array is None:
+            return self.sampled_token_ids
+        return [[t] for t in self.sampled_token_array.tolist()]

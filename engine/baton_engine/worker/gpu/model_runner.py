@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from baton_engine.config import EngineConfig
@@ -282,20 +283,20 @@ class GpuModelRunner(ModelRunner):
             verified = self.compute_logits(step).argmax(dim=-1).tolist()
             _, spans = self._expand_sampling(step)
             return self._accept(step, spans, verified, None)
-        tokens: list[int] | None = None
+        tokens: npt.NDArray[np.int64] | None = None
         if ahead is not None:
             index = match_rows(ahead.plan, step, self.block_size)
             if index is not None:
                 ahead.done.synchronize()  # the sampled tokens of the step run ahead
-                tokens = ahead.tokens_host.numpy()[: ahead.plan.num_rows][index].tolist()
+                tokens = ahead.tokens_host.numpy()[: ahead.plan.num_rows][index].astype(np.int64, copy=False)
                 self.ahead_hits += 1
             else:
                 self.ahead_misses += 1
         if tokens is None:
-            tokens = self.compute_logits(step).argmax(dim=-1).tolist()
+            tokens = self.compute_logits(step).argmax(dim=-1).cpu().numpy().astype(np.int64, copy=False)
         if self.decode_ahead and is_decode_only(step):
-            self._launch_ahead(step, np.asarray(tokens, dtype=np.int64))
-        return ModelRunnerOutput(step_id=step.step_id, sampled_token_ids=[[int(t)] for t in tokens])
+            self._launch_ahead(step, tokens)
+        return ModelRunnerOutput(step_id=step.step_id, sampled_token_array=tokens)
 
     def _launch_ahead(self, step: SchedulerOutput, sampled: np.ndarray) -> None:
         graph = self._graph_for(step.num_rows)
