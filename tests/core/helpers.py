@@ -70,7 +70,7 @@ def drive(
             return results
         out = scheduler.schedule(drafts(scheduler) if callable(drafts) else None)
         if out.num_rows == 0:  # nothing ran (its decode rows may have been preempted)
-            results.append(StepResult(out.step_id, [], [], finished=scheduler.take_finished()))
+            results.append(StepResult(out.step_id, [], finished=scheduler.take_finished()))
         else:
             check_step_invariants(scheduler, out, decoding)
             results.append(scheduler.postprocess(out, model.run(out)))

@@ -188,14 +188,16 @@ class EngineCore:
                 raise
             step = sched.postprocess(out, result)
             self._num_steps += 1
-            logprobs = step.logprobs
-            for i, (req_id, tokens) in enumerate(zip(step.req_ids, step.new_token_ids, strict=True)):
-                tracked = self._requests.get(req_id)
-                if tracked is None:
-                    continue
-                touched[req_id] = tracked
-                if logprobs is not None and tracked.request.sampling_params.logprobs is not None:
-                    tracked.new_logprobs.extend(logprobs[i][: len(tokens)])
+            requests = self._requests
+            for req_id in step.req_ids:  # (a request's new tokens are read off it in `_output`)
+                tracked = requests.get(req_id)
+                if tracked is not None:
+                    touched[req_id] = tracked
+            if step.logprobs is not None:
+                for req_id, row_logprobs in zip(step.req_ids, step.logprobs, strict=True):
+                    tracked = requests.get(req_id)
+                    if tracked is not None and tracked.request.sampling_params.logprobs is not None:
+                        tracked.new_logprobs.extend(row_logprobs)
             finished = step.finished
         else:  # an empty step is not in flight: nothing to run or postprocess
             finished = sched.take_finished()

@@ -54,8 +54,12 @@ class StepResult:
     step_id: int
     req_ids: list[int]
     """Requests that gained tokens this step (the sampling rows, in row order)."""
-    new_token_ids: list[list[int]]
-    """Tokens appended to each of `req_ids` (a speculative run is cut after a stop token)."""
+    token_lists: list[list[int]] | None = None
+    """Speculative steps: the tokens appended to each of `req_ids` (a run is cut after a stop
+    token). None when each gained exactly one, in `token_array`."""
+    token_array: Int64Array | None = None
+    """Steps without drafts: the one token each of `req_ids` gained (the runner's array, kept
+    as is: readers that need only which requests moved pay no per-row list)."""
     logprobs: list[list[list[tuple[int, float]]]] | None = None
     """The runner's logprobs, aligned with `new_token_ids` (cut the same way); None if none."""
     finished: list[Request] = field(default_factory=list)
@@ -63,6 +67,16 @@ class StepResult:
     in between."""
     timestamp: float = 0.0
     """Clock reading when the tokens were appended (their arrival time for ITL)."""
+
+    @property
+    def new_token_ids(self) -> list[list[int]]:
+        """The tokens appended to each of `req_ids`, as lists (built from `token_array` when
+        that carries them)."""
+        if self.token_lists is not None:
+            return self.token_lists
+        if self.token_array is None:
+            return []
+        return [[t] for t in self.token_array.tolist()]
 
 
 class Scheduler:
@@ -531,10 +545,12 @@ class Scheduler:
         num_decode = out.num_decode_rows
         prefill_rows = batch.requests[num_decode:b]
         completing = batch.requests[num_decode:num_sample]
+        token_array: Int64Array | None = None
+        token_lists: list[list[int]] | None
         if out.num_decode_tokens > num_decode:
-            finishing, new_token_ids = self._apply_speculative(out, result, now)
+            finishing, token_lists = self._apply_speculative(out, result, now)
         else:
-            finishing, new_token_ids = self._apply_tokens(out, result, now)
+            finishing, token_array, token_lists = self._apply_tokens(out, result, now)
 
         kv = self.kv_cache_manager
         if kv.enable_prefix_caching:
@@ -566,25 +582,29 @@ class Scheduler:
         return StepResult(
             step_id=out.step_id,
             req_ids=out.req_ids[:num_sample],
-            new_token_ids=new_token_ids,
-            logprobs=self._align_logprobs(result, new_token_ids),
+            token_lists=token_lists,
+            token_array=token_array,
+            logprobs=self._align_logprobs(result, token_lists, num_sample),
             finished=finished,
             timestamp=now,
         )
 
     @staticmethod
     def _align_logprobs(
-        result: ModelRunnerOutput, new_token_ids: list[list[int]]
+        result: ModelRunnerOutput, token_lists: list[list[int]] | None, num_sample: int
     ) -> list[list[list[tuple[int, float]]]] | None:
+        """The runner's logprobs cut like the tokens (a speculative run is cut after a stop)."""
         if result.logprobs is None:
             return None
-        if len(result.logprobs) != len(new_token_ids):
+        if len(result.logprobs) != num_sample:
             raise ValueError(
-                f"runner returned logprobs for {len(result.logprobs)} rows, expected {len(new_token_ids)}"
+                f"runner returned logprobs for {len(result.logprobs)} rows, expected {num_sample}"
             )
+        if token_lists is None:
+            return [row[:1] for row in result.logprobs]
         return [
             row if len(row) == len(tokens) else row[: len(tokens)]
-            for row, tokens in zip(result.logprobs, new_token_ids, strict=True)
+            for row, tokens in zip(result.logprobs, token_lists, strict=True)
         ]
 
     def discard_step(self, out: SchedulerOutput) -> None:
@@ -602,11 +622,13 @@ class Scheduler:
 
     def _apply_tokens(
         self, out: SchedulerOutput, result: ModelRunnerOutput, now: float
-    ) -> tuple[list[tuple[Request, FinishReason]], list[list[int]]]:
-        """Vectorised path: every sampling row gained exactly one token."""
+    ) -> tuple[list[tuple[Request, FinishReason]], Int64Array, list[list[int]] | None]:
+        """Vectorised path: every sampling row gained exactly one token. Returns the finishing
+        requests, the tokens as an array, and the runner's per-row lists if it gave them."""
         batch = self.batch
         b = out.num_rows
         s = len(out.sample_rows)
+        lists: list[list[int]] | None
         if result.sampled_token_array is not None:
             tokens = np.asarray(result.sampled_token_array, dtype=np.int64)
             if tokens.shape != (s,):
@@ -623,8 +645,6 @@ class Scheduler:
         batch.last_token_time[:s] = now
         token_list = tokens.tolist()
         deque(map(list.append, batch.token_lists[:s], token_list), maxlen=0)
-        if lists is None:
-            lists = [[t] for t in token_list]
 
         stop = (tokens == batch.eos[:s]) | (batch.num_tokens[:s] >= batch.stop_len[:s])
         if self._stop_id_rows:
@@ -635,7 +655,7 @@ class Scheduler:
             reason = self._stop_reason(request, token_list[row], request.num_tokens)
             if reason is not None:
                 finishing.append((request, reason))
-        return finishing, lists
+        return finishing, tokens, lists
 
     def _stop_reason(self, request: Request, token: int, num_tokens: int) -> FinishReason | None:
         params = request.sampling_params
