@@ -43,7 +43,7 @@ class KVCacheBlocks:
     """How many leading `block_ids` are prefix-cache hits (their KV is already computed)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _RequestBlocks:
     """What the manager keeps per request (from its first allocation until `free`)."""
 
