@@ -24,7 +24,7 @@ from baton_operator.kube import Kube, KubeError
 from baton_operator.models import InferenceDeploymentSpec
 from baton_operator.object_cache import ObjectCache, PodIndex, deployment_view, owner_view
 from baton_operator.replicas import release, take_over
-from baton_operator.status import (
+from baton_operator.resource_status import (
     Failure,
     Observed,
     compute_status,

@@ -35,15 +35,17 @@ fi
 
 out=${OUT:-$root/verify-engine-out}
 mkdir -p "$out"
-venv=${BATON_VERIFY_VENV:-/tmp/baton-verify-venv}
-python3 -c 'import torch; assert torch.cuda.is_available(), "no GPU visible to torch"'
-rm -rf "$venv"
-python3 -m venv --system-site-packages "$venv"
-py="$venv/bin/python"
+# The image's python3 is itself a venv (torch lives there): a venv made from it would not see
+# torch, so the carried wheels go to a target folder and the repository is put on PYTHONPATH.
+py=python3
+"$py" -c 'import torch; assert torch.cuda.is_available(), "no GPU visible to torch"'
+site=${BATON_VERIFY_SITE:-/tmp/baton-verify-site}
+rm -rf "$site"
+mkdir -p "$site"
 if compgen -G ".whl/*.whl" > /dev/null; then
-  "$py" -m pip install --quiet --no-index --no-deps --no-cache-dir .whl/*.whl
+  "$py" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
 fi
-"$py" -m pip install --quiet --no-index --no-deps --no-build-isolation --no-cache-dir -e .
+export PYTHONPATH="$site:$root/engine:$root/operator:$root/devcluster:$root/support:$root"
 "$py" - <<'PY' | tee "$out/versions.txt"
 import platform, torch, triton, transformers, pydantic
 print(f"python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}, "

@@ -16,14 +16,14 @@ from baton_engine.cli import main as cli_main
 from baton_engine.model.loader.gguf_loader import open_gguf, read_config, read_weights
 from baton_engine.model.loader.hf_export import STAMP_FILE, ExportError, export_hf_folder
 from baton_engine.model.loader.model_loading import load_model
+from baton_support.tiny_models import parity_model
 from tests.model.test_gguf_roundtrip import _write_gguf
-from tests.model.tiny_models import make_tiny_model
 
 PROMPT = [5, 17, 200, 33, 101, 250, 7, 64]
 
 
 def _tiny_gguf(family: str, tmp_path: Path, **kwargs: Any) -> tuple[torch.nn.Module, Path]:
-    model = make_tiny_model(family, tmp_path / "hf", seed=11)
+    model = parity_model(family, seed=11).save(tmp_path / "hf")
     _write_gguf(model, family, tmp_path / "tiny.gguf", **kwargs)
     return model, tmp_path / "tiny.gguf"
 
@@ -46,7 +46,7 @@ def test_transformers_runs_the_exported_folder_like_the_gguf(family: str, tmp_pa
     assert exported.config.rope_parameters["rope_type"] == "default"
     assert exported.config.tie_word_embeddings == original.config.tie_word_embeddings
     # The GGUF holds the weights in float32, down_proj in float16: the reference is rounded alike.
-    reference = make_tiny_model(family, tmp_path / "hf2", seed=11).to(torch.float32)
+    reference = parity_model(family, seed=11).save(tmp_path / "hf2").to(torch.float32)
     with torch.no_grad():
         for name, param in reference.named_parameters():
             if name.endswith("mlp.down_proj.weight"):
@@ -140,8 +140,33 @@ def test_rerun_keeps_the_export_and_other_folders_are_refused(tmp_path: Path) ->
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
+def test_same_model_from_another_checkout_is_the_same_export_and_old_formats_are_replaced(
+    tmp_path: Path,
+) -> None:
+    """The export is named by the source's content: the same GGUF installed in another checkout
+    (another path, another mtime) keeps the shared export; a folder of an earlier export format
+    (Baton's own stamp, format 1: path + mtime) is rewritten in the current one."""
+    _, gguf = _tiny_gguf("qwen2", tmp_path)
+    folder = export_hf_folder(str(gguf), tmp_path / "export")
+    written = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    elsewhere = tmp_path / "other-checkout" / gguf.name
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(gguf.read_bytes())
+    assert export_hf_folder(str(elsewhere), folder) == folder
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == written
+
+    old = {"format": 1, "source": str(elsewhere), "source_size": 1, "source_mtime_ns": 1, "dtype": "float32"}
+    (folder / STAMP_FILE).write_text(json.dumps(old))
+    export_hf_folder(str(gguf), folder)
+    stamp = json.loads((folder / STAMP_FILE).read_text())
+    assert stamp["format"] == 2
+    assert stamp["source_name"] == gguf.name
+    assert stamp["dtype"] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
 def test_llama31_frequency_factors_are_refused(tmp_path: Path) -> None:
-    model = make_tiny_model("llama", tmp_path / "hf", seed=3)
+    model = parity_model("llama", seed=3).save(tmp_path / "hf")
     factors = torch.linspace(1.0, 8.0, 16).numpy()
     _write_gguf(model, "llama", tmp_path / "tiny.gguf", factors)
     with pytest.raises(ExportError, match=r"^rope_scaling: per-frequency factors .* no config\.json form$"):

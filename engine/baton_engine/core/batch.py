@@ -46,6 +46,8 @@ class PersistentBatch:
         self.eos: Int64Array = np.full(max_rows, -1, dtype=np.int64)
         """EOS id the row stops on; -1 when it ignores EOS (token ids are never negative)."""
         self.has_stop_ids = np.zeros(max_rows, dtype=np.bool_)
+        self.has_grammar = np.zeros(max_rows, dtype=np.bool_)
+        """The row's request follows a grammar (structured output)."""
         self.num_drafts: Int64Array = np.zeros(max_rows, dtype=np.int64)
         """Draft tokens the scheduler planned for the row this step (0 when not speculating)."""
         self.temperature: Float32Array = np.zeros(max_rows, dtype=np.float32)
@@ -64,6 +66,7 @@ class PersistentBatch:
             self.stop_len,
             self.eos,
             self.has_stop_ids,
+            self.has_grammar,
             self.num_drafts,
             self.temperature,
             self.top_p,
@@ -115,6 +118,7 @@ class PersistentBatch:
         self.stop_len[row] = min(request.num_prompt_tokens + params.max_tokens, max_model_len)
         self.eos[row] = -1 if (params.ignore_eos or eos_token_id is None) else eos_token_id
         self.has_stop_ids[row] = bool(params.stop_token_ids)
+        self.has_grammar[row] = params.grammar is not None
         self.num_drafts[row] = 0
         self.temperature[row] = params.temperature
         self.top_p[row] = params.top_p

@@ -277,6 +277,7 @@ class EngineCore:
             num_steps=self._num_steps,
             kv_transfer=None if connector is None else connector.stats_totals(),
             kv_leases_held=leases_held,
+            num_grammar_requests=sched.num_grammar_requests,
         )
 
 

@@ -17,15 +17,20 @@ Engine loop (`EngineCore.step`)::
 
 State owners: the scheduler writes `Request`s and owns the queues; the `KVCacheManager` owns
 request -> blocks (the scheduler copies what it hands out into the batch); the `PersistentBatch`
-owns rows and the block table. P/D goes through the `KVConnector` Protocol: the scheduler calls
-its hooks and applies its `KVConnectorUpdates` at the start of each step.
+owns rows and the block table; the `StructuredOutputManager` owns request -> grammar state (the
+scheduler drives it: a request's grammar is added when it is queued, its drafts are cut to what
+the grammar allows, each step carries the bitmasks of its constrained positions, kept tokens are
+accepted, and a request whose grammar is complete finishes with ``stop``). P/D goes through the
+`KVConnector` Protocol: the scheduler calls its hooks and applies its `KVConnectorUpdates` at the
+start of each step.
 
 The decode path is vectorised over the persistent batch; per-request Python work happens only
-for rows that cross a block boundary, finish, or change state.
+for rows that cross a block boundary, finish, change state, or follow a grammar.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -42,9 +47,13 @@ from baton_engine.core.scheduler_output import Int64Array, ModelRunnerOutput, Sc
 from baton_engine.core.scheduler_stats import PrefixCacheStats, SchedulerStats, SpecDecodeStats
 from baton_engine.core.step_builder import build_step
 from baton_engine.prefix.hashing import PrefixHasher, fast_prefix_hash
+from baton_engine.structured.grammar import StructuredOutputError
+from baton_engine.structured.manager import GrammarRefusedToken, SampledRow, StructuredOutputManager
 
 if TYPE_CHECKING:
     from baton_engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,8 +105,11 @@ class Scheduler:
         prefix_hasher: PrefixHasher = fast_prefix_hash,
         enable_kv_events: bool = True,
         kv_connector: KVConnector | None = None,
+        structured_output: StructuredOutputManager | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`structured_output`: follows the grammars of requests that have one (None: such
+        requests are rejected, e.g. for a model without a tokenizer)."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
@@ -120,6 +132,7 @@ class Scheduler:
         self.delay_factor = scheduler_delay_factor
         self.num_speculative_tokens = num_speculative_tokens
         self.kv_connector = kv_connector
+        self.structured_output = structured_output
         self.clock = clock
 
         self.kv_cache_manager = KVCacheManager(
@@ -165,6 +178,7 @@ class Scheduler:
         eos_token_id: int | None,
         prefix_hasher: PrefixHasher = fast_prefix_hash,
         kv_connector: KVConnector | None = None,
+        structured_output: StructuredOutputManager | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> Scheduler:
         return cls(
@@ -181,6 +195,7 @@ class Scheduler:
             prefix_hasher=prefix_hasher,
             enable_kv_events=config.kv_events,
             kv_connector=kv_connector,
+            structured_output=structured_output,
             clock=clock,
         )
 
@@ -238,6 +253,7 @@ class Scheduler:
             spec_accepted_tokens=spec.num_accepted_tokens,
             spec_num_drafts=spec.num_forwards,
             spec_accepted_per_position=list(spec.accepted_per_position),
+            num_grammar_requests=len(self.structured_output or ()),
         )
 
     # -- admission --------------------------------------------------------------------------
@@ -275,12 +291,31 @@ class Scheduler:
             raise ValueError(f"request id {request.req_id} is already scheduled")
         if request.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KV):
             raise ValueError(f"request {request.req_id} has status {request.status.value}, expected waiting")
-        reason = self.rejection_reason(request)
+        reason = self.rejection_reason(request) or self._add_grammar(request)
         if reason is not None:
             self._mark_finished(request, FinishReason.REJECTED, reason)
             return
         self._unfinished[request.req_id] = request
         self.waiting.append(request)
+
+    def _add_grammar(self, request: Request) -> str | None:
+        """Start following `request`'s grammar, if it has one; why it cannot be followed, or None."""
+        grammar = request.sampling_params.grammar
+        if grammar is None:
+            return None
+        if self.structured_output is None:
+            return "grammar: this engine cannot follow grammars (its model has no tokenizer)"
+        try:
+            self.structured_output.add(request.req_id, grammar)
+        except StructuredOutputError as exc:
+            return str(exc)  # "grammar: ..." (the server names the request field it came from)
+        return None
+
+    @property
+    def _grammars(self) -> StructuredOutputManager | None:
+        """The manager while it follows any request (steps without one skip all grammar work)."""
+        manager = self.structured_output
+        return manager if manager is not None and len(manager) else None
 
     # -- schedule ---------------------------------------------------------------------------
     def schedule(self, drafts: Mapping[int, Sequence[int]] | None = None) -> SchedulerOutput:
@@ -336,6 +371,9 @@ class Scheduler:
             drafts=drafts if self.num_speculative_tokens else None,
             finished_req_ids=finished_ids,
         )
+        grammars = self._grammars
+        if grammars is not None:
+            self._attach_bitmask(out, grammars, drafts if self.num_speculative_tokens else None)
         # An empty step has nothing to run or postprocess (report finishes via take_finished).
         self._in_flight = out if out.num_rows else None
         return out
@@ -344,9 +382,12 @@ class Scheduler:
         batch = self.batch
         k = self.num_speculative_tokens
         room = budget - batch.num_decode
+        grammars = self._grammars
         for row in range(batch.num_decode):
             request = batch.requests[row]
             proposed = drafts.get(request.req_id)
+            if proposed and grammars is not None and batch.has_grammar[row]:
+                proposed = grammars.cut_drafts(request.req_id, list(proposed))
             wanted = min(len(proposed), k, self.max_model_len - request.num_tokens, room) if proposed else 0
             wanted = max(wanted, 0)
             batch.num_drafts[row] = wanted
@@ -526,6 +567,31 @@ class Scheduler:
             if self._stop_id_rows == 0:
                 self._stop_id_union = np.zeros(0, dtype=np.int64)
 
+    def _attach_bitmask(
+        self,
+        out: SchedulerOutput,
+        grammars: StructuredOutputManager,
+        drafts: Mapping[int, Sequence[int]] | None,
+    ) -> None:
+        """The bitmasks of the step's constrained sampled positions (`grammar_bitmask`)."""
+        batch = self.batch
+        num_sample = len(out.sample_rows)
+        constrained = np.flatnonzero(batch.has_grammar[:num_sample]).tolist()
+        if not constrained:
+            return
+        counts = 1 + out.num_draft_tokens[:num_sample].astype(np.int64)
+        first_logits_row = (np.cumsum(counts) - counts).tolist()
+        req_ids = batch.req_ids
+        rows = []
+        for row in constrained:
+            req_id = req_ids[row]
+            num_drafts = int(out.num_draft_tokens[row])
+            row_drafts = tuple(drafts[req_id][:num_drafts]) if drafts is not None and num_drafts else ()
+            rows.append(SampledRow(req_id, first_logits_row[row], row_drafts))
+        step = grammars.step_bitmask(rows)
+        out.grammar_bitmask = step.bitmask
+        out.grammar_rows = np.asarray(step.logits_rows, dtype=np.int64)
+
     # -- postprocess ------------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, result: ModelRunnerOutput) -> StepResult:
         """Apply step `out`'s sampled tokens: append, check stops, publish blocks, free."""
@@ -649,13 +715,34 @@ class Scheduler:
         stop = (tokens == batch.eos[:s]) | (batch.num_tokens[:s] >= batch.stop_len[:s])
         if self._stop_id_rows:
             stop |= np.isin(tokens, self._stop_id_union) & batch.has_stop_ids[:s]
+        grammar_ends: dict[int, FinishReason] = {}
+        if out.grammar_bitmask is not None:
+            for row in np.flatnonzero(batch.has_grammar[:s]).tolist():
+                end = self._accept_grammar(batch.requests[row], token_list[row])
+                if end is not None:
+                    grammar_ends[row] = end
+                    stop[row] = True
         finishing: list[tuple[Request, FinishReason]] = []
         for row in np.flatnonzero(stop).tolist():
             request = batch.requests[row]
-            reason = self._stop_reason(request, token_list[row], request.num_tokens)
+            reason = grammar_ends.get(row) or self._stop_reason(request, token_list[row], request.num_tokens)
             if reason is not None:
                 finishing.append((request, reason))
         return finishing, tokens, lists
+
+    def _accept_grammar(self, request: Request, token: int) -> FinishReason | None:
+        """Advance `request`'s grammar by its new `token`: STOP once the grammar is complete."""
+        if self.structured_output is None or request.req_id not in self.structured_output:
+            return None
+        try:
+            complete = self.structured_output.accept(request.req_id, [token])
+        except GrammarRefusedToken as exc:
+            # The step's mask allowed only grammar tokens: this is a bug, and it ends this
+            # request only (never the step loop).
+            log.error("request %d: sampled %s; aborting it", request.req_id, exc)
+            request.finish_message = f"structured output failed: sampled {exc}"
+            return FinishReason.ABORT
+        return FinishReason.STOP if complete else None
 
     def _stop_reason(self, request: Request, token: int, num_tokens: int) -> FinishReason | None:
         params = request.sampling_params
@@ -698,10 +785,12 @@ class Scheduler:
                     self.spec_stats.record(drafts, len(accepted) - 1)
             kept: list[int] = []
             reason = None
+            constrained = out.grammar_bitmask is not None and bool(batch.has_grammar[row])
             for token in accepted:
                 request.token_ids.append(token)
                 kept.append(token)
-                reason = self._stop_reason(request, token, request.num_tokens)
+                grammar_end = self._accept_grammar(request, token) if constrained else None
+                reason = grammar_end or self._stop_reason(request, token, request.num_tokens)
                 if reason is not None:
                     break
             batch.num_tokens[row] = request.num_tokens
@@ -719,8 +808,10 @@ class Scheduler:
 
     # -- finishing, preemption, abort -------------------------------------------------------
     def _mark_finished(self, request: Request, reason: FinishReason, message: str | None = None) -> None:
-        """Finish `request`: its blocks are freed, unless the KV connector leases them (a P/D
-        producer request), then they are freed when the lease ends."""
+        """Finish `request`: its grammar state is dropped and its blocks freed, unless the KV
+        connector leases them (a P/D producer request), then they are freed when the lease ends."""
+        if self.structured_output is not None:
+            self.structured_output.remove(request.req_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         if message is not None:
@@ -854,12 +945,27 @@ class Scheduler:
         self.kv_cache_manager.publish(request, request.num_computed_tokens)
         request.status = RequestStatus.WAITING
         if first_token_id is not None:
-            reason = self._stop_reason(request, first_token_id, request.num_tokens)
+            # The grammar continues from the prefill leg's first token.
+            reason, message = self._replay_first_token(request, first_token_id)
+            reason = reason or self._stop_reason(request, first_token_id, request.num_tokens)
             if reason is not None:
                 del self._unfinished[req_id]
-                self._mark_finished(request, reason)
+                self._mark_finished(request, reason, message)
                 return
         self._arrived.append(request)
+
+    def _replay_first_token(self, request: Request, token: int) -> tuple[FinishReason | None, str | None]:
+        """A P/D decode leg's grammar takes the token the prefill leg sampled."""
+        if self.structured_output is None or request.req_id not in self.structured_output:
+            return None, None
+        try:
+            complete = self.structured_output.accept(request.req_id, [token])
+        except GrammarRefusedToken as exc:
+            return FinishReason.REJECTED, (
+                f"kv_transfer_params: the prefill leg's first {exc} (did both legs get the same "
+                "response_format and tools?)"
+            )
+        return (FinishReason.STOP if complete else None), None
 
     def _remote_kv_failed(self, failed: RemoteKVFailed) -> None:
         """Consumer: the pull failed. Recompute the prompt locally, or fail the request."""

@@ -93,3 +93,5 @@ class SchedulerStats:
     """Verify rows: decode rows that carried at least one draft, cumulative."""
     spec_accepted_per_position: list[int]
     """``[j]``: verify rows whose draft ``j`` was accepted, cumulative (length K)."""
+    num_grammar_requests: int = 0
+    """Requests whose output follows a grammar (structured output) right now."""

@@ -10,12 +10,21 @@ express (limits, unsupported features) raise `APIError` with ``param`` set.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from baton_engine.core.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_N
 from baton_engine.server.errors import APIError, bad_request
+from baton_engine.structured.grammar import (
+    StructuredOutputError,
+    Tool,
+    ToolCallFormat,
+    parse_tools,
+    response_format_grammar,
+    tool_call_grammar,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
@@ -72,6 +81,8 @@ class CompletionRequest(_Common):
     every branch, holding the GIL for seconds)."""
     max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+    """vLLM extension on this endpoint: ``json_object`` / ``json_schema`` as for chat."""
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -85,10 +96,27 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+    """JSON text, as OpenAI returns it."""
+
+
+class AssistantToolCall(_Strict):
+    """A call an earlier assistant turn made (sent back by the client with the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+    """role ``tool``: the call this message answers."""
 
 
 class ChatCompletionRequest(_Common):
@@ -273,18 +301,21 @@ def _check_common(request: _Common) -> None:
 
 def _check_unsupported_chat(request: ChatCompletionRequest) -> None:
     """OpenAI fields that would change the answer and that this server does not implement:
-    refused by name rather than silently ignored (their neutral values pass)."""
-    if request.response_format is not None and request.response_format.get("type") != "text":
-        kind = request.response_format.get("type")
+    refused by name rather than silently ignored (their neutral values pass). Tools and
+    ``tool_choice`` are checked here; their grammar (and ``response_format``'s) is built by
+    `request_grammar` once the model's tool-call format is known."""
+    try:
+        tools = parse_tools(request.tools or [])
+    except StructuredOutputError as exc:
+        raise bad_request(str(exc), param=exc.param) from exc
+    forced = forced_tools(request, tools)
+    if forced is not None and request.response_format and request.response_format.get("type") != "text":
         raise bad_request(
-            f"response_format: type {kind!r} is not supported (supported: 'text')", param="response_format"
+            "response_format: cannot be combined with tool_choice 'required' or a named function (each "
+            "decides the whole answer); send one of them",
+            param="response_format",
+            code="unsupported",
         )
-    if request.tools:
-        raise bad_request("tools: tool calling is not supported", param="tools")
-    if request.tool_choice is not None and request.tool_choice != "none":
-        raise bad_request("tool_choice: only 'none' is supported (tool calling is not)", param="tool_choice")
-    if request.parallel_tool_calls:
-        raise bad_request("parallel_tool_calls: tool calling is not supported", param="parallel_tool_calls")
     for name in ("functions", "function_call", "audio", "prediction"):
         if getattr(request, name) is not None:
             raise bad_request(f"{name}: not supported", param=name)
@@ -292,6 +323,73 @@ def _check_unsupported_chat(request: ChatCompletionRequest) -> None:
         raise bad_request(
             f"modalities: only ['text'] is supported, got {request.modalities!r}", param="modalities"
         )
+
+
+def forced_tools(request: ChatCompletionRequest, tools: list[Tool]) -> list[Tool] | None:
+    """The tools the answer must call (`tool_choice` ``required``: any offered one; a named
+    function: that one), or None when the model may answer freely (``none``, ``auto``)."""
+    choice = request.tool_choice
+    if choice is None or choice in ("none", "auto"):
+        return None
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise bad_request(
+                "tool_choice: must be 'none', 'auto', 'required' or "
+                '{"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
+            )
+        named = [t for t in tools if t.name == name]
+        if not named:
+            raise bad_request(
+                f"tool_choice.function.name: {shown(name)} is not one of the offered tools",
+                param="tool_choice.function.name",
+            )
+        return named
+    if choice != "required":
+        raise bad_request(
+            f"tool_choice: {shown(choice)} is not one of 'none', 'auto', 'required' or a named function",
+            param="tool_choice",
+        )
+    if not tools:
+        raise bad_request("tool_choice: requires tools", param="tool_choice")
+    return tools
+
+
+@dataclass(frozen=True)
+class RequestGrammar:
+    """The grammar a request's answer must follow, and the field it comes from."""
+
+    grammar: str
+    param: str
+    """``response_format`` or ``tool_choice`` (named in errors about the grammar)."""
+
+
+def request_grammar(
+    request: CompletionRequest | ChatCompletionRequest, tool_format: ToolCallFormat | None = None
+) -> RequestGrammar | None:
+    """The grammar of `request`'s ``response_format``, or of its forced tool calls in the
+    model's `tool_format`; None for free text. A field that cannot be enforced is a 400
+    naming it."""
+    try:
+        if isinstance(request, ChatCompletionRequest):
+            forced = forced_tools(request, parse_tools(request.tools or []))
+            if forced is not None:
+                if tool_format is None:
+                    raise bad_request(
+                        "tools: this model's chat template renders no tools (no tool-call format known "
+                        "for it)",
+                        param="tools",
+                    )
+                # A named function is called once; 'required' may call several unless
+                # parallel_tool_calls is false.
+                parallel = request.tool_choice == "required" and request.parallel_tool_calls is not False
+                grammar = tool_call_grammar(forced, tool_format, parallel=parallel)
+                return RequestGrammar(grammar, "tool_choice")
+        built = response_format_grammar(request.response_format)
+    except StructuredOutputError as exc:
+        raise bad_request(str(exc), param=exc.param) from exc
+    return None if built is None else RequestGrammar(built, "response_format")
 
 
 def stop_list(request: _Common) -> list[str]:
@@ -317,8 +415,23 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": message.role, "content": content}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out
+
+
+def _template_tool_call(call: AssistantToolCall) -> dict[str, Any]:
+    """A past call as chat templates read it: arguments as an object where they parse (HF's
+    convention; templates ``tojson`` them), else the text as sent."""
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": call.type, "function": function, **function}
 
 
 def _part_text(part: ContentPart, where: str) -> str:

@@ -1,4 +1,7 @@
-"""Pure status computation: child Deployments in, `InferenceDeployment.status` fields out."""
+"""The InferenceDeployment's own status, computed (purely) from what it owns: the child
+Deployments and their pods in, the operator's `status` fields (conditions, counts per pool, the
+endpoint) out, as a merge patch. (Its schema: `models/status.py`; the autoscaler's part of
+status: `autoscaler/status_record.py`.)"""
 
 from __future__ import annotations
 

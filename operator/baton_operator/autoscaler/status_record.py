@@ -1,10 +1,12 @@
-"""Decisions and history as JSON for the InferenceDeployment status (camelCase, RFC 3339 times).
+"""What the autoscaler records in `status.autoscaling`: its decisions and history as JSON
+(camelCase, RFC 3339 times), and when a decision is worth rewriting the resource for.
 
 Keeping the history in status lets a restarted operator honour windows it had already begun.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from datetime import UTC, datetime
 from typing import Any
@@ -123,3 +125,58 @@ def history_from_dict(raw: Any) -> History:
         at, role, (frm, to) = _row(item, f"history.actions[{i}]", 4)
         acts.append(ScaleAction(at, role, frm, to))
     return History(tuple(sorted(recs, key=lambda r: r.at)), tuple(sorted(acts, key=lambda a: a.at)))
+
+
+#: A stored decision is rewritten at least this often, so that the history a restarted operator
+#: reads is never older than this (its windows then start from slightly less history).
+STATUS_HEARTBEAT_S = 60.0
+#: A metric changed materially when it moved by more than this fraction of its stored value...
+METRIC_RELATIVE_CHANGE = 0.1
+#: ... and by more than this much (KV usage ratios wander by a few hundredths at steady load).
+METRIC_ABSOLUTE_CHANGE = 0.05
+
+
+def _parse(time: Any) -> float | None:
+    if not isinstance(time, str):
+        return None
+    try:
+        return datetime.fromisoformat(time.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _metric_moved(old: Any, new: Any) -> bool:
+    if not isinstance(old, int | float) or not isinstance(new, int | float):
+        return bool(old != new)
+    return abs(new - old) > max(METRIC_RELATIVE_CHANGE * abs(old), METRIC_ABSOLUTE_CHANGE)
+
+
+def material_change(stored: Any, fresh: Any, now: float) -> str | None:
+    """Why `fresh` (a tick's ``status.autoscaling``) must be written over `stored`, or None when
+    it says nothing new: the decision (replicas asked for, replicas seen, action), a scale action
+    in the history, a metric that moved materially, or a stored decision older than
+    STATUS_HEARTBEAT_S. Recommendations and reasons alone do not count: at steady load the
+    status (and so the resource's resourceVersion) stays still."""
+    if not isinstance(stored, dict) or not stored:
+        return "first decision"
+    for key in ("lastDecision", "currentReplicas", "action"):
+        if stored.get(key) != fresh.get(key):
+            return key
+    old_history, new_history = stored.get("history"), fresh.get("history")
+    try:
+        old_actions = json.loads(old_history).get("actions") if isinstance(old_history, str) else None
+        new_actions = json.loads(new_history).get("actions") if isinstance(new_history, str) else None
+    except (ValueError, AttributeError):
+        return "history"
+    if old_actions != new_actions:
+        return "scale actions"
+    old_metrics, new_metrics = stored.get("metrics") or {}, fresh.get("metrics") or {}
+    if set(old_metrics) != set(new_metrics):
+        return "metrics reported"
+    moved = sorted(k for k in new_metrics if _metric_moved(old_metrics[k], new_metrics[k]))
+    if moved:
+        return f"metrics {', '.join(moved)}"
+    written = _parse(stored.get("time"))
+    if written is None or now - written >= STATUS_HEARTBEAT_S:
+        return "heartbeat"
+    return None

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from baton_operator.status import (
+from baton_operator.resource_status import (
     Failure,
     Observed,
     compute_status,

@@ -9,10 +9,11 @@ import pytest
 
 from baton_operator.autoscaler.policy import decide
 from baton_operator.autoscaler.policy_types import History, Recommendation, ScaleAction
-from baton_operator.autoscaler.status import (
+from baton_operator.autoscaler.status_record import (
     decision_status,
     history_from_dict,
     history_to_dict,
+    material_change,
     status_summary,
 )
 
@@ -135,3 +136,62 @@ def test_history_entries_are_sorted_by_time() -> None:
         Recommendation(10.0, "prefill", 1),
         Recommendation(20.0, "prefill", 2),
     )
+
+
+STORED: dict[str, Any] = {
+    "lastDecision": {"prefill": 1, "decode": 2},
+    "currentReplicas": {"prefill": 1, "decode": 2},
+    "action": "hold",
+    "reason": "prefill: hold at 1 ...",
+    "metrics": {"prefill.waitingRequests": 0.0, "decode.kvUsage": 0.41, "decode.readyPods": 2.0},
+    "time": "2026-01-01T00:00:00.000000Z",
+    "history": json.dumps({"recommendations": [[1.0, "decode", 2]], "actions": [[0.5, "decode", 1, 2]]}),
+}
+T0 = 1767225600.0  # 2026-01-01T00:00:00Z
+
+
+def fresh(**changes: Any) -> dict[str, Any]:
+    out = {**STORED, "metrics": {**STORED["metrics"]}, "time": "2026-01-01T00:00:30.000000Z"}
+    out["history"] = json.dumps(
+        {"recommendations": [[1.0, "decode", 2], [30.0, "decode", 2]], "actions": [[0.5, "decode", 1, 2]]}
+    )
+    for key, value in changes.items():
+        if key == "metrics":
+            out["metrics"].update(value)
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize(
+    ("stored", "new", "now", "why"),
+    [
+        ({}, fresh(), T0, "first decision"),
+        (STORED, fresh(), T0 + 30, None),  # new recommendations, same decision: nothing to write
+        (STORED, fresh(reason="prefill: hold at 1 (other words)"), T0 + 30, None),
+        (STORED, fresh(metrics={"decode.kvUsage": 0.45}), T0 + 30, None),  # within 0.05
+        (STORED, fresh(metrics={"decode.kvUsage": 0.47}), T0 + 30, "metrics decode.kvUsage"),
+        (STORED, fresh(metrics={"prefill.waitingRequests": 1.0}), T0 + 30, "metrics prefill.waitingRequests"),
+        (STORED, fresh(metrics={"decode.readyPods": 3.0}), T0 + 30, "metrics decode.readyPods"),
+        (STORED, fresh(metrics={"decode.stalePods": 1.0}), T0 + 30, "metrics reported"),
+        (STORED, fresh(lastDecision={"prefill": 2, "decode": 2}), T0 + 30, "lastDecision"),
+        (STORED, fresh(currentReplicas={"prefill": 1, "decode": 3}), T0 + 30, "currentReplicas"),
+        (STORED, fresh(action="up"), T0 + 30, "action"),
+        (
+            STORED,
+            fresh(
+                history=json.dumps(
+                    {"recommendations": [], "actions": [[0.5, "decode", 1, 2], [30.0, "decode", 2, 1]]}
+                )
+            ),
+            T0 + 30,
+            "scale actions",
+        ),
+        (STORED, fresh(), T0 + 60, "heartbeat"),
+        ({**STORED, "time": None}, fresh(), T0 + 30, "heartbeat"),
+    ],
+)
+def test_what_counts_as_a_material_change(
+    stored: dict[str, Any], new: dict[str, Any], now: float, why: str | None
+) -> None:
+    assert material_change(stored, new, now) == why
