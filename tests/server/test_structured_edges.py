@@ -98,13 +98,20 @@ def _chat(client: openai.OpenAI, **request: Any) -> Any:
 
 def _streamed(client: openai.OpenAI, **request: Any) -> tuple[str, list[Any], str | None]:
     """One choice's streamed content, tool-call deltas and finish reason."""
-    content, calls, finish = "", [], None
+    content, calls, finish, _ = _streamed_chunks(client, **request)
+    return content, calls, finish
+
+
+def _streamed_chunks(client: openai.OpenAI, **request: Any) -> tuple[str, list[Any], str | None, int]:
+    """`_streamed`, and how many chunks carried the choice."""
+    content, calls, finish, chunks = "", [], None, 0
     for chunk in _chat(client, **request, stream=True):
         for choice in chunk.choices:
+            chunks += 1
             content += choice.delta.content or ""
             calls.extend(choice.delta.tool_calls or [])
             finish = choice.finish_reason or finish
-    return content, calls, finish
+    return content, calls, finish, chunks
 
 
 def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
@@ -131,8 +138,8 @@ def test_required_calls_are_parsed_whole_and_streamed_one_delta_per_call(
     for call in calls:
         assert call.type == "function" and call.id.startswith("call_")
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-    content, deltas, finish = _streamed(client, **request)
-    assert (content, finish) == ("", "tool_calls")
+    content, deltas, finish, chunks = _streamed_chunks(client, **request)
+    assert (content, finish, chunks) == ("", "tool_calls", 1 + num_calls)
     assert [d.index for d in deltas] == list(range(num_calls))
     assert [(d.function.name, d.function.arguments) for d in deltas] == [
         (c.function.name, c.function.arguments) for c in calls
@@ -167,8 +174,9 @@ def test_auto_parses_a_call_the_model_spelled_and_none_leaves_it_content(client:
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
         ("clock", spelled["parameters"])
     ]
-    content, deltas, finish = _streamed(client, **request, tool_choice="auto")
-    assert (content, finish) == ("", "tool_calls")
+    content, deltas, finish, chunks = _streamed_chunks(client, **request, tool_choice="auto")
+    # the role, then the call: the text the parser held back was never sent as empty deltas
+    assert (content, finish, chunks) == ("", "tool_calls", 2)
     assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
         (0, "clock", choice.message.tool_calls[0].function.arguments)
     ]
