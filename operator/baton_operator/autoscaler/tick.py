@@ -7,6 +7,7 @@ omits replicas unless autoscaling is off) and the autoscaler never fight over th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -57,9 +58,10 @@ def stored_history(body: Mapping[str, Any]) -> History:
 
 def _trim(history: History, keep_s: float, now: float) -> History:
     cutoff = now - keep_s
-    return History(
-        tuple(r for r in history.recommendations if r.at >= cutoff),
-        tuple(a for a in history.actions if a.at >= cutoff),
+    return dataclasses.replace(
+        history,
+        recommendations=tuple(r for r in history.recommendations if r.at >= cutoff),
+        actions=tuple(a for a in history.actions if a.at >= cutoff),
     )
 
 
