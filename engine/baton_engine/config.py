@@ -42,10 +42,16 @@ class EngineConfig(BaseModel):
         0.9, gt=0.0, le=1.0, description="Fraction of device memory the engine may use (weights + KV)."
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
-    prefix_hash: Literal["fast", "vllm-sha256-cbor"] = Field(
+    prefix_hash: Literal["fast", "vllm-sha256", "vllm-sha256-cbor"] = Field(
         "fast",
-        description="Prefix-block hash: fast (default) or vllm-sha256-cbor, which reproduces vLLM's keys "
-        "so that indexers computing vLLM keys from prompts find Baton's blocks.",
+        description="Prefix-block hash: fast (default), or vLLM's keys so that indexers computing "
+        "vLLM keys from prompts find Baton's blocks: vllm-sha256 (vLLM's default algorithm, sha256) "
+        "or vllm-sha256-cbor (its sha256_cbor).",
+    )
+    prefix_hash_seed: str | None = Field(
+        None,
+        description="Root seed of the vllm-* prefix hashes; default: PYTHONHASHSEED if set, else "
+        "vLLM's own default (vllm-none-hash).",
     )
 
     # -- scheduler
@@ -109,6 +115,16 @@ class EngineConfig(BaseModel):
     )
     kv_events_buffer_steps: int = Field(10000, ge=1, description="Event batches kept for replay.")
     kv_events_hwm: int = Field(100000, ge=1, description="ZMQ send high-water mark of the PUB socket.")
+    metric_names: Literal["both", "baton", "vllm"] = Field(
+        "both",
+        description="Metric names on /metrics: both (Baton's baton_* and vLLM's vllm:* for the same "
+        "figures, e.g. for llm-d's endpoint picker, KEDA rules and vLLM dashboards), baton or vllm.",
+    )
+    kv_events_encoding: Literal["map", "array"] = Field(
+        "map",
+        description="KV-event encoding: map (vLLM 0.32's; replays carry the topic) or array (vLLM "
+        "v0.22's, for indexers of that time).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -63,7 +63,10 @@ FLAG_KV_EVENTS: Final = "--kv-events"  # BooleanOptionalAction
 FLAG_KV_EVENTS_PORT: Final = "--kv-events-port"
 FLAG_KV_EVENTS_REPLAY_PORT: Final = "--kv-events-replay-port"
 FLAG_KV_EVENTS_BUFFER_STEPS: Final = "--kv-events-buffer-steps"
-FLAG_PREFIX_HASH: Final = "--prefix-hash"  # "fast" | "vllm-sha256-cbor"
+FLAG_KV_EVENTS_ENCODING: Final = "--kv-events-encoding"  # "map" (vLLM 0.32) | "array" (v0.22)
+FLAG_METRIC_NAMES: Final = "--metric-names"  # "both" | "baton" | "vllm"
+FLAG_PREFIX_HASH: Final = "--prefix-hash"  # "fast" | "vllm-sha256" | "vllm-sha256-cbor"
+FLAG_PREFIX_HASH_SEED: Final = "--prefix-hash-seed"  # root seed of the vllm-* hashes
 FLAG_SPECULATIVE: Final = "--speculative"
 FLAG_NUM_SPECULATIVE_TOKENS: Final = "--num-speculative-tokens"
 #: The KV-compatibility key the operator computed for this pod (see LABEL_KV_COMPAT): it travels
@@ -200,6 +203,25 @@ VLLM_EQUIVALENT: Final[dict[str, str]] = {
     M_SPEC_DRAFT_TOKENS: "vllm:spec_decode_num_draft_tokens_total",
     M_SPEC_ACCEPTED_TOKENS: "vllm:spec_decode_num_accepted_tokens_total",
 }
+
+#: vLLM's gauge whose labels carry the cache layout (value 1); Baton exports it with the labels
+#: vLLM readers use (`block_size`, `num_gpu_blocks`).
+VM_CACHE_CONFIG: Final = "vllm:cache_config_info"
+LABEL_VLLM_MODEL: Final = "model_name"  # the served model name, on every series (as vLLM)
+
+#: The load figures the control plane reads from an engine pod (the router's load tracker, the
+#: autoscaler), each under (Baton's name, vLLM's name): a vLLM pod exports only the second, a
+#: Baton pod both (same value: read one, never sum them) or either alone.
+LOAD_METRICS: Final[dict[str, tuple[str, str]]] = {
+    name: (baton, VLLM_EQUIVALENT[baton])
+    for name, baton in (
+        ("waiting", M_REQUESTS_WAITING),
+        ("running", M_REQUESTS_RUNNING),
+        ("kv_usage", M_KV_USAGE),
+        ("preemptions", M_PREEMPTIONS),
+    )
+}
+
 
 # --------------------------------------------------------------------------- KV events
 
@@ -349,6 +371,8 @@ M_ROUTER_PREFIX_HIT_TOKENS: Final = "baton_router_prefix_hit_tokens_total"
 M_ROUTER_ENDPOINTS: Final = "baton_router_endpoints"
 #: Per pod (label "pod"): the next KV-event batch the router expects; every earlier one is applied.
 M_ROUTER_KV_EVENTS_NEXT_SEQ: Final = "baton_router_kv_events_next_sequence"
+#: Per pod (label "pod"): KV-event batches that did not decode (each drops that pod's index).
+M_ROUTER_KV_EVENTS_REJECTED: Final = "baton_router_kv_events_rejected_batches_total"
 #: Requests the router holds right now because a pool they need has no ready pod (scaled to zero,
 #: or starting): the operator's autoscaler reads this to wake the pools at once.
 M_ROUTER_HELD: Final = "baton_router_requests_held"
@@ -377,6 +401,7 @@ FLAG_ROUTER_HOST: Final = "--host"
 FLAG_ROUTER_PORT: Final = "--port"
 FLAG_ROUTER_BLOCK_SIZE: Final = "--block-size"  # for pods without ANNOTATION_BLOCK_SIZE (static)
 FLAG_ROUTER_PREFIX_HASH: Final = "--prefix-hash"  # for pods without ANNOTATION_PREFIX_HASH
+FLAG_ROUTER_PREFIX_HASH_SEED: Final = "--prefix-hash-seed"  # the seed of the vllm-* hashes
 FLAG_ROUTER_KV_EVENTS: Final = "--kv-events"  # BooleanOptionalAction: subscribe to pods' KV events
 #: Requests held at most at once while a needed pool has no ready pod (0: answer 503 at once).
 FLAG_ROUTER_HOLD_QUEUE: Final = "--hold-queue"

@@ -152,8 +152,14 @@ def _start_kv_event_publisher(config: EngineConfig, model_name: str) -> Any:
         replay_endpoint=f"tcp://{address}:{config.kv_events_replay_port}",
         buffer_steps=config.kv_events_buffer_steps,
         sndhwm=config.kv_events_hwm,
+        encoding=config.kv_events_encoding,
     )
-    log.info("publishing KV events on %s (replay %s)", publisher.endpoint, publisher.replay_endpoint)
+    log.info(
+        "publishing KV events (%s encoding) on %s (replay %s)",
+        publisher.encoding,
+        publisher.endpoint,
+        publisher.replay_endpoint,
+    )
     return publisher
 
 

@@ -103,6 +103,6 @@ def _prefix_hasher(config: EngineConfig):  # type: ignore[no-untyped-def]
 
     if config.prefix_hash == "fast":
         return fast_prefix_hash
-    from baton_engine.prefix_hash_vllm import VllmSha256CborHasher
+    from baton_engine.prefix_hash_vllm import VllmPrefixHasher
 
-    return VllmSha256CborHasher.from_environment()
+    return VllmPrefixHasher(config.prefix_hash, config.prefix_hash_seed)

@@ -3,8 +3,10 @@
 The engine step loop calls `publish` (never blocks: it only appends to a bounded queue); one
 background thread owns both sockets, numbers batches from 0 in the order it sends them, keeps
 the last ``buffer_steps`` payloads and answers replay requests (vLLM's protocol: the request is
-the start sequence number as 8 bytes big-endian; the reply is one ``[seq, payload]`` message per
-buffered batch with ``seq >= start``, then ``[-1 as signed 8 bytes, b""]``).
+the start sequence number as 8 bytes big-endian; the reply is one message per buffered batch
+with ``seq >= start``, then an end marker). Events are encoded as maps and replays answered with
+the topic (vLLM 0.32), or, with ``encoding="array"``, as vLLM v0.22 did both (for indexers of
+that time); see `kv_events_wire`.
 
 If the queue is full the batch is dropped, counted, and once the queue has drained the thread
 publishes an ``AllBlocksCleared`` batch, so that subscribers forget this pod rather than keep an
@@ -23,7 +25,16 @@ from typing import Any, Final
 
 import zmq
 
-from baton_engine.kv_events_wire import REPLAY_END_SEQ, TAG_ALL_BLOCKS_CLEARED, encode_batch, encode_sequence
+from baton_engine.kv_events_wire import (
+    ENCODING_MAP,
+    KV_EVENT_ENCODINGS,
+    REPLAY_FRAMING_OF,
+    TAG_ALL_BLOCKS_CLEARED,
+    encode_batch,
+    encode_sequence,
+    replay_answer,
+    replay_end,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +68,10 @@ class KVEventPublisher:
         sndhwm: int = DEFAULT_SNDHWM,
         max_queue: int = DEFAULT_MAX_QUEUE,
         data_parallel_rank: int = 0,
+        encoding: str = ENCODING_MAP,
     ) -> None:
+        if encoding not in KV_EVENT_ENCODINGS:
+            raise ValueError(f"encoding must be one of {', '.join(KV_EVENT_ENCODINGS)}, got {encoding!r}")
         if buffer_steps < 1:
             raise ValueError(f"buffer_steps must be at least 1, got {buffer_steps}")
         if sndhwm < 0:
@@ -67,6 +81,8 @@ class KVEventPublisher:
         self.topic = topic
         self._topic_bytes = topic.encode("utf-8")
         self._rank = data_parallel_rank
+        self.encoding = encoding
+        self._replay_framing = REPLAY_FRAMING_OF[encoding]
         self._queue: queue.Queue[tuple[float, Sequence[Any]] | None] = queue.Queue(maxsize=max_queue)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._next_seq = 0
@@ -158,7 +174,7 @@ class KVEventPublisher:
 
     def _send(self, ts: float, events: Sequence[Any]) -> None:
         try:
-            payload = encode_batch(events, ts=ts, data_parallel_rank=self._rank)
+            payload = encode_batch(events, ts=ts, data_parallel_rank=self._rank, encoding=self.encoding)
         except ValueError:
             logger.exception("dropping a KV-event batch that does not encode")
             return
@@ -178,7 +194,10 @@ class KVEventPublisher:
             return
         client = request[0]
         start = int.from_bytes(request[2], "big")
+        framing = self._replay_framing
         for seq, payload in list(self._buffer):
             if seq >= start:
-                self._replay.send_multipart((client, b"", encode_sequence(seq), payload))
-        self._replay.send_multipart((client, b"", REPLAY_END_SEQ, b""))
+                self._replay.send_multipart(
+                    (client, *replay_answer(self._topic_bytes, seq, payload, framing))
+                )
+        self._replay.send_multipart((client, *replay_end(framing)))

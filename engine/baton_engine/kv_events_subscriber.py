@@ -13,7 +13,12 @@ Per pod, batches are applied strictly in sequence order:
   the pod's index is dropped, since a lost removal would leave false hits;
 * a live number not above the previous live number → the publisher restarted (numbers begin at
   0 per process): the pod's index is dropped and the new stream read from its start;
-* ``AllBlocksCleared`` drops the pod's index; `remove_pod` drops it and closes the socket.
+* ``AllBlocksCleared`` drops the pod's index; `remove_pod` drops it and closes the socket;
+* a batch that does not decode is **rejected**: counted (``rejected_batches``, with the error),
+  and the pod's index dropped, since the events it held are unknown.
+
+Both of vLLM's encodings (maps since 0.32, arrays before) and both replay framings are read, per
+batch and per reply (`kv_events_wire`).
 
 Limitation: a restart whose first live number we see is already above the old stream's last one
 looks like a gap, so the old stream's entries stay until a clear or `remove_pod` (the router
@@ -39,6 +44,7 @@ from baton_engine.kv_events_wire import (
     decode_batch,
     decode_sequence,
     encode_sequence,
+    parse_replay_answer,
 )
 from baton_engine.kv_prefix_index import PrefixIndex
 
@@ -60,7 +66,9 @@ class PodStreamStats:
     gaps_lost: int = 0
     restarts: int = 0
     clears: int = 0
-    bad_batches: int = 0
+    rejected_batches: int = 0  # did not decode (the pod's index was dropped each time)
+    last_error: str | None = None  # why the last batch or replay reply was rejected
+    encoding: str | None = None  # of the last batch applied: "map" or "array"
 
 
 @dataclass
@@ -246,11 +254,7 @@ class KVEventSubscriber:
                 if not dealer.poll(self._replay_timeout_ms):
                     logger.warning("pod %r: replay from %d timed out", stream.pod, start)
                     return False
-                reply = dealer.recv_multipart()
-                if len(reply) != 3 or reply[0] != b"":
-                    logger.warning("pod %r: malformed replay reply of %d frames", stream.pod, len(reply))
-                    return False
-                seq = decode_sequence(reply[1])
+                seq, payload = parse_replay_answer(dealer.recv_multipart())
                 if seq == -1:
                     return contiguous
                 stream.stats.batches_replayed += 1
@@ -259,20 +263,23 @@ class KVEventSubscriber:
                     continue
                 if expected is not None and seq > expected:
                     contiguous = False
-                self._apply(stream, seq, reply[2])
+                self._apply(stream, seq, payload)
         except WireFormatError as exc:
             logger.warning("pod %r: bad replay reply: %s", stream.pod, exc)
+            with self._lock:
+                stream.stats.last_error = f"replay: {exc}"
             return False
         finally:
             dealer.close(linger=0)
 
     def _apply(self, stream: _PodStream, seq: int, payload: bytes) -> None:
         stats = stream.stats
+        error = None
         try:
             batch = decode_batch(payload)
         except WireFormatError as exc:
-            logger.warning("pod %r: undecodable batch %d: %s", stream.pod, seq, exc)
-            batch = None
+            logger.warning("pod %r: rejected batch %d: %s", stream.pod, seq, exc)
+            batch, error = None, f"batch {seq}: {exc}"
         with self._lock:
             if self._streams.get(stream.pod) is not stream:
                 return  # removed meanwhile
@@ -283,10 +290,12 @@ class KVEventSubscriber:
                 self.index.clear_pod(pod)
             stats.next_seq = seq + 1
             if batch is None:
-                stats.bad_batches += 1
+                stats.rejected_batches += 1
+                stats.last_error = error
                 self.index.clear_pod(pod)
                 return
             stats.batches_applied += 1
+            stats.encoding = batch.encoding
             for event in batch.events:
                 if isinstance(event, WireBlockStored):
                     self.index.store(pod, event.block_hashes)

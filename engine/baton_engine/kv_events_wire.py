@@ -1,23 +1,30 @@
 """vLLM's KV-event wire format (torch-free): Baton's event records in, msgpack bytes out, and back.
 
-Baton follows **vLLM v0.22.0** (``vllm/distributed/kv_events.py``, the format llm-d-kv-cache
-v0.8.x decodes). That release encodes with msgspec structs declared ``array_like=True, tag=True,
-omit_defaults=True``; for array-like structs msgspec writes every field in declaration order,
-``None`` included (``omit_defaults`` only thins map-encoded structs), and the tag is element 0:
+One ZMQ message is three frames: ``[topic, sequence (8-byte big-endian), payload]``; the payload
+is an ``EventBatch``, ``[ts: float64, events: [...], data_parallel_rank: int | nil]``. vLLM has
+encoded the events two ways, and both are read (detected per batch):
 
-* one ZMQ message is three frames: ``[topic, sequence (8-byte big-endian), payload]``;
-* payload, ``EventBatch``: ``[ts: float64, events: [...], data_parallel_rank: int | nil]``;
-* ``BlockStored``: ``["BlockStored", block_hashes, parent_block_hash | nil, token_ids,
-  block_size, lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
-  kv_cache_spec_sliding_window]`` — vLLM's block pool fills ``medium="GPU"``, ``group_idx=0``,
-  ``extra_keys`` one ``nil`` per block when a block has no extra keys, the rest ``nil``;
-* ``BlockRemoved``: ``["BlockRemoved", block_hashes, medium, group_idx]``;
-* ``AllBlocksCleared``: ``["AllBlocksCleared"]``.
+* **map** (vLLM 0.32, ``KVCACHE_EVENT_ENCODINGS[0]``, what Baton publishes by default): each event
+  a msgpack map tagged ``"type"``, its fields in declaration order, optional fields left out when
+  null (msgspec ``tag=True, omit_defaults=True``): ``{"type": "BlockStored", "block_hashes": [...],
+  "parent_block_hash": h | nil, "token_ids": [...], "block_size": n, "lora_id": nil,
+  "medium": "GPU", "lora_name": nil, "extra_keys": [nil per block], "group_idx": 0,
+  "kv_cache_spec_kind": "full_attention"}``, ``{"type": "BlockRemoved",
+  "block_hashes": [...], "medium": "GPU", "group_idx": 0}``, ``{"type": "AllBlocksCleared"}``;
+* **array** (vLLM v0.22 and the indexers of its time, e.g. llm-d-kv-cache v0.8): each event a
+  positional array, tag first, every field written: ``["BlockStored", block_hashes,
+  parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx,
+  kv_cache_spec_kind, kv_cache_spec_sliding_window]`` (``extra_keys`` one nil per block),
+  ``["BlockRemoved", block_hashes, medium, group_idx]``, ``["AllBlocksCleared"]``.
+
+Replays (a DEALER sends ``[b"", start sequence]`` to the publisher's ROUTER) are answered per
+batch with ``[b"", topic, seq, payload]`` and ended by ``[b"", b"", -1, b""]`` in vLLM 0.32,
+``[b"", seq, payload]`` and ``[b"", -1, b""]`` before; both are read.
 
 Block hashes in events are unsigned 64-bit ints: vLLM's default
 (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) turns its 32-byte digests into
-``int.from_bytes(digest, "big") & (2**64 - 1)``, i.e. the digest's last 8 bytes. The parent of
-a run that starts a sequence is ``nil`` (not the seed hash).
+``int.from_bytes(digest, "big") & (2**64 - 1)``, i.e. the digest's last 8 bytes; digests sent as
+bytes are folded the same way on reading. The parent of a run that starts a sequence is ``nil``.
 
 The encoder accepts any objects shaped like Baton's records in ``kv_cache_events``
 (``block_hashes``, ``parent_block_hash``, ``token_ids``, ``block_size``), dispatching on those
@@ -33,7 +40,14 @@ from typing import Any, Final
 
 import msgpack
 
-VLLM_RELEASE: Final = "v0.22.0"
+#: The vLLM releases whose formats these are (see the module docstring).
+VLLM_RELEASE: Final = "0.32"
+VLLM_ARRAY_RELEASE: Final = "v0.22.0"
+
+ENCODING_MAP: Final = "map"
+ENCODING_ARRAY: Final = "array"
+#: Event encodings, current first (the publisher's default).
+KV_EVENT_ENCODINGS: Final[tuple[str, ...]] = (ENCODING_MAP, ENCODING_ARRAY)
 
 TAG_BLOCK_STORED: Final = "BlockStored"
 TAG_BLOCK_REMOVED: Final = "BlockRemoved"
@@ -126,22 +140,52 @@ def _removed_to_wire(record: Any) -> list[Any]:
     return [TAG_BLOCK_REMOVED, hashes, MEDIUM_GPU, GROUP_IDX]
 
 
-def event_to_wire(record: Any) -> list[Any]:
-    """One Baton event record as vLLM's positional event array."""
+#: What vLLM 0.32's block pool says of its (full-attention) KV-cache group in map-encoded events.
+KV_CACHE_SPEC_KIND: Final = "full_attention"
+
+
+def _as_map(array: list[Any]) -> dict[str, Any]:
+    """vLLM 0.32's map form of an array-form event: tag under "type", then the fields in
+    declaration order, those with defaults left out when null (msgspec's omit_defaults)."""
+    tag = array[0]
+    if tag == TAG_BLOCK_STORED:
+        fields = (
+            "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+            "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+        )  # fmt: skip
+        out: dict[str, Any] = {"type": tag, **dict(zip(fields, array[1:], strict=False))}
+        out["kv_cache_spec_kind"] = KV_CACHE_SPEC_KIND  # vLLM 0.32 names the group's kind
+        return out
+    if tag == TAG_BLOCK_REMOVED:
+        return {"type": tag, "block_hashes": array[1], "medium": array[2], "group_idx": array[3]}
+    return {"type": tag}
+
+
+def event_to_wire(record: Any, encoding: str = ENCODING_MAP) -> list[Any] | dict[str, Any]:
+    """One Baton event record as a vLLM event: a map (vLLM 0.32) or a positional array."""
     if hasattr(record, "token_ids"):
-        return _stored_to_wire(record)
-    if hasattr(record, "block_hashes"):
-        return _removed_to_wire(record)
-    if type(record).__name__ == TAG_ALL_BLOCKS_CLEARED:
-        return [TAG_ALL_BLOCKS_CLEARED]
-    raise WireFormatError(f"not a KV event record: {type(record).__name__}")
+        array = _stored_to_wire(record)
+    elif hasattr(record, "block_hashes"):
+        array = _removed_to_wire(record)
+    elif type(record).__name__ == TAG_ALL_BLOCKS_CLEARED:
+        array = [TAG_ALL_BLOCKS_CLEARED]
+    else:
+        raise WireFormatError(f"not a KV event record: {type(record).__name__}")
+    if encoding == ENCODING_ARRAY:
+        return array
+    if encoding == ENCODING_MAP:
+        return _as_map(array)
+    raise WireFormatError(f"unknown KV event encoding {encoding!r} (one of {', '.join(KV_EVENT_ENCODINGS)})")
 
 
 def encode_batch(
-    records: Iterable[Any], ts: float | None = None, data_parallel_rank: int | None = 0
+    records: Iterable[Any],
+    ts: float | None = None,
+    data_parallel_rank: int | None = 0,
+    encoding: str = ENCODING_MAP,
 ) -> bytes:
-    """The msgpack payload of one EventBatch."""
-    events = [event_to_wire(r) for r in records]
+    """The msgpack payload of one EventBatch, its events in `encoding`."""
+    events = [event_to_wire(r, encoding) for r in records]
     stamp = time.time() if ts is None else float(ts)
     payload: bytes = msgpack.packb([stamp, events, data_parallel_rank], use_bin_type=True)
     return payload
@@ -178,12 +222,45 @@ class WireBatch:
     ts: float
     events: tuple[WireEvent, ...]
     data_parallel_rank: int | None
+    encoding: str = ENCODING_ARRAY  # how its events were encoded (KV_EVENT_ENCODINGS)
 
 
 def _hash_list(value: Any, where: str) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise WireFormatError(f"{where}: block_hashes must be an array, got {type(value).__name__}")
     return tuple(to_event_hash(h) for h in value)
+
+
+def _token_ids(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise WireFormatError(f"{where}: token_ids must be an array of ints")
+    return tuple(value)
+
+
+def _decode_map_event(raw: dict[Any, Any]) -> WireEvent:
+    tag = raw.get("type")
+    if tag == TAG_BLOCK_STORED:
+        missing = [k for k in ("block_hashes", "token_ids", "block_size") if k not in raw]
+        if missing:
+            raise WireFormatError(f"BlockStored map lacks {', '.join(missing)}")
+        parent = raw.get("parent_block_hash")
+        size = raw["block_size"]
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise WireFormatError("BlockStored: block_size must be an int")
+        return WireBlockStored(
+            block_hashes=_hash_list(raw["block_hashes"], tag),
+            parent_block_hash=None if parent is None else to_event_hash(parent),
+            token_ids=_token_ids(raw["token_ids"], tag),
+            block_size=size,
+            medium=raw.get("medium"),
+        )
+    if tag == TAG_BLOCK_REMOVED:
+        if "block_hashes" not in raw:
+            raise WireFormatError("BlockRemoved map lacks block_hashes")
+        return WireBlockRemoved(block_hashes=_hash_list(raw["block_hashes"], tag), medium=raw.get("medium"))
+    if tag == TAG_ALL_BLOCKS_CLEARED:
+        return WireAllBlocksCleared()
+    raise WireFormatError(f"unknown event type {tag!r}")
 
 
 def _decode_event(raw: Any) -> WireEvent:
@@ -194,14 +271,11 @@ def _decode_event(raw: Any) -> WireEvent:
         # Older releases end after block_size, newer ones append fields: read what is there.
         if len(raw) < 5:
             raise WireFormatError(f"BlockStored has {len(raw)} elements, needs at least 5")
-        tokens = raw[3]
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise WireFormatError("BlockStored: token_ids must be an array of ints")
         parent = raw[2]
         return WireBlockStored(
             block_hashes=_hash_list(raw[1], tag),
             parent_block_hash=None if parent is None else to_event_hash(parent),
-            token_ids=tuple(tokens),
+            token_ids=_token_ids(raw[3], tag),
             block_size=int(raw[4]),
             medium=raw[6] if len(raw) > 6 else None,
         )
@@ -215,7 +289,8 @@ def _decode_event(raw: Any) -> WireEvent:
 
 
 def decode_batch(payload: bytes) -> WireBatch:
-    """Parse one EventBatch payload (strict about shape, lenient about trailing fields)."""
+    """Parse one EventBatch payload, its events maps or arrays (strict about shape, lenient about
+    fields a later release adds)."""
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
@@ -226,9 +301,51 @@ def decode_batch(payload: bytes) -> WireBatch:
     if not isinstance(ts, float | int) or not isinstance(events, list):
         raise WireFormatError("EventBatch: ts must be a number and events an array")
     rank = raw[2] if len(raw) == 3 else None
-    return WireBatch(ts=float(ts), events=tuple(_decode_event(e) for e in events), data_parallel_rank=rank)
+    if all(isinstance(e, dict) for e in events) and events:
+        return WireBatch(float(ts), tuple(_decode_map_event(e) for e in events), rank, ENCODING_MAP)
+    if any(isinstance(e, dict) for e in events):
+        raise WireFormatError("EventBatch mixes map- and array-encoded events")
+    return WireBatch(float(ts), tuple(_decode_event(e) for e in events), rank, ENCODING_ARRAY)
 
 
 def frames(topic: str, seq: int, payload: bytes) -> Sequence[bytes]:
     """The three ZMQ frames of one published batch."""
     return (topic.encode("utf-8"), encode_sequence(seq), payload)
+
+
+#: Replay framings: vLLM 0.32's four frames (with the topic), the older three.
+REPLAY_WITH_TOPIC: Final = "with-topic"
+REPLAY_WITHOUT_TOPIC: Final = "without-topic"
+#: The framing each event encoding's vLLM release answers replays with.
+REPLAY_FRAMING_OF: Final[dict[str, str]] = {
+    ENCODING_MAP: REPLAY_WITH_TOPIC,
+    ENCODING_ARRAY: REPLAY_WITHOUT_TOPIC,
+}
+
+
+def replay_answer(topic: bytes, seq: int, payload: bytes, framing: str) -> tuple[bytes, ...]:
+    """One replayed batch as the DEALER receives it (after the ROUTER's client id)."""
+    if framing == REPLAY_WITH_TOPIC:
+        return (b"", topic, encode_sequence(seq), payload)
+    return (b"", encode_sequence(seq), payload)
+
+
+def replay_end(framing: str) -> tuple[bytes, ...]:
+    """The end-of-replay marker as the DEALER receives it."""
+    if framing == REPLAY_WITH_TOPIC:
+        return (b"", b"", REPLAY_END_SEQ, b"")
+    return (b"", REPLAY_END_SEQ, b"")
+
+
+def parse_replay_answer(message: Sequence[bytes]) -> tuple[int, bytes]:
+    """(seq, payload) of one replay answer in either framing; seq -1 is the end marker."""
+    if len(message) == 4 and message[0] == b"":
+        seq = decode_sequence(message[2])
+        if seq == -1 and message[1]:
+            raise WireFormatError("replay end marker carries a topic")
+        return seq, message[3]
+    if len(message) == 3 and message[0] == b"":
+        return decode_sequence(message[1]), message[2]
+    raise WireFormatError(
+        f"replay answer must be [b'', topic, seq, payload] or [b'', seq, payload], got {len(message)} frames"
+    )

@@ -24,8 +24,8 @@ from baton_operator.reconcile import Caches, refresh_status
 #: A child's status changes arrive in bursts (pods scheduled, started, Ready, for three
 #: Deployments): the owner's status is recomputed once per burst, this long after its start.
 REFRESH_DELAY_S = 0.5
-#: Handler ids of the two watch-event handlers (their per-event success lines are not logged).
-OWNER_EVENTS_ID, CHILD_EVENTS_ID = "owner-events", "child-events"
+#: Handler ids of the watch-event handlers (their per-event success lines are not logged).
+OWNER_EVENTS_ID, CHILD_EVENTS_ID, POD_EVENTS_ID = "owner-events", "child-events", "pod-events"
 
 
 def status_refresher(kube: Kube, caches: Caches, delay_s: float = REFRESH_DELAY_S) -> Coalescer:
@@ -101,4 +101,24 @@ def register(registry: kopf.OperatorRegistry) -> None:
             changed = caches.deployments.observe(body)
         key = owner_key(body)
         if changed and key is not None and type is not None:  # None: the initial listing
+            memo.refresher.request(key)
+
+    @kopf.on.event(
+        "",
+        "v1",
+        "pods",
+        registry=registry,
+        labels={contract.LABEL_MANAGED_BY: contract.MANAGED_BY},
+        id=POD_EVENTS_ID,
+    )
+    async def pod_changed(body: kopf.Body, type: str | None, memo: OperatorMemo, **_: Any) -> None:
+        # The pools' pods say why a pool is stuck (unschedulable, image pulls, crash loops).
+        pods = memo.caches.pods
+        if type == "DELETED":
+            pods.forget(body)
+            changed = True
+        else:
+            changed = pods.observe(body)
+        key = pods.owner(body)
+        if changed and key is not None and type is not None:
             memo.refresher.request(key)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from baton_engine.contract import LABEL_DEPLOYMENT, LABEL_ROLE
+
 Key = tuple[str, str]  # (namespace, name)
 View = Callable[[Mapping[str, Any]], dict[str, Any]]
 
@@ -66,15 +68,27 @@ def owner_view(obj: Mapping[str, Any]) -> dict[str, Any]:
     return slim(obj, OWNER_SPEC_FIELDS + OWNER_STATUS_FIELDS)
 
 
+def replicas_managers(obj: Mapping[str, Any]) -> list[str]:
+    """The field managers that own a Deployment's `spec.replicas` (sorted)."""
+    owners = set()
+    for entry in obj.get("metadata", {}).get("managedFields") or []:
+        fields = (entry.get("fieldsV1") or {}).get("f:spec") or {}
+        if isinstance(fields, Mapping) and "f:replicas" in fields:
+            owners.add(str(entry.get("manager", "")))
+    return sorted(owners)
+
+
 def deployment_view(obj: Mapping[str, Any]) -> dict[str, Any]:
     """A Deployment as `status.compute_status` reads it: replicas, counts, and its conditions
-    without timestamps (a condition re-stamped with nothing else new is no change)."""
+    without timestamps (a condition re-stamped with nothing else new is no change); and who owns
+    its replicas (`replicasManagers`), for the reconcile's ownership handover."""
     view = slim(obj, ("spec.replicas",))
     status = obj.get("status") or {}
     kept: dict[str, Any] = {k: status[k] for k in DEPLOYMENT_STATUS_FIELDS if k in status}
     if status.get("conditions"):
         kept["conditions"] = [{k: c[k] for k in _CONDITION_FIELDS if k in c} for c in status["conditions"]]
     view["status"] = kept
+    view["replicasManagers"] = replicas_managers(obj)
     return view
 
 
@@ -148,3 +162,77 @@ class ObjectCache:
             self._deleted[key] = uid
             while len(self._deleted) > MAX_TOMBSTONES:
                 del self._deleted[next(iter(self._deleted))]
+
+
+def pod_view(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """A pod as `pod_problems` reads it: its labels, deletion, phase, conditions and container
+    states (not their timestamps, but a running container's start)."""
+    view = slim(obj, ("metadata.labels", "metadata.deletionTimestamp", "status.phase"))
+    status = obj.get("status") or {}
+    if status.get("conditions"):
+        view.setdefault("status", {})["conditions"] = [
+            {k: c[k] for k in _CONDITION_FIELDS if k in c} for c in status["conditions"]
+        ]
+    for key in ("initContainerStatuses", "containerStatuses"):
+        if status.get(key):
+            view.setdefault("status", {})[key] = [_container_view(c) for c in status[key]]
+    return view
+
+
+def _container_view(status: Mapping[str, Any]) -> dict[str, Any]:
+    state = status.get("state") or {}
+    kept: dict[str, Any] = {k: status[k] for k in ("name", "ready", "started", "restartCount") if k in status}
+    if "waiting" in state:
+        kept["state"] = {"waiting": {k: v for k, v in state["waiting"].items() if k in ("reason", "message")}}
+    elif "running" in state:
+        kept["state"] = {"running": {"startedAt": state["running"].get("startedAt")}}
+    elif "terminated" in state:
+        kept["state"] = {"terminated": {k: state["terminated"].get(k) for k in ("exitCode", "reason")}}
+    last = (status.get("lastState") or {}).get("terminated")
+    if last:
+        kept["lastState"] = {"terminated": {k: last.get(k) for k in ("exitCode", "reason")}}
+    return kept
+
+
+class PodIndex:
+    """The operator's pods (engine pools and routers) from the pod watch, by the resource and
+    pool they belong to (their `baton.dev/deployment` and `baton.dev/role` labels)."""
+
+    def __init__(self) -> None:
+        self.cache = ObjectCache(pod_view)
+        self._owned: dict[Key, set[str]] = {}  # (namespace, resource name) -> pod names
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    @staticmethod
+    def owner(obj: Mapping[str, Any]) -> Key | None:
+        meta = obj.get("metadata", {})
+        name = (meta.get("labels") or {}).get(LABEL_DEPLOYMENT)
+        return None if not name else (str(meta.get("namespace", "")), str(name))
+
+    def observe(self, obj: Mapping[str, Any]) -> bool:
+        key = self.owner(obj)
+        if key is None:
+            return False
+        self._owned.setdefault(key, set()).add(str(obj["metadata"]["name"]))
+        return self.cache.observe(obj)
+
+    def forget(self, obj: Mapping[str, Any]) -> None:
+        self.cache.forget(obj)
+        key = self.owner(obj)
+        if key is not None and self.cache.get(key[0], obj["metadata"]["name"]) is None:
+            names = self._owned.get(key, set())
+            names.discard(str(obj["metadata"]["name"]))
+            if not names:
+                self._owned.pop(key, None)
+
+    def of(self, namespace: str, name: str) -> dict[str, list[dict[str, Any]]]:
+        """Pool (role) -> the views of its pods, for one resource."""
+        pools: dict[str, list[dict[str, Any]]] = {}
+        for pod_name in sorted(self._owned.get((namespace, name), ())):
+            view = self.cache.get(namespace, pod_name)
+            if view is not None:
+                role = str((view["metadata"].get("labels") or {}).get(LABEL_ROLE, ""))
+                pools.setdefault(role, []).append(view)
+        return pools

@@ -22,10 +22,9 @@ from baton_operator.builders.extras import new_signing_key
 from baton_operator.events import Event, EventSink
 from baton_operator.kube import Kube, KubeError
 from baton_operator.models import InferenceDeploymentSpec
-from baton_operator.object_cache import ObjectCache, deployment_view, owner_view
+from baton_operator.object_cache import ObjectCache, PodIndex, deployment_view, owner_view
+from baton_operator.replicas import release, take_over
 from baton_operator.status import (
-    CHILD_REFUSED,
-    RECONCILE_FAILED,
     Failure,
     Observed,
     compute_status,
@@ -75,10 +74,10 @@ def failure_of(exc: BaseException) -> Failure:
     """How Ready and Degraded report a reconcile that stopped with `exc`."""
     if isinstance(exc, ChildWriteError) and exc.refused:
         refusal = f"{exc.reason or 'refused'} (HTTP {exc.status})"
-        return Failure(CHILD_REFUSED, f"{exc.kind} {exc.child}: {refusal}: {exc.api_message}")
+        return Failure("ChildRefused", f"{exc.kind} {exc.child}: {refusal}: {exc.api_message}")
     if isinstance(exc, KubeError):
-        return Failure(RECONCILE_FAILED, str(exc))
-    return Failure(RECONCILE_FAILED, f"{type(exc).__name__}: {exc}")
+        return Failure("ReconcileFailed", str(exc))
+    return Failure("ReconcileFailed", f"{type(exc).__name__}: {exc}")
 
 
 #: Called before each child write with its index; tests use it to stop a reconcile part-way.
@@ -126,6 +125,7 @@ class Caches:
 
     deployments: ObjectCache = field(default_factory=lambda: ObjectCache(deployment_view))
     owners: ObjectCache = field(default_factory=lambda: ObjectCache(owner_view))
+    pods: PodIndex = field(default_factory=PodIndex)  # empty without a pod watch: no pod reasons
 
 
 async def write_in_order(
@@ -214,11 +214,18 @@ async def reconcile(
                     raise
                 # The garbage collector deleted it in between: create it after all.
 
+    mode = ctx.spec.autoscaling.mode
+    pools = {child_name(owner, role) for role in ctx.spec.roles()}
+
     async def apply(manifest: Mapping[str, Any]) -> Any:
         # Only the Deployments' answers are read (their status feeds the status computation).
+        # A pool's replicas change owner with the autoscaling mode: see `replicas`.
+        pool = manifest["kind"] == "Deployment" and manifest["metadata"]["name"] in pools
+        if pool:
+            await take_over(kube, caches.deployments, manifest, mode, guard)
         result = await kube.apply(manifest, answer=manifest["kind"] == "Deployment")
         outcome.applied += 1
-        return result
+        return await release(kube, caches.deployments, result, mode, guard) if pool else result
 
     created_once = {id(m) for m in children.created_once}
 
@@ -302,7 +309,11 @@ async def _report(
     patch = compute_status(
         name=owner.name,
         generation=generation,
-        observed=Observed(deployments=await _deployments(kube, caches, owner, spec), failure=failure),
+        observed=Observed(
+            deployments=await _deployments(kube, caches, owner, spec),
+            failure=failure,
+            pods=caches.pods.of(owner.namespace, owner.name),
+        ),
         endpoint=router_endpoint(BuildContext(owner, spec)),
         now=now_rfc3339(),
         previous=stored.get("status") or {},
@@ -354,7 +365,9 @@ async def refresh_status(kube: Kube, caches: Caches, namespace: str, name: str) 
     patch = compute_status(
         name=name,
         generation=int(stored.get("observedGeneration", body["metadata"].get("generation", 0))),
-        observed=Observed(deployments=deployments, failure=stored_failure(stored)),
+        observed=Observed(
+            deployments=deployments, failure=stored_failure(stored), pods=caches.pods.of(namespace, name)
+        ),
         endpoint=router_endpoint(BuildContext(owner, spec)),
         now=now_rfc3339(),
         previous=stored,

@@ -20,7 +20,6 @@ from baton_operator import metrics, models
 from baton_operator.events import Event, Poster
 from baton_operator.kube import Kube, KubeError
 from baton_operator.reconcile import Caches, InvalidSpec, OperatorConfig, failure_of, reconcile
-from baton_operator.status import Failure
 from baton_operator.workers import Lease, ResourceGone
 
 log = logging.getLogger(__name__)
@@ -92,13 +91,15 @@ class ReconcileJob:
             # The CRD should have refused it; the next spec change (an update) tries again.
             result = "invalid"
             metrics.RECONCILE_ERRORS.labels(INVALID_SPEC).inc()
-            self._failed(lease, Failure(INVALID_SPEC, str(exc)), self.settings.resync_s)
+            self._failed(lease, Event("Warning", "InvalidSpec", str(exc)), self.settings.resync_s)
             return
         except KubeError as exc:
             result = "error"
             metrics.RECONCILE_ERRORS.labels(f"HTTP{exc.status}").inc()
             self.failures += 1
-            self._failed(lease, failure_of(exc), retry_delay(self.failures, s.resync_s))
+            failure = failure_of(exc)
+            warning = Event("Warning", failure.reason, failure.message)
+            self._failed(lease, warning, retry_delay(self.failures, s.resync_s))
             return
         finally:
             metrics.RECONCILES.labels(trigger, result).inc()
@@ -120,9 +121,10 @@ class ReconcileJob:
         self.settings.caches.owners.observe(body)
         return body
 
-    def _failed(self, lease: Lease, failure: Failure, delay: float) -> None:
+    def _failed(self, lease: Lease, warning: Event, delay: float) -> None:
+        """Schedule the next try; post `warning` unless it repeats the one posted last."""
         self.next_at = asyncio.get_running_loop().time() + delay
-        log.warning("%s: reconcile failed (next try in %.0f s): %s", lease.id, delay, failure.message)
-        if failure.message != self.reported:
-            self.reported = failure.message
-            self.settings.post(lease.body, Event("Warning", failure.reason, failure.message[:1024]))
+        log.warning("%s: reconcile failed (next try in %.0f s): %s", lease.id, delay, warning.message)
+        if warning.message != self.reported:
+            self.reported = warning.message
+            self.settings.post(lease.body, Event(warning.type, warning.reason, warning.message[:1024]))

@@ -181,7 +181,7 @@ class _QuietSuccesses(logging.Filter):
 
     QUIET = frozenset(
         f"Handler '{handler_id}' succeeded."
-        for handler_id in (handlers.OWNER_EVENTS_ID, handlers.CHILD_EVENTS_ID)
+        for handler_id in (handlers.OWNER_EVENTS_ID, handlers.CHILD_EVENTS_ID, handlers.POD_EVENTS_ID)
     )
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from baton_engine import contract
 from baton_operator.models import Condition, RoleStatus
+from baton_operator.pod_problems import pool_problems, summary
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 #: Status keys per contract role (the aggregated pool is `status.pool`).
@@ -59,13 +61,13 @@ def _failing(deployment: Mapping[str, Any]) -> str | None:
 
 #: Condition reasons of a reconcile that did not finish: a child the API server refused (it will
 #: be refused again until the spec or the cluster changes), or any other failure (retried).
-CHILD_REFUSED, RECONCILE_FAILED = "ChildRefused", "ReconcileFailed"
-FAILURE_REASONS = frozenset({CHILD_REFUSED, RECONCILE_FAILED})
+FAILURE_REASONS = frozenset({"ChildRefused", "ReconcileFailed"})
 
 
 @dataclass(frozen=True)
 class Failure:
-    """Why the last reconcile did not finish, as Ready and Degraded report it."""
+    """Why the last reconcile did not finish, as Ready and Degraded report it (and its Warning
+    Event)."""
 
     reason: str  # one of FAILURE_REASONS
     message: str
@@ -73,10 +75,12 @@ class Failure:
 
 @dataclass(frozen=True)
 class Observed:
-    """What one reconcile saw: the child Deployments by role, and the reconcile's own failure."""
+    """What one reconcile saw: the child Deployments by role, their pods, and the reconcile's own
+    failure."""
 
     deployments: Mapping[str, Mapping[str, Any] | None]  # role -> Deployment (None: not found)
     failure: Failure | None = None
+    pods: Mapping[str, Sequence[Mapping[str, Any]]] = field(default_factory=dict)  # role -> its pods
 
 
 def _condition(
@@ -101,6 +105,10 @@ def _condition(
     )
 
 
+def _parse_time(now: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(now.replace("Z", "+00:00"))
+
+
 def conditions(
     observed: Observed,
     roles: Mapping[str, RoleStatus],
@@ -109,13 +117,14 @@ def conditions(
     previous: Sequence[Mapping[str, Any]],
 ) -> list[Condition]:
     """Ready, Progressing and Degraded; a transition time moves only when its status flips."""
-    summary = ", ".join(f"{role} {s.ready}" for role, s in roles.items())
+    counts = ", ".join(f"{role} {s.ready}" for role, s in roles.items())
     missing = [role for role, d in observed.deployments.items() if d is None]
     not_ready = [
         role for role, s in roles.items() if s.desired_replicas == 0 or s.ready_replicas < s.desired_replicas
     ]
     rolling = [role for role, d in observed.deployments.items() if d is not None and _rolling(d)]
     failures = [f for d in observed.deployments.values() if d is not None and (f := _failing(d))]
+    stuck = summary(pool_problems(observed.pods, _parse_time(now)))
 
     failure = observed.failure
     if failure is not None:
@@ -124,10 +133,12 @@ def conditions(
         ready = _condition(
             READY, False, "Creating", f"waiting for {', '.join(missing)}", generation, now, previous
         )
+    elif not_ready and stuck is not None:
+        ready = _condition(READY, False, stuck.reason, stuck.message, generation, now, previous)
     elif not_ready:
-        ready = _condition(READY, False, "PodsNotReady", summary, generation, now, previous)
+        ready = _condition(READY, False, "PodsNotReady", counts, generation, now, previous)
     else:
-        ready = _condition(READY, True, "AllPodsReady", summary, generation, now, previous)
+        ready = _condition(READY, True, "AllPodsReady", counts, generation, now, previous)
 
     if missing or rolling:
         waiting = ", ".join(missing + rolling)
@@ -141,6 +152,8 @@ def conditions(
 
     if failure is not None:
         degraded = _condition(DEGRADED, True, failure.reason, failure.message, generation, now, previous)
+    elif stuck is not None:
+        degraded = _condition(DEGRADED, True, stuck.reason, stuck.message, generation, now, previous)
     elif failures:
         degraded = _condition(
             DEGRADED, True, "DeploymentFailing", "; ".join(failures), generation, now, previous

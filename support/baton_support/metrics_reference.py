@@ -58,7 +58,10 @@ def _rows_of_collector(collector: Collector) -> list[Row]:
 def _rows(objects: Iterable[object]) -> list[Row]:
     rows = []
     for obj in objects:
-        if isinstance(obj, MetricWrapperBase):
+        families = getattr(obj, "families", None)  # an engine figure under one or two names
+        if isinstance(families, list):
+            rows += _rows(families)
+        elif isinstance(obj, MetricWrapperBase):
             rows.append(_rows_of_wrapper(obj))
         elif not isinstance(obj, type | CollectorRegistry) and callable(getattr(obj, "collect", None)):
             rows += _rows_of_collector(obj)  # type: ignore[arg-type]
@@ -68,7 +71,15 @@ def _rows(objects: Iterable[object]) -> list[Row]:
 def engine_rows() -> list[Row]:
     from baton_engine.metrics import EngineMetrics
 
-    metrics = EngineMetrics("")
+    metrics = EngineMetrics("", names="baton")
+    return _rows(vars(metrics).values())
+
+
+def vllm_rows() -> list[Row]:
+    """The series an engine exports under vLLM's names (`--metric-names`)."""
+    from baton_engine.metrics import EngineMetrics
+
+    metrics = EngineMetrics("", names="vllm")
     return _rows(vars(metrics).values())
 
 
@@ -88,11 +99,11 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _table(rows: list[Row], vllm: dict[str, str] | None) -> list[str]:
+def _table(rows: list[Row], vllm: dict[str, str] | None, column: str = "vLLM equivalent") -> list[str]:
     header = "| metric | type | labels | meaning |"
     rule = "|---|---|---|---|"
     if vllm is not None:
-        header, rule = header + " vLLM equivalent |", rule + "---|"
+        header, rule = header + f" {column} |", rule + "---|"
     lines = [header, rule]
     for row in rows:
         labels = ", ".join(f"`{label}`" for label in row.labels) or "—"
@@ -123,6 +134,15 @@ def render() -> str:
         "autoscaling signal, `baton_kv_cache_usage_ratio` the decode one.",
         "",
         *_table(engine_rows(), dict(contract.VLLM_EQUIVALENT)),
+        "",
+        "### Under vLLM's names",
+        "",
+        "Each engine also exports the figures that have a vLLM counterpart under vLLM's names, from",
+        "the same update, with vLLM's labels (`model_name`, `engine`), so that llm-d's endpoint",
+        "picker, KEDA rules and dashboards written for vLLM read Baton pods; `--metric-names",
+        "both|baton|vllm` (default both) turns either set off. See [Interoperability](../interop.md).",
+        "",
+        *_table(vllm_rows(), {v: k for k, v in contract.VLLM_EQUIVALENT.items()}, "same figure as"),
         "",
         "## Router",
         "",

@@ -177,6 +177,8 @@ def operator_reasons() -> tuple[set[str], set[str]]:
         if isinstance(node, ast.Attribute) and node.attr == "reason":
             if isinstance(node.value, ast.Name) and node.value.id == "failure":
                 return failures[where]
+            if isinstance(node.value, ast.Name):  # `stuck.reason`: one of STUCK_REASONS
+                return consts.get(f"{node.value.id.upper()}_REASONS", set())
         return set()
 
     calls = [

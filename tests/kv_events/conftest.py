@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from baton_engine.kv_events_publisher import KVEventPublisher
+from baton_engine.kv_events_wire import ENCODING_ARRAY
 
 GO_DECODER_SRC = Path(__file__).parent / "go_decoder"
 CACHE_ROOT = Path.home() / ".cache" / "baton"
@@ -17,11 +18,14 @@ CACHE_ROOT = Path.home() / ".cache" / "baton"
 
 @pytest.fixture
 def make_publisher() -> Iterator[Callable[..., KVEventPublisher]]:
-    """KVEventPublisher on free loopback ports, shut down at teardown."""
+    """KVEventPublisher on free loopback ports, shut down at teardown. These tests pin the
+    array encoding (vLLM v0.22's, and what llm-d-kv-cache v0.8 reads); the current map encoding
+    is tested against real vLLM bytes in tests/interop."""
     made: list[KVEventPublisher] = []
 
     def make(topic: str = "kv@127.0.0.1:8000@smollm2", **kwargs: object) -> KVEventPublisher:
         kwargs.setdefault("replay_endpoint", "tcp://127.0.0.1:*")
+        kwargs.setdefault("encoding", ENCODING_ARRAY)
         endpoint = str(kwargs.pop("endpoint", "tcp://127.0.0.1:*"))
         pub = KVEventPublisher(endpoint, topic, **kwargs)  # type: ignore[arg-type]
         made.append(pub)

@@ -1,4 +1,4 @@
-"""vLLM v0.22.0's sha256_cbor block keys, derived here by hand from the CBOR spec."""
+"""vLLM's block keys (sha256_cbor derived here by hand from the CBOR spec; sha256 over pickle)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ import pytest
 
 from baton_engine.config import EngineConfig
 from baton_engine.kv_events_wire import to_event_hash
-from baton_engine.prefix_hash_vllm import PREFIX_HASH_VLLM, VllmSha256CborHasher
+from baton_engine.prefix_hash_vllm import (
+    PREFIX_HASH_VLLM,
+    PREFIX_HASH_VLLM_SHA256,
+    VllmPrefixHasher,
+    VllmSha256CborHasher,
+)
 
 
 def test_seed_root_is_sha256_of_the_cbor_text_string() -> None:
@@ -41,12 +46,30 @@ def test_seed_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert VllmSha256CborHasher.from_environment().none_hash == hashlib.sha256(b"\x60").digest()
 
 
-def test_unset_seed_is_random_per_hasher(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unset_seed_is_vllms_fixed_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM 0.32: without PYTHONHASHSEED a cryptographic algorithm roots at H("vllm-none-hash"),
+    # so independent processes (and Baton's router) agree without configuration.
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     a, b = VllmSha256CborHasher.from_environment(), VllmSha256CborHasher.from_environment()
-    assert a.seed is None and len(a.none_hash) == 32
-    assert a.none_hash != b.none_hash
-    assert a(None, (1,)) != b(None, (1,))
+    assert a.seed == "vllm-none-hash"
+    text = b"vllm-none-hash"
+    assert a.none_hash == b.none_hash == hashlib.sha256(bytes([0x60 + len(text)]) + text).digest()
+
+
+def test_an_explicit_seed_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONHASHSEED", "1234")
+    assert VllmSha256CborHasher("0").none_hash == hashlib.sha256(b"\x61" + b"0").digest()
+
+
+def test_vllm_sha256_is_sha256_of_the_protocol_5_pickle() -> None:
+    import pickle
+
+    hasher = VllmPrefixHasher(PREFIX_HASH_VLLM_SHA256, "vllm-none-hash")
+    assert hasher.none_hash == hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
+    first = hasher(None, (1, 2))
+    assert first == hashlib.sha256(pickle.dumps((hasher.none_hash, (1, 2), None), protocol=5)).digest()
+    with pytest.raises(ValueError, match="'md5' is not one of vllm-sha256, vllm-sha256-cbor"):
+        VllmPrefixHasher("md5")
 
 
 def test_int_parent_is_rejected() -> None:
@@ -54,6 +77,6 @@ def test_int_parent_is_rejected() -> None:
         VllmSha256CborHasher("0")(5, (1,))
 
 
-def test_engine_config_names_this_hasher() -> None:
+def test_engine_config_names_these_hashers() -> None:
     options = typing.get_args(EngineConfig.model_fields["prefix_hash"].annotation)
-    assert PREFIX_HASH_VLLM in options
+    assert {PREFIX_HASH_VLLM, PREFIX_HASH_VLLM_SHA256} <= set(options)

@@ -1,10 +1,11 @@
-"""vLLM v0.22.0 wire format: exact bytes, an independent decoder, and bad input."""
+"""vLLM v0.22.0 wire format (the array encoding): exact bytes, an independent decoder, and bad input."""
 
 from __future__ import annotations
 
 import pytest
 
 from baton_engine.kv_events_wire import (
+    ENCODING_ARRAY,
     REPLAY_END_SEQ,
     WireAllBlocksCleared,
     WireBatch,
@@ -45,11 +46,16 @@ GOLDEN_RECORDS = [
 
 
 def test_batch_bytes_equal_vllm_msgspec_encoding() -> None:
-    assert encode_batch(GOLDEN_RECORDS, ts=1764470000.123456, data_parallel_rank=0) == MSGSPEC_GOLDEN
+    assert (
+        encode_batch(GOLDEN_RECORDS, ts=1764470000.123456, data_parallel_rank=0, encoding=ENCODING_ARRAY)
+        == MSGSPEC_GOLDEN
+    )
 
 
 def test_independent_decoder_reads_every_field_in_vllm_order() -> None:
-    payload = encode_batch(GOLDEN_RECORDS, ts=1764470000.123456, data_parallel_rank=0)
+    payload = encode_batch(
+        GOLDEN_RECORDS, ts=1764470000.123456, data_parallel_rank=0, encoding=ENCODING_ARRAY
+    )
     batch = decode_event_batch(payload)
     assert batch["ts"] == 1764470000.123456
     assert batch["data_parallel_rank"] == 0
@@ -88,7 +94,11 @@ def test_independent_decoder_reads_every_field_in_vllm_order() -> None:
 
 
 def test_ints_use_minimal_msgpack_widths_and_ts_is_float64() -> None:
-    top = read_msgpack(encode_batch([BlocksStored(HASHES, None, TOKENS, 2)], ts=1.0, data_parallel_rank=None))
+    top = read_msgpack(
+        encode_batch(
+            [BlocksStored(HASHES, None, TOKENS, 2)], ts=1.0, data_parallel_rank=None, encoding=ENCODING_ARRAY
+        )
+    )
     assert top[0] == Float(1.0, "float64")
     assert top[2] is None  # a None rank is written, not omitted (array-like structs keep every field)
     hashes = top[1][0][1]
@@ -111,14 +121,14 @@ def test_ints_use_minimal_msgpack_widths_and_ts_is_float64() -> None:
 def test_digest_hashes_become_their_last_eight_bytes() -> None:
     digest = bytes(range(32))
     assert to_event_hash(digest) == int.from_bytes(bytes(range(24, 32)), "big")
-    payload = encode_batch([BlocksStored((digest,), digest, (7, 8), 2)], ts=0.0)
+    payload = encode_batch([BlocksStored((digest,), digest, (7, 8), 2)], ts=0.0, encoding=ENCODING_ARRAY)
     event = decode_event_batch(payload)["events"][0]
     assert event["block_hashes"] == [0x18191A1B1C1D1E1F]
     assert event["parent_block_hash"] == 0x18191A1B1C1D1E1F
 
 
 def test_product_decoder_roundtrip() -> None:
-    payload = encode_batch(GOLDEN_RECORDS, ts=3.5, data_parallel_rank=2)
+    payload = encode_batch(GOLDEN_RECORDS, ts=3.5, data_parallel_rank=2, encoding=ENCODING_ARRAY)
     assert decode_batch(payload) == WireBatch(
         ts=3.5,
         events=(
@@ -172,7 +182,7 @@ def test_bad_records_are_rejected_with_the_reason(record: object, message: str) 
     with pytest.raises(
         WireFormatError, match=message.replace("*", r"\*").replace("(", r"\(").replace(")", r"\)")
     ):
-        encode_batch([record], ts=0.0)
+        encode_batch([record], ts=0.0, encoding=ENCODING_ARRAY)
 
 
 @pytest.mark.parametrize(

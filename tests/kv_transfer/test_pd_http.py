@@ -118,6 +118,59 @@ def test_pd_matches_single_engine(servers: Servers) -> None:
     )
 
 
+def _streamed_text(server: ServerProcess, body: dict[str, Any]) -> str:
+    import json
+
+    text = []
+    with server.http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line.removeprefix("data: "))
+                text += [c["text"] for c in chunk.get("choices", [])]
+    return "".join(text)
+
+
+def test_vllm_proxy_request_shapes(servers: Servers) -> None:
+    """What vLLM's P/D proxy sends (its toy proxy): the prefill leg is the client's body with
+    stream off, max_tokens 1, no stream_options and the connector's request-side params (every
+    remote_* key null); the decode leg is the client's body plus the prefill answer's
+    kv_transfer_params, passed through untouched (opaque to the proxy)."""
+    client_body = {
+        "model": NAME,
+        "prompt": TEXTS[1],
+        "temperature": 0,
+        "max_tokens": 10,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    want = _complete(servers.producer, TEXTS[1]).json()["choices"][0]["text"]
+    expired = _metric(servers.producer, contract.M_KV_LEASES_EXPIRED)
+    prefill_body = {
+        **client_body,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+        "stream": False,
+        "max_tokens": 1,
+    }
+    del prefill_body["stream_options"]
+    headers = {"Authorization": "Bearer EMPTY", "X-Request-Id": "vllm-proxy-1"}
+    first = servers.producer.http.post("/v1/completions", json=prefill_body, headers=headers)
+    assert first.status_code == 200, first.text
+    kv = first.json()["kv_transfer_params"]
+    assert first.json()["usage"]["completion_tokens"] == 1
+    got = _streamed_text(servers.consumer, {**client_body, "kv_transfer_params": kv})
+    assert got == want
+    servers.producer.wait_idle()  # every block freed: by the consumer's pull, not by expiry
+    assert _metric(servers.producer, contract.M_KV_LEASES_EXPIRED) == expired
+
+
 def _metric(server: ServerProcess, name: str, **labels: str) -> float:
     """One sample from the server's /metrics (after its stats caught up with the core)."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -41,6 +41,48 @@ def test_producer_leg() -> None:
     assert check_request_params(both, role="both", prompts=PROMPT, n=1) == wanted
 
 
+#: The prefill leg's params vLLM's P/D proxies send (its toy proxy; newer ones add the list of
+#: requests they aborted on that prefiller).
+VLLM_PROXY_PREFILL = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        VLLM_PROXY_PREFILL,
+        {**VLLM_PROXY_PREFILL, "aborted_request": []},
+        {**VLLM_PROXY_PREFILL, "aborted_request": ["cmpl-1"]},
+        {"do_remote_decode": True, "do_remote_prefill": None},
+    ],
+    ids=["toy-proxy", "no-aborts", "aborts", "null-prefill"],
+)
+def test_a_vllm_proxys_prefill_leg_is_a_producer_leg(raw: dict[str, object]) -> None:
+    assert check_request_params(raw, role="producer", prompts=PROMPT, n=1) == {"do_remote_decode": True}
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"remote_host": "10.0.0.7"}, "kv_transfer_params.remote_host: must be null on a prefill leg"),
+        ({"remote_block_ids": [1, 2]}, "kv_transfer_params.remote_block_ids: must be null on a prefill leg"),
+        ({"do_remote_prefill": True}, "kv_transfer_params.do_remote_prefill: must be false or null"),
+        ({"aborted_request": "cmpl-1"}, "kv_transfer_params.aborted_request: must be a list of request ids"),
+        ({"remote_tp_size": 1}, "kv_transfer_params.remote_tp_size: unknown field for a prefill leg"),
+    ],
+)
+def test_a_malformed_prefill_leg_names_its_field(patch: dict[str, object], message: str) -> None:
+    with pytest.raises(KVTransferParamsError) as info:
+        check_request_params({**VLLM_PROXY_PREFILL, **patch}, role="producer", prompts=PROMPT, n=1)
+    assert str(info.value).startswith(message)
+
+
 def test_consumer_leg_returns_the_verified_params() -> None:
     signed = _signed()
     assert check_request_params(signed, role="consumer", prompts=PROMPT, n=1) == signed
@@ -50,6 +92,7 @@ def test_consumer_leg_returns_the_verified_params() -> None:
     ("raw", "role", "prompts", "n", "message"),
     [
         ({"do_remote_decode": True}, "consumer", PROMPT, 1, "kv_role is 'consumer', not producer"),
+        (VLLM_PROXY_PREFILL, "consumer", PROMPT, 1, "kv_role is 'consumer', not producer"),
         ({"do_remote_decode": True}, "producer", PROMPT, 2, "needs exactly one prompt and n=1"),
         (_signed(), "producer", PROMPT, 1, "kv_role is 'producer', not consumer"),
         (_signed(), "none", PROMPT, 1, "kv_role is 'none', not consumer"),

@@ -8,6 +8,7 @@ fragment of its message. The pydantic models must refuse the same spec and name 
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,12 +57,14 @@ class Case:
     field: str
     detail: str
     name: str = "bad"  # metadata.name
+    pydantic_field: str | None = None  # where pydantic reports it, when not at `field`
 
     def spec(self) -> dict[str, Any]:
         return merged(VALID_SPEC, self.spec_patch)
 
     def pydantic_fragment(self) -> str:
-        return self.field.removeprefix("spec.").replace("[0]", ".0")
+        field = self.pydantic_field or self.field
+        return re.sub(r"\[(\d+)\]", r".\1", field.removeprefix("spec."))
 
 
 AGGREGATED = {"mode": "aggregated"}
@@ -245,6 +248,399 @@ SPEC_CASES: list[Case] = [
         "tolerations[].value must be empty when operator is Exists",
     ),
 ]
+
+LONG_NAME = "n" * 64  # one past a label name's 63 characters
+#: Specs the CRD used to accept and the child objects refused (the API server's pod and container
+#: validation), now refused by the CRD itself, naming the field.
+CHILD_REFUSED_CASES: list[Case] = [
+    Case(
+        "node-selector-key-space",
+        {"prefill": {"nodeSelector": {"gpu type": "mi300x"}}},
+        "spec.prefill.nodeSelector",
+        "keys must be label keys",
+    ),
+    Case(
+        "node-selector-key-64",
+        {"decode": {"nodeSelector": {LONG_NAME: "x"}}},
+        "spec.decode.nodeSelector",
+        "keys must be label keys",
+    ),
+    Case(
+        "node-selector-key-bad-prefix",
+        {"router": {"nodeSelector": {"Example.COM/zone": "a"}}},
+        "spec.router.nodeSelector",
+        "keys must be label keys",
+    ),
+    Case(
+        "node-selector-value-space",
+        {"prefill": {"nodeSelector": {"zone": "us east"}}},
+        "spec.prefill.nodeSelector.zone",
+        "should match",
+    ),
+    Case(
+        "node-selector-value-64",
+        {"decode": {"nodeSelector": {"zone": "v" * 64}}},
+        "spec.decode.nodeSelector.zone",
+        "may not be more than 63",
+    ),
+    Case(
+        "toleration-seconds-noschedule",
+        {"prefill": {"tolerations": [{"key": "gpu", "effect": "NoSchedule", "tolerationSeconds": 30}]}},
+        "spec.prefill.tolerations[0].tolerationSeconds",
+        "tolerations[].tolerationSeconds is only allowed with effect NoExecute",
+    ),
+    Case(
+        "toleration-seconds-no-effect",
+        {"decode": {"tolerations": [{"key": "gpu", "tolerationSeconds": 30}]}},
+        "spec.decode.tolerations[0].tolerationSeconds",
+        "tolerations[].tolerationSeconds is only allowed with effect NoExecute",
+    ),
+    Case(
+        "toleration-key-not-qualified",
+        {"router": {"tolerations": [{"key": "gpu node", "operator": "Exists"}]}},
+        "spec.router.tolerations[0].key",
+        "should match",
+    ),
+    Case(
+        "toleration-equal-without-key",
+        {"prefill": {"tolerations": [{"operator": "Equal", "value": "x"}]}},
+        "spec.prefill.tolerations[0].operator",
+        "tolerations[].operator must be Exists when key is empty",
+    ),
+    Case(
+        "toleration-value-not-a-label-value",
+        {"decode": {"tolerations": [{"key": "gpu", "value": "a b"}]}},
+        "spec.decode.tolerations[0].value",
+        "should match",
+    ),
+    Case(
+        "priority-class-not-subdomain",
+        {"prefill": {"priorityClassName": "High_Priority"}},
+        "spec.prefill.priorityClassName",
+        "should match",
+    ),
+    Case(
+        "priority-class-double-dot",
+        {"router": {"priorityClassName": "a..b"}},
+        "spec.router.priorityClassName",
+        "should match",
+    ),
+    Case(
+        "affinity-wrong-type",
+        {"prefill": {"affinity": {"nodeAffinity": "mi300x"}}},
+        "spec.prefill.affinity.nodeAffinity",
+        "must be of type object",
+    ),
+    Case(
+        "affinity-unknown-operator",
+        {
+            "decode": {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {"matchExpressions": [{"key": "zone", "operator": "Near", "values": ["a"]}]}
+                            ]
+                        }
+                    }
+                }
+            }
+        },
+        "spec.decode.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0]"
+        ".matchExpressions[0].operator",
+        "Unsupported value",
+    ),
+    Case(
+        "affinity-in-without-values",
+        {
+            "prefill": {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In"}]}]
+                        }
+                    }
+                }
+            }
+        },
+        "spec.prefill.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0]"
+        ".matchExpressions[0].values",
+        "values must not be empty when operator is In or NotIn",
+    ),
+    Case(
+        "affinity-exists-with-values",
+        {
+            "prefill": {
+                "affinity": {
+                    "nodeAffinity": {
+                        "preferredDuringSchedulingIgnoredDuringExecution": [
+                            {
+                                "weight": 5,
+                                "preference": {
+                                    "matchExpressions": [
+                                        {"key": "zone", "operator": "Exists", "values": ["a"]}
+                                    ]
+                                },
+                            }
+                        ]
+                    }
+                }
+            }
+        },
+        "spec.prefill.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].preference"
+        ".matchExpressions[0].values",
+        "values must be empty when operator is Exists or DoesNotExist",
+    ),
+    Case(
+        "affinity-gt-not-an-integer",
+        {
+            "decode": {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {"matchExpressions": [{"key": "gpus", "operator": "Gt", "values": ["four"]}]}
+                            ]
+                        }
+                    }
+                }
+            }
+        },
+        "spec.decode.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0]"
+        ".matchExpressions[0].values",
+        "values must be one integer when operator is Gt or Lt",
+    ),
+    Case(
+        "affinity-no-terms",
+        {
+            "prefill": {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}
+                    }
+                }
+            }
+        },
+        "spec.prefill.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms",
+        "should have at least 1 items",
+    ),
+    Case(
+        "affinity-weight-zero",
+        {
+            "decode": {
+                "affinity": {
+                    "podAntiAffinity": {
+                        "preferredDuringSchedulingIgnoredDuringExecution": [
+                            {"weight": 0, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname"}}
+                        ]
+                    }
+                }
+            }
+        },
+        "spec.decode.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].weight",
+        "greater than or equal to 1",
+    ),
+    Case(
+        "affinity-without-topology-key",
+        {
+            "router": {
+                "affinity": {
+                    "podAntiAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": [
+                            {"labelSelector": {"matchLabels": {"app": "x"}}}
+                        ]
+                    }
+                }
+            }
+        },
+        "spec.router.affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution[0].topologyKey",
+        "Required value",
+    ),
+    Case(
+        "affinity-label-selector-bad-value",
+        {
+            "prefill": {
+                "affinity": {
+                    "podAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": [
+                            {
+                                "topologyKey": "zone",
+                                "labelSelector": {
+                                    "matchExpressions": [
+                                        {"key": "app", "operator": "In", "values": ["not a value"]}
+                                    ]
+                                },
+                            }
+                        ]
+                    }
+                }
+            }
+        },
+        "spec.prefill.affinity.podAffinity.requiredDuringSchedulingIgnoredDuringExecution[0].labelSelector"
+        ".matchExpressions[0].values[0]",
+        "should match",
+    ),
+    Case(
+        "affinity-unknown-field",
+        {"decode": {"affinity": {"nodeAffinity": {"requiredDuringScheduling": {}}}}},
+        "spec.decode.affinity.nodeAffinity.requiredDuringScheduling",
+        "unknown field",
+    ),
+    Case(
+        "gpu-resource-gpu",
+        {"prefill": {"resources": {"gpuResource": "gpu"}}},
+        "spec.prefill.resources.gpuResource",
+        "should match",
+    ),
+    Case(
+        "gpu-resource-cpu",
+        {"decode": {"resources": {"gpuResource": "cpu"}}},
+        "spec.decode.resources.gpuResource",
+        "should match",
+    ),
+    Case(
+        "gpu-resource-native-domain",
+        {"prefill": {"resources": {"gpuResource": "kubernetes.io/gpu"}}},
+        "spec.prefill.resources.gpuResource",
+        "must be an extended resource name",
+    ),
+    Case(
+        "env-kv-transfer-key",
+        {"engine": {"env": [{"name": "BATON_KV_TRANSFER_KEY", "value": "mine"}]}},
+        "spec.engine.env[0].name",
+        "env[].name: the operator sets",
+    ),
+    Case(
+        "env-pod-ip-in-override",
+        {"decode": {"engine": {"env": [{"name": "BATON_POD_IP", "value": "1.2.3.4"}]}}},
+        "spec.decode.engine.env[0].name",
+        "env[].name: the operator sets",
+    ),
+    Case(
+        "env-duplicate-name",
+        {"engine": {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}},
+        "spec.engine.env[1]",
+        "Duplicate value",
+        pydantic_field="spec.engine.env",
+    ),
+    Case(
+        "pvc-claim-double-dot",
+        {"model": {"source": "pvc://a..b/models"}},
+        "spec.model.source",
+        "should match",
+    ),
+    Case(
+        "pvc-claim-too-long",
+        {"model": {"source": "pvc://" + ".".join(["c" * 63] * 4) + "/m"}},
+        "spec.model.source",
+        "the claim name must be at most 253 characters",
+    ),
+    Case(
+        "hf-token-secret-name",
+        {"model": {"source": "hf:org/name", "hfTokenSecret": {"name": "a..b"}}},
+        "spec.model.hfTokenSecret.name",
+        "should match",
+    ),
+    Case(
+        "hf-token-secret-key",
+        {"model": {"source": "hf:org/name", "hfTokenSecret": {"name": "hf", "key": "my token"}}},
+        "spec.model.hfTokenSecret.key",
+        "should match",
+    ),
+    Case(
+        "image-with-space", {"engine": {"image": "registry/engine :1"}}, "spec.engine.image", "should match"
+    ),
+    Case("router-image-with-space", {"router": {"image": " router:1"}}, "spec.router.image", "should match"),
+]
+SPEC_CASES += CHILD_REFUSED_CASES
+
+#: Specs at the limits of what the CRD accepts: the API server must accept each one's children.
+AT_THE_LIMITS: dict[str, dict[str, Any]] = {
+    "label-keys-and-values": {
+        "prefill": {
+            "nodeSelector": {("p" * 63 + "." + "q" * 189)[:253] + "/" + "n" * 63: "v" * 63, "zone": ""}
+        },
+        "router": {"nodeSelector": {"a.b-c/x_y.z": "A-b_c.9"}},
+    },
+    "tolerations": {
+        "decode": {
+            "tolerations": [
+                {"operator": "Exists"},
+                {"key": "amd.com/gpu", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 0},
+                {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute", "tolerationSeconds": 300},
+                {"key": "team", "value": "ml-" + "x" * 60, "effect": "PreferNoSchedule"},
+            ]
+        }
+    },
+    "affinity": {
+        "prefill": {
+            "priorityClassName": "system-node-critical.a-b",
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {
+                                        "key": "node.kubernetes.io/instance-type",
+                                        "operator": "In",
+                                        "values": ["mi300x"],
+                                    },
+                                    {"key": "gpus", "operator": "Gt", "values": ["3"]},
+                                    {"key": "spot", "operator": "DoesNotExist"},
+                                ],
+                                "matchFields": [
+                                    {"key": "metadata.name", "operator": "NotIn", "values": ["node-1"]}
+                                ],
+                            }
+                        ]
+                    },
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "weight": 100,
+                            "preference": {"matchExpressions": [{"key": "zone", "operator": "Exists"}]},
+                        }
+                    ],
+                },
+                "podAntiAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "topologyKey": "kubernetes.io/hostname",
+                            "labelSelector": {
+                                "matchLabels": {"baton.dev/role": "prefill"},
+                                "matchExpressions": [
+                                    {"key": "tier", "operator": "NotIn", "values": ["", "b"]}
+                                ],
+                            },
+                            "namespaces": ["a", "b-c"],
+                            "matchLabelKeys": ["pod-template-hash"],
+                        }
+                    ],
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {"weight": 1, "podAffinityTerm": {"topologyKey": "zone", "namespaceSelector": {}}}
+                    ],
+                },
+                "podAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {"weight": 50, "podAffinityTerm": {"topologyKey": "zone", "labelSelector": {}}}
+                    ]
+                },
+            },
+        }
+    },
+    "resources-and-env": {
+        "engine": {"env": [{"name": "MY_FLAG", "value": "1"}, {"name": "HOME_DIR", "value": "/x"}]},
+        "prefill": {"resources": {"gpuResource": "nvidia.com/gpu", "gpus": 64}},
+        "decode": {
+            "resources": {"gpuResource": "gpu.intel.com/i915"},
+            "engine": {"env": [{"name": "B", "value": ""}]},
+        },
+    },
+    "pvc-claim": {"model": {"source": "pvc://" + ".".join(["c" * 63] * 3) + ".d" * 31 + "/m/x"}},
+    "hf-secret": {
+        "model": {"source": "hf:org/name", "hfTokenSecret": {"name": "hf.tokens-1", "key": "-._tok3n"}}
+    },
+}
 
 NAME_CASES: list[Case] = [
     Case("name-too-long", {}, "metadata.name", "at most 40 characters", name="a" * 41),

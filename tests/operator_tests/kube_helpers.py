@@ -75,3 +75,33 @@ def create_foreign_deployment(rest: Rest, namespace: str, name: str) -> None:
     path = f"/apis/apps/v1/namespaces/{namespace}/deployments?fieldManager=someone-else"
     status, answer = rest.call("POST", path, body)
     assert status == 201, answer
+
+
+def dev_cluster_kube(cluster: Any) -> Kube:
+    """The operator's own client of a `baton_dev` cluster (a DevCluster), with admin credentials."""
+    from baton_dev.kubeapi import ApiAccess
+
+    access = ApiAccess.from_kubeconfig(cluster.state.admin_kubeconfig)
+    info = kopf.ConnectionInfo(server=access.server, ca_path=str(access.ca_file), token=access.token)
+    return Kube(lambda: info)
+
+
+def install_crd_in(cluster: Any, crd: dict[str, Any]) -> None:
+    """Create a CRD in a `baton_dev` cluster unless it is there, and wait until it is Established."""
+    from baton_dev.kubeapi import ApiError
+    from baton_dev.testing import wait_for as wait
+
+    crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    try:
+        cluster.admin.post(crds, crd)
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+    path = f"{crds}/{crd['metadata']['name']}"
+    wait(
+        f"the CRD {crd['metadata']['name']} to be Established",
+        lambda: any(
+            c["type"] == "Established" and c["status"] == "True"
+            for c in (cluster.admin.get(path).get("status") or {}).get("conditions") or []
+        ),
+    )

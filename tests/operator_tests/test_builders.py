@@ -9,6 +9,7 @@ import pytest
 
 from baton_operator.builders import BuildContext, Children, Owner, desired_children, router_endpoint
 from baton_operator.models import InferenceDeploymentSpec
+from baton_operator.models.engine import OPERATOR_ENV
 from tests.operator_tests.cases import DEMO_APPLIED_CHILDREN, VALID_SPEC, merged
 
 OWNER = Owner(name="demo", namespace="llm", uid="0f1e-uid")
@@ -114,6 +115,7 @@ def test_engine_args_flags_and_kv_roles() -> None:
         "--kv-events-port", "5557",
         "--kv-events-replay-port", "5558",
         "--kv-events-buffer-steps", "10000",
+        "--kv-events-encoding", "map",
     ]  # fmt: skip
     assert flag(decode["args"], "--kv-role") == "consumer"
     assert [(p["name"], p["containerPort"]) for p in prefill["ports"]] == [
@@ -190,13 +192,30 @@ def test_env_pod_ip_and_signing_key() -> None:
     assert base64.b64decode(secret["data"]["kv-transfer-key"]).decode() == KEY
 
 
+def test_user_env_cannot_collide_with_the_operators() -> None:
+    """OPERATOR_ENV (what the CRD refuses in spec.engine.env) is exactly what the builders set."""
+    engine = container(
+        by_kind(build({"engine": {"env": [{"name": "MINE", "value": "1"}]}}), "Deployment")["demo-decode"]
+    )
+    assert sorted(e["name"] for e in engine["env"]) == sorted([*OPERATOR_ENV, "MINE"])
+
+
 def test_resources_and_placement() -> None:
     patch = {
         "decode": {
             "resources": {"gpus": 2, "gpuResource": "nvidia.com/gpu", "cpu": 8, "memory": "64Gi"},
             "nodeSelector": {"pool": "mi300x"},
             "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
-            "affinity": {"nodeAffinity": {"x": 1}},
+            "affinity": {
+                "nodeAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "weight": 5,
+                            "preference": {"matchExpressions": [{"key": "zone", "operator": "Exists"}]},
+                        }
+                    ]
+                }
+            },
             "priorityClassName": "llm",
         }
     }
@@ -210,7 +229,14 @@ def test_resources_and_placement() -> None:
     pod = decode["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"pool": "mi300x"}
     assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    assert pod["affinity"] == {"nodeAffinity": {"x": 1}}
+    # Only what was given: no empty lists or nulls for the fields left out.
+    assert pod["affinity"] == {
+        "nodeAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 5, "preference": {"matchExpressions": [{"key": "zone", "operator": "Exists"}]}}
+            ]
+        }
+    }
     assert pod["priorityClassName"] == "llm"
     assert "nodeSelector" not in prefill["spec"]["template"]["spec"]
     # Accelerator pools roll without a spare accelerator; CPU pools without downtime.

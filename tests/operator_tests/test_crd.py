@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from baton_operator import cli, crd
+from baton_operator import cli, crd, crd_reference
 from tests.operator_tests.conftest import REPO
 
 
@@ -56,7 +57,10 @@ def test_names_columns_and_subresources() -> None:
     assert (usage["minimum"], usage["exclusiveMinimum"], usage["maximum"]) == (0.0, True, 1.0)
     memory = spec["properties"]["prefill"]["properties"]["resources"]["properties"]["memory"]
     assert memory["x-kubernetes-int-or-string"] is True
-    assert "x-kubernetes-preserve-unknown-fields" in spec["properties"]["prefill"]["properties"]["affinity"]
+    # Affinity is typed (core/v1 Affinity), not passed through: the API server validates it.
+    affinity = spec["properties"]["prefill"]["properties"]["affinity"]
+    assert "x-kubernetes-preserve-unknown-fields" not in json.dumps(affinity)
+    assert sorted(affinity["properties"]) == ["nodeAffinity", "podAffinity", "podAntiAffinity"]
 
 
 def test_cli_writes_both_copies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -73,3 +77,22 @@ def test_cli_run_refuses_both_scopes(capsys: pytest.CaptureFixture[str]) -> None
         cli.main(["run", "--namespace", "a", "--all-namespaces"])
     assert exit_info.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("node", "shown"),
+    [
+        ({"minimum": 0.0, "exclusiveMinimum": True, "maximum": 1.0}, "> 0.0, ≤ 1.0"),
+        ({"minimum": 1, "maximum": 64, "exclusiveMaximum": True}, "≥ 1, < 64"),
+        ({"minimum": 0}, "≥ 0"),
+        ({"maxLength": 63, "pattern": "^a$"}, "length ≤ 63, pattern `^a$`"),
+    ],
+)
+def test_the_reference_shows_exclusive_bounds_as_such(node: dict[str, object], shown: str) -> None:
+    assert crd_reference._limits(node) == shown
+
+
+def test_affinity_is_one_row_per_pool() -> None:
+    text = crd_reference.render()
+    assert "| `spec.prefill.affinity` | object |" in text
+    assert "spec.prefill.affinity.nodeAffinity" not in text

@@ -9,8 +9,21 @@ from typing import Any
 import pytest
 
 from baton_operator import models
+from baton_operator.builders import BuildContext, Owner, desired_children
+from baton_operator.builders.extras import new_signing_key
+from baton_operator.kube import FIELD_MANAGER, path_of
 from baton_operator.models import InferenceDeploymentSpec
-from tests.operator_tests.cases import NAME_CASES, SPEC_CASES, VALID_SPEC, Case
+from baton_support.apiserver import ApiServer
+from tests.operator_tests.cases import (
+    AT_THE_LIMITS,
+    CHILD_REFUSED_CASES,
+    NAME_CASES,
+    SPEC_CASES,
+    VALID_SPEC,
+    Case,
+    merged,
+)
+from tests.operator_tests.kube_helpers import Rest
 
 pytestmark = pytest.mark.k8s
 
@@ -87,3 +100,34 @@ def test_mode_is_immutable(kube: Any) -> None:
     assert err.value.status == 422
     causes = json.loads(err.value.body)["details"]["causes"]
     assert any(c["field"] == "spec.mode" and "spec.mode is immutable" in c["message"] for c in causes), causes
+
+
+def test_the_child_refusals_are_refused_by_the_crd_in_numbers(kube: Any) -> None:
+    assert len(CHILD_REFUSED_CASES) >= 20
+
+
+@pytest.mark.parametrize("name", sorted(AT_THE_LIMITS))
+def test_specs_at_the_limits_are_accepted_and_so_are_their_children(
+    apiserver: ApiServer, kube: Any, name: str
+) -> None:
+    """What the CRD accepts at its limits, the API server accepts in every child object (each
+    applied server-side with dryRun=All, as the operator would apply it)."""
+    spec = merged(VALID_SPEC, AT_THE_LIMITS[name])
+    created = _create(kube, NS_GOOD, f"limits-{name}", spec)
+    rest = Rest(apiserver)
+    owner = Owner(name=created["metadata"]["name"], namespace=NS_GOOD, uid=created["metadata"]["uid"])
+    ctx = BuildContext(owner, InferenceDeploymentSpec.model_validate(created["spec"]))
+    children = desired_children(ctx, new_signing_key())
+    manifests = [*children.created_once, *children.applied]
+    assert len(manifests) == 14
+    refused = {}
+    for manifest in manifests:
+        status, body = rest.call(
+            "PATCH",
+            path_of(manifest) + f"?fieldManager={FIELD_MANAGER}&force=true&dryRun=All",
+            manifest,
+            "application/apply-patch+yaml",
+        )
+        if status not in (200, 201):
+            refused[f"{manifest['kind']} {manifest['metadata']['name']}"] = body.get("message")
+    assert refused == {}

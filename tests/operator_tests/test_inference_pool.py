@@ -8,12 +8,10 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
-import kopf
 import pytest
 
 from baton_dev import ecosystem_crds
 from baton_dev import spec as cluster_spec
-from baton_dev.kubeapi import ApiAccess, ApiError
 from baton_dev.testing import DevCluster, wait_for
 from baton_engine import contract
 from baton_operator import crd
@@ -24,7 +22,13 @@ from baton_operator.reconcile import OperatorConfig, reconcile
 from baton_support.apiserver import ApiServer, Rest
 from baton_support.operator_process import CLUSTER_PATHS, wait_established
 from tests.operator_tests.cases import VALID_SPEC, merged
-from tests.operator_tests.kube_helpers import async_kube, create_infd, create_namespace
+from tests.operator_tests.kube_helpers import (
+    async_kube,
+    create_infd,
+    create_namespace,
+    dev_cluster_kube,
+    install_crd_in,
+)
 
 CRD = ecosystem_crds.GIE_INFERENCE_POOL
 POOLS = "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools"
@@ -298,38 +302,15 @@ KWOK = {cluster_spec.NODE_TYPE_LABEL: "kwok"}
 SMALL = {"resources": {"gpus": 0, "cpu": "100m", "memory": "256Mi"}, "nodeSelector": KWOK}
 
 
-def cluster_kube(cluster: DevCluster) -> Kube:
-    access = ApiAccess.from_kubeconfig(cluster.state.admin_kubeconfig)
-    info = kopf.ConnectionInfo(server=access.server, ca_path=str(access.ca_file), token=access.token)
-    return Kube(lambda: info)
-
-
-def _established(cluster: DevCluster, name: str) -> None:
-    path = f"{CLUSTER_PATHS['CustomResourceDefinition']}/{name}"
-    wait_for(
-        f"the CRD {name} to be Established",
-        lambda: any(
-            c["type"] == "Established" and c["status"] == "True"
-            for c in (cluster.admin.get(path).get("status") or {}).get("conditions") or []
-        ),
-    )
-
-
 @pytest.fixture(scope="module")
 def cluster_crds(dev_cluster: DevCluster) -> Iterator[None]:
     """Baton's CRD (kept: other modules install the same file) and the GIE release's InferencePool
     CRD (deleted afterwards)."""
     gie = _gie_crd()
-    try:
-        dev_cluster.admin.post(CLUSTER_PATHS["CustomResourceDefinition"], crd.crd())
-    except ApiError as exc:
-        if exc.status != 409:
-            raise
-    _established(dev_cluster, crd.crd()["metadata"]["name"])
+    install_crd_in(dev_cluster, crd.crd())
+    install_crd_in(dev_cluster, gie)
     path = f"{CLUSTER_PATHS['CustomResourceDefinition']}/{CRD.name}"
-    dev_cluster.admin.post(CLUSTER_PATHS["CustomResourceDefinition"], gie)
     try:
-        _established(dev_cluster, CRD.name)
         yield
     finally:
         dev_cluster.admin.delete(path)
@@ -354,7 +335,7 @@ async def test_pool_selects_exactly_the_engine_pods(
         "agg": merged(VALID_SPEC, {"mode": "aggregated", "autoscaling": {"mode": "off"},
                                    "pool": {"replicas": 2, **SMALL}, "router": {"nodeSelector": KWOK}}),
     }  # fmt: skip
-    kube = cluster_kube(dev_cluster)
+    kube = dev_cluster_kube(dev_cluster)
     try:
         for name, spec in specs.items():
             doc = {

@@ -6,7 +6,14 @@ from typing import Any
 
 import pytest
 
-from baton_operator.object_cache import ObjectCache, deployment_view, owner_view, resource_version, slim
+from baton_operator.object_cache import (
+    ObjectCache,
+    deployment_view,
+    owner_view,
+    replicas_managers,
+    resource_version,
+    slim,
+)
 
 
 def deployment(rv: str | None, ready: int = 0, uid: str = "u1", replicas: int = 1) -> dict[str, Any]:
@@ -47,8 +54,30 @@ def test_deployment_view_keeps_identity_counts_and_conditions_without_timestamps
         },
         "spec": {"replicas": 1},
         "status": {"readyReplicas": 1, "conditions": [AVAILABLE]},
+        "replicasManagers": [],
     }
-    assert deployment_view({"metadata": {"name": "x"}}) == {"metadata": {"name": "x"}, "status": {}}
+    assert deployment_view({"metadata": {"name": "x"}}) == {
+        "metadata": {"name": "x"},
+        "status": {},
+        "replicasManagers": [],
+    }
+
+
+def test_replicas_managers_are_the_managers_owning_spec_replicas() -> None:
+    obj = deployment("1")
+    obj["metadata"]["managedFields"] = [
+        {"manager": "baton-operator", "operation": "Apply", "fieldsV1": {"f:spec": {"f:template": {}}}},
+        {
+            "manager": "hpa",
+            "operation": "Update",
+            "subresource": "scale",
+            "fieldsV1": {"f:spec": {"f:replicas": {}}},
+        },
+        {"manager": "baton-autoscaler", "operation": "Apply", "fieldsV1": {"f:spec": {"f:replicas": {}}}},
+        {"manager": "kube-controller-manager", "operation": "Update", "fieldsV1": {"f:status": {}}},
+    ]
+    assert replicas_managers(obj) == ["baton-autoscaler", "hpa"]
+    assert deployment_view(obj)["replicasManagers"] == ["baton-autoscaler", "hpa"]
 
 
 def test_owner_view_keeps_what_a_refresh_reads_and_the_operators_status_only() -> None:

@@ -232,6 +232,79 @@ def test_child_readiness_reaches_status_and_printer_columns(
     assert cells["Endpoint"] == "http://demo-router.op.svc:80"
 
 
+SCHEDULER = "0/3 nodes are available: 3 Insufficient amd.com/gpu. preemption: 0/3 nodes are available."
+
+
+def test_a_stuck_pool_says_why(reconciled: dict[str, Any], own_apiserver: ApiServer, own_kube: Any) -> None:
+    """A decode pod the scheduler cannot place (its status written here as the scheduler writes
+    it: no scheduler runs on this API server), then one that crash-loops: the pod watch turns
+    each into the conditions' reason, with the scheduler's and the kubelet's own words."""
+    rest = Rest(own_apiserver)
+    pods = collection_path("v1", "Pod", "op")
+    labels = {
+        "baton.dev/deployment": "demo",
+        "baton.dev/role": "decode",
+        "app.kubernetes.io/managed-by": "baton-operator",
+    }
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "demo-decode-stuck", "labels": labels},
+        "spec": {"containers": [{"name": "engine", "image": "baton"}]},
+    }
+    status, body = rest.call("POST", pods, pod)
+    assert status == 201, body
+
+    def write_status(pod_status: dict[str, Any]) -> None:
+        code, answer = rest.call(
+            "PATCH",
+            f"{pods}/demo-decode-stuck/status",
+            {"status": pod_status},
+            "application/merge-patch+json",
+        )
+        assert code == 200, answer
+
+    def degraded() -> tuple[str, str, str]:
+        conditions = get_infd(own_kube, "op", "demo")["status"]["conditions"]
+        return next((c["status"], c["reason"], c["message"]) for c in conditions if c["type"] == "Degraded")
+
+    unschedulable = {
+        "type": "PodScheduled",
+        "status": "False",
+        "reason": "Unschedulable",
+        "message": SCHEDULER,
+    }
+    write_status({"phase": "Pending", "conditions": [unschedulable]})
+    stuck = f"decode: pod demo-decode-stuck is unschedulable: {SCHEDULER}"
+    wait_for(
+        lambda: degraded() == ("True", "PodsUnschedulable", stuck), 30, "Degraded=True PodsUnschedulable"
+    )
+
+    crash = {
+        "name": "engine",
+        "ready": False,
+        "started": False,
+        "restartCount": 3,
+        "state": {
+            "waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting failed container"}
+        },
+        "lastState": {"terminated": {"exitCode": 2, "reason": "Error"}},
+    }
+    scheduled = {"type": "PodScheduled", "status": "True"}
+    write_status({"phase": "Running", "conditions": [scheduled], "containerStatuses": [crash]})
+    looping = (
+        "decode: pod demo-decode-stuck container engine: CrashLoopBackOff "
+        "(restarted 3 times, last exit 2 Error): back-off 40s restarting failed container"
+    )
+    wait_for(lambda: degraded() == ("True", "CrashLooping", looping), 30, "Degraded=True CrashLooping")
+
+    status, body = rest.call("DELETE", f"{pods}/demo-decode-stuck?gracePeriodSeconds=0")
+    assert status == 200, body
+    wait_for(
+        lambda: degraded() == ("False", "AsExpected", "no failures observed"), 30, "Degraded=False again"
+    )
+
+
 def reconcile_errors(operator: OperatorProcess, error: str) -> float:
     return sample(operator.metrics(), f'baton_operator_reconcile_errors_total{{error="{error}"}}')
 

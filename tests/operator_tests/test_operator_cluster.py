@@ -294,6 +294,37 @@ def test_the_operator_is_refused_secrets(
     dev_cluster.kubectl("get", "secret", secret, "-n", restricted_ns)
 
 
+def test_a_pool_the_scheduler_cannot_place_says_so(
+    dev_cluster: DevCluster, operator_pod: dict[str, Any], restricted_ns: str, gpu_nodes_labelled: list[str]
+) -> None:
+    """A decode pool asking for more GPUs than any node has: the real scheduler's verdict is the
+    reason and message of Ready and Degraded (not 'RollingOut' and 'no failures observed')."""
+    doc = with_placement(load_example("minimal.yaml"), KWOK_NODES)
+    doc["metadata"]["name"] = "greedy"
+    doc["spec"]["decode"] = {**doc["spec"].get("decode", {}), "resources": {"gpus": 64}}
+    dev_cluster.apply(doc, restricted_ns)
+
+    def degraded() -> dict[str, Any] | None:
+        found = condition(infd(dev_cluster, restricted_ns, "greedy"), "Degraded")
+        return found if found is not None and found["reason"] == "PodsUnschedulable" else None
+
+    try:
+        stuck = wait_for("Degraded=True PodsUnschedulable", degraded, 120, 0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{describe(dev_cluster, restricted_ns)}") from None
+    (pod,) = dev_cluster.pods(restricted_ns, "baton.dev/deployment=greedy,baton.dev/role=decode")
+    scheduled = condition(pod, "PodScheduled")
+    assert scheduled is not None and scheduled["reason"] == "Unschedulable"
+    assert stuck["status"] == "True"
+    assert (
+        stuck["message"] == f"decode: pod {pod['metadata']['name']} is unschedulable: {scheduled['message']}"
+    )
+    assert "Insufficient amd.com/gpu" in scheduled["message"]
+    ready = condition(infd(dev_cluster, restricted_ns, "greedy"), "Ready")
+    assert ready is not None and (ready["status"], ready["reason"]) == ("False", "PodsUnschedulable")
+    dev_cluster.kubectl("delete", "infd", "greedy", "-n", restricted_ns)
+
+
 def test_router_discovers_operator_pods_and_drops_a_deleted_one(
     dev_cluster: DevCluster, operator_pod: dict[str, Any], restricted_ns: str, gpu_nodes_labelled: list[str]
 ) -> None:

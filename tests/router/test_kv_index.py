@@ -42,7 +42,9 @@ def test_block_hasher_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     assert block_hasher("none", BLOCK) is None
     vllm = block_hasher("vllm-sha256-cbor", BLOCK)
     assert vllm is not None and vllm.block_size == BLOCK
-    with pytest.raises(ValueError, match="prefix hash: 'fastest' is not one of none, fast, vllm-sha256-cbor"):
+    with pytest.raises(
+        ValueError, match="prefix hash: 'fastest' is not one of none, fast, vllm-sha256, vllm-sha256-cbor"
+    ):
         block_hasher("fastest", BLOCK)
 
 

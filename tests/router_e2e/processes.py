@@ -17,7 +17,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton_engine import contract
-from baton_engine.kv_events_wire import WireBlockStored, decode_batch, decode_sequence, encode_sequence
+from baton_engine.kv_events_wire import WireBlockStored, decode_batch, encode_sequence, parse_replay_answer
 from baton_support.wait import wait_for
 from tests.server.server_process import (
     LoopbackProcess,
@@ -100,8 +100,7 @@ def replayed_block_stored(replay_port: int, timeout_s: float = 5.0) -> tuple[lis
         while True:
             if not dealer.poll(int(timeout_s * 1000)):
                 raise AssertionError(f"no replay answer from port {replay_port} within {timeout_s} s")
-            _, seq_frame, payload = dealer.recv_multipart()
-            seq = decode_sequence(seq_frame)
+            seq, payload = parse_replay_answer(dealer.recv_multipart())
             if seq == -1:
                 return stored, last_seq
             last_seq = seq

@@ -59,6 +59,8 @@ def create_app(
     ``kv_index`` (if given, usually also ``scorer.index``) follows the registry's pods until shutdown.
     """
     metrics = RouterMetrics()
+    if kv_index is not None:
+        metrics.kv_events_counters.source = kv_index.stats
     state: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
@@ -225,7 +227,10 @@ def create_app(
         ]
         if missing:
             return _error(503, f"not ready: no reachable {' or '.join(missing)} pod", errors.UNAVAILABLE)
-        return JSONResponse({"status": "ready", "pods": counts})
+        body: dict[str, object] = {"status": "ready", "pods": counts}
+        if kv_index is not None:
+            body["kv_events"] = kv_index.health()
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -242,10 +247,6 @@ def create_app(
 def _export_kv_event_progress(kv_index: KVEventIndex, metrics: RouterMetrics) -> None:
     gauge = metrics.kv_events_next_seq
     gauge.clear()
-    for pod in kv_index.subscriber.pods():
-        try:
-            next_seq = kv_index.subscriber.stats(pod).next_seq
-        except KeyError:  # the pod went between the two calls
-            continue
-        if next_seq is not None:
-            gauge.labels(pod=str(pod)).set(next_seq)
+    for pod, stats in kv_index.stats().items():
+        if stats.next_seq is not None:
+            gauge.labels(pod=pod).set(stats.next_seq)

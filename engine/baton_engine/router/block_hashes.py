@@ -2,8 +2,9 @@
 
 Each full block's hash chains its parent's hash and its token ids; events carry the 64-bit form
 (``kv_events_wire.to_event_hash``). The chain function itself is the engines' choice of
-``--prefix-hash``; the router must be started with the same choice (and, for
-``vllm-sha256-cbor``, the same ``PYTHONHASHSEED``).
+``--prefix-hash``; the router must be started with the same choice (and, for the ``vllm-*``
+hashes, the same ``--prefix-hash-seed`` or ``PYTHONHASHSEED``; by default both sides use vLLM's
+fixed root, which is also what vLLM pods use).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from baton_engine.kv_events_wire import to_event_hash
 from baton_engine.prefix_hash import fast_prefix_hash
-from baton_engine.prefix_hash_vllm import PREFIX_HASH_VLLM, VllmSha256CborHasher
+from baton_engine.prefix_hash_vllm import VLLM_PREFIX_HASHES, VllmPrefixHasher
 
 BlockHash = int | bytes
 #: ``(parent block hash or None for the first block, the block's token ids) -> block hash``.
@@ -21,7 +22,7 @@ ChainHash = Callable[[BlockHash | None, tuple[int, ...]], BlockHash]
 PREFIX_HASH_NONE = "none"
 PREFIX_HASH_FAST = "fast"  # the engines' default (EngineConfig.prefix_hash)
 #: --prefix-hash choices the router can compute.
-PREFIX_HASHES: tuple[str, ...] = (PREFIX_HASH_NONE, PREFIX_HASH_FAST, PREFIX_HASH_VLLM)
+PREFIX_HASHES: tuple[str, ...] = (PREFIX_HASH_NONE, PREFIX_HASH_FAST, *VLLM_PREFIX_HASHES)
 
 
 class ChainedBlockHasher:
@@ -43,12 +44,13 @@ class ChainedBlockHasher:
         return keys
 
 
-def block_hasher(prefix_hash: str, block_size: int) -> ChainedBlockHasher | None:
-    """The hasher for an engine ``--prefix-hash`` value; None for "none" (routing by load only)."""
+def block_hasher(prefix_hash: str, block_size: int, seed: str | None = None) -> ChainedBlockHasher | None:
+    """The hasher for an engine ``--prefix-hash`` value (and seed of the vllm-* ones); None for
+    "none" (routing by load only)."""
     if prefix_hash == PREFIX_HASH_NONE:
         return None
     if prefix_hash == PREFIX_HASH_FAST:
         return ChainedBlockHasher(fast_prefix_hash, block_size)
-    if prefix_hash == PREFIX_HASH_VLLM:
-        return ChainedBlockHasher(VllmSha256CborHasher.from_environment(), block_size)
+    if prefix_hash in VLLM_PREFIX_HASHES:
+        return ChainedBlockHasher(VllmPrefixHasher(prefix_hash, seed), block_size)
     raise ValueError(f"prefix hash: {prefix_hash!r} is not one of {', '.join(PREFIX_HASHES)}")

@@ -65,7 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PREFIX_HASHES,
         default=PREFIX_HASH_NONE,
         help="the engines' --prefix-hash, to compute their KV-event block keys from prompts; "
-        "none: route by load only (vllm-sha256-cbor also needs the engines' PYTHONHASHSEED)",
+        "none: route by load only (vllm-sha256 is what vLLM pods use by default)",
+    )
+    p.add_argument(
+        "--prefix-hash-seed",
+        default=None,
+        help="the engines' root seed of the vllm-* hashes (default: PYTHONHASHSEED if set, else "
+        "vLLM's own default, as on the engines)",
     )
     p.add_argument(
         "--kv-events",
@@ -279,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from baton_engine.router.kv_index import KVEventIndex
     from baton_engine.router.prefix import PrefixScorer
 
-    hasher = block_hasher(args.prefix_hash, args.block_size)
+    hasher = block_hasher(args.prefix_hash, args.block_size, args.prefix_hash_seed)
     # Discovered pods declare their own hashing (annotations), so they may be prefix-routed even
     # when the flags' hash is none; static pods use the flags'.
     prefix_capable = hasher is not None or bool(discovery)
@@ -288,7 +294,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         tokenizer=request_tokenizer,
         hasher=hasher,
         index=kv_index,
-        hasher_factory=block_hasher,
+        hasher_factory=lambda prefix_hash, block_size: block_hasher(
+            prefix_hash, block_size, args.prefix_hash_seed
+        ),
         default_prefix_hash=args.prefix_hash,
         default_block_size=args.block_size,
     )

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from baton_engine import contract
-from baton_engine.kv_events_subscriber import KVEventSubscriber
+from baton_engine.kv_events_subscriber import KVEventSubscriber, PodStreamStats
 from baton_engine.router.endpoints import Endpoint, EndpointRegistry, EventKind
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,29 @@ class KVEventIndex:
             self.subscriber.remove_pod(endpoint.key)
         except Exception:
             log.exception("cannot unsubscribe from KV events of %s", endpoint.name)
+
+    def stats(self) -> dict[str, PodStreamStats]:
+        """Each subscribed pod's stream stats (copies), by endpoint key."""
+        found = {}
+        for pod in self.subscriber.pods():
+            try:
+                found[str(pod)] = self.subscriber.stats(pod)
+            except KeyError:  # the pod went between the two calls
+                continue
+        return found
+
+    def health(self) -> dict[str, dict[str, object]]:
+        """What the router's /ready reports of each pod's KV-event stream."""
+        return {
+            pod: {
+                "next_sequence": s.next_seq,
+                "batches_applied": s.batches_applied,
+                "rejected_batches": s.rejected_batches,
+                "encoding": s.encoding,
+                "last_error": s.last_error,
+            }
+            for pod, s in self.stats().items()
+        }
 
     def longest_prefix_match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         return {str(pod): n for pod, n in self.subscriber.longest_prefix_match(block_hashes).items()}

@@ -1,7 +1,8 @@
 """Each engine pod's load, scraped from its ``/metrics`` about once a second.
 
-Only three gauges matter (queue depth, running requests, KV-cache usage), so the Prometheus text
-is scanned line by line for those names instead of parsed in full. A pod whose metrics cannot be
+Only three gauges matter (queue depth, running requests, KV-cache usage), under Baton's names or
+vLLM's (a vLLM pod is read like a Baton one), so the Prometheus text is scanned line by line for
+those names instead of parsed in full. A pod whose metrics cannot be
 read has unknown load (the policy ranks it after pods with known load) and counts as unreachable
 when the connection itself failed.
 """
@@ -23,7 +24,9 @@ from baton_engine.router.endpoints import Endpoint, EndpointRegistry, EventKind
 
 log = logging.getLogger(__name__)
 
-_WANTED = (contract.M_REQUESTS_WAITING, contract.M_REQUESTS_RUNNING, contract.M_KV_USAGE)
+_FIGURES = ("waiting", "running", "kv_usage")
+#: Baton's and vLLM's name of each figure: Baton pods export both, vLLM pods only vLLM's.
+_WANTED = tuple(name for figure in _FIGURES for name in contract.LOAD_METRICS[figure])
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,16 @@ def parse_load(text: str, names: Iterable[str] = _WANTED) -> dict[str, float]:
             continue
         totals[name] = totals.get(name, 0.0) + value
     return totals
+
+
+def load_figures(values: dict[str, float]) -> dict[str, float | None]:
+    """waiting, running and kv_usage from parsed totals: Baton's name where present, else vLLM's
+    (a Baton pod exports both with one value; they are never added)."""
+    figures: dict[str, float | None] = {}
+    for figure in _FIGURES:
+        baton, vllm = contract.LOAD_METRICS[figure]
+        figures[figure] = values[baton] if baton in values else values.get(vllm)
+    return figures
 
 
 class LoadTracker:
@@ -127,11 +140,11 @@ class LoadTracker:
                 if status != 200:
                     load = Load(scraped_at=now)
                 else:
-                    values = parse_load(text)
+                    figures = load_figures(parse_load(text))
                     load = Load(
-                        waiting=values.get(contract.M_REQUESTS_WAITING),
-                        running=values.get(contract.M_REQUESTS_RUNNING),
-                        kv_usage=values.get(contract.M_KV_USAGE),
+                        waiting=figures["waiting"],
+                        running=figures["running"],
+                        kv_usage=figures["kv_usage"],
                         scraped_at=now,
                     )
         if self._registry.get(endpoint.key) is not None:  # not removed while we waited

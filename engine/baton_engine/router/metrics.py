@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from baton_engine import contract
 
@@ -49,6 +53,10 @@ class RouterMetrics:
             registry=r,
         )
 
+        # Counted by the KV-event subscriber; the app points `source` at its stats.
+        self.kv_events_counters = KVEventCounters(dict)
+        r.register(self.kv_events_counters)
+
         self.held = Gauge(
             contract.M_ROUTER_HELD, "Requests waiting for a pod of a pool that has none", registry=r
         )
@@ -67,3 +75,25 @@ class RouterMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _RejectCount(Protocol):
+    rejected_batches: int
+
+
+class KVEventCounters:
+    """Per-pod KV-event counters, read from the subscriber's stats when scraped (the subscriber
+    counts; this only exposes)."""
+
+    def __init__(self, source: Callable[[], Mapping[str, _RejectCount]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        rejected = CounterMetricFamily(
+            _base(contract.M_ROUTER_KV_EVENTS_REJECTED),
+            "KV-event batches from each pod that did not decode (each drops that pod's index)",
+            labels=["pod"],
+        )
+        for pod, stats in sorted(self.source().items()):
+            rejected.add_metric([pod], stats.rejected_batches)
+        yield rejected

@@ -96,7 +96,9 @@ async def _drain(state: ServerState, server: _Server, grace_seconds: float) -> N
 
 
 async def _serve(config: EngineConfig, grace_seconds: float, log_level: str) -> int:
-    state = ServerState(config=config, metrics=EngineMetrics(""))  # labelled once the model is known
+    metrics = EngineMetrics("", names=config.metric_names, block_size=config.block_size)
+    metrics.enable_prefix_caching = config.enable_prefix_caching
+    state = ServerState(config=config, metrics=metrics)  # labelled once the model is known
     app = build_app(state)
     uv_config = uvicorn.Config(
         app,

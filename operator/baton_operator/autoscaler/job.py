@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_S = 2.0
 DEFAULT_INTERVAL_S = 15.0
-AUTOSCALER_FAILED = "AutoscalerFailed"
 
 
 def _autoscaling(body: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -84,7 +83,7 @@ class AutoscalerJob:
             log.warning("%s: autoscaler tick failed: %s", rid, exc)
             if str(exc) != self.reported:
                 self.reported = str(exc)
-                post(Event("Warning", AUTOSCALER_FAILED, str(exc)))
+                post(Event("Warning", "AutoscalerFailed", str(exc)))
             return
         self.reported = None
         if result is None:

@@ -1,5 +1,7 @@
 """Reading engine load: parse an engine's Prometheus text exposition, scrape many pods at once.
 
+Baton's engines export each figure under Baton's name and vLLM's (`contract.LOAD_METRICS`); a
+vLLM pod exports only vLLM's. Either naming is read (Baton's first; the two are never summed).
 A pod that cannot be read (refused, timed out, HTTP error, unparsable or incomplete answer)
 yields a sample with ``load=None`` and the error: unknown, never zero load.
 """
@@ -15,20 +17,17 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton_engine.contract import (
-    M_KV_BLOCKS_TOTAL,
-    M_KV_USAGE,
-    M_PREEMPTIONS,
-    M_REQUESTS_RUNNING,
-    M_REQUESTS_WAITING,
-    PATH_METRICS,
-)
+from baton_engine.contract import LOAD_METRICS, M_KV_BLOCKS_TOTAL, PATH_METRICS, VM_CACHE_CONFIG
 
 from .policy_types import EngineLoad, PodSample
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-_REQUIRED = frozenset({M_REQUESTS_WAITING, M_REQUESTS_RUNNING, M_KV_USAGE})
-_OPTIONAL = frozenset({M_KV_BLOCKS_TOTAL, M_PREEMPTIONS})
+_WANTED = frozenset(name for pair in LOAD_METRICS.values() for name in pair) | {
+    M_KV_BLOCKS_TOTAL,
+    VM_CACHE_CONFIG,
+}
+#: vLLM's cache_config_info label holding the pool size.
+_NUM_BLOCKS_LABEL = "num_gpu_blocks"
 
 
 class MetricsParseError(ValueError):
@@ -43,19 +42,19 @@ def _is_sample_of(line: str, names: frozenset[str]) -> bool:
     return False
 
 
-def _values_by_sample_name(text: str, wanted: frozenset[str]) -> dict[str, list[float]]:
+def _samples_by_name(text: str, wanted: frozenset[str]) -> dict[str, list[tuple[dict[str, str], float]]]:
     # An engine exposes dozens of histogram buckets the autoscaler never reads, and the parser is
     # pure Python: hand it only the sample lines it needs (HELP/TYPE are not needed for values).
     prefixes = tuple(wanted)
     lines = [ln for ln in text.splitlines() if ln.startswith(prefixes) and _is_sample_of(ln, wanted)]
-    values: dict[str, list[float]] = {}
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     try:
         for family in text_string_to_metric_families("\n".join(lines) + "\n"):
             for sample in family.samples:
-                values.setdefault(sample.name, []).append(float(sample.value))
+                samples.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
     except ValueError as exc:  # the parser's own error for malformed lines
         raise MetricsParseError(f"not Prometheus text format: {exc}") from exc
-    return values
+    return samples
 
 
 def _checked(name: str, series: list[float]) -> list[float]:
@@ -65,39 +64,59 @@ def _checked(name: str, series: list[float]) -> list[float]:
     return series
 
 
-def _required_sum(values: dict[str, list[float]], name: str) -> float:
-    if name not in values:
-        raise MetricsParseError(f"{name}: missing from /metrics")
-    return sum(_checked(name, values[name]))
+def _series(
+    samples: dict[str, list[tuple[dict[str, str], float]]], figure: str, required: bool
+) -> tuple[str, list[float]] | None:
+    """(name read, values) of one figure under the first naming present."""
+    for name in LOAD_METRICS[figure]:
+        if name in samples:
+            return name, _checked(name, [v for _, v in samples[name]])
+    if required:
+        baton, vllm = LOAD_METRICS[figure]
+        raise MetricsParseError(f"{baton}: missing from /metrics (and {vllm})")
+    return None
 
 
-def _optional_sum(values: dict[str, list[float]], name: str | None) -> float | None:
-    if name is None or name not in values:
-        return None
-    return sum(_checked(name, values[name]))
+def _kv_blocks(samples: dict[str, list[tuple[dict[str, str], float]]]) -> float | None:
+    if M_KV_BLOCKS_TOTAL in samples:
+        return sum(_checked(M_KV_BLOCKS_TOTAL, [v for _, v in samples[M_KV_BLOCKS_TOTAL]]))
+    sizes = [labels.get(_NUM_BLOCKS_LABEL) for labels, _ in samples.get(VM_CACHE_CONFIG, [])]
+    try:
+        blocks = [float(size) for size in sizes if size not in (None, "", "None")]
+    except ValueError as exc:
+        raise MetricsParseError(f"{VM_CACHE_CONFIG}: {_NUM_BLOCKS_LABEL} is not a number") from exc
+    return sum(_checked(VM_CACHE_CONFIG, blocks)) if blocks else None
 
 
 def parse_engine_metrics(text: str, *, queued_tokens_metric: str | None = None) -> EngineLoad:
-    """Load figures from one engine's /metrics text.
+    """Load figures from one engine's /metrics text (Baton's or vLLM's names).
 
     Counts sum over label sets; the KV usage ratio takes the largest series (one engine exports
     one, but a fuller cache must never be averaged away). ``queued_tokens_metric`` names a gauge
     of queued prompt tokens when the engines export one.
     """
-    wanted = _REQUIRED | _OPTIONAL | ({queued_tokens_metric} if queued_tokens_metric else set())
-    values = _values_by_sample_name(text, frozenset(wanted))
-    if M_KV_USAGE not in values:
-        raise MetricsParseError(f"{M_KV_USAGE}: missing from /metrics")
-    kv_usage = max(_checked(M_KV_USAGE, values[M_KV_USAGE]))
+    wanted = _WANTED | ({queued_tokens_metric} if queued_tokens_metric else set())
+    samples = _samples_by_name(text, frozenset(wanted))
+    kv = _series(samples, "kv_usage", required=True)
+    assert kv is not None
+    kv_name, kv_values = kv
+    kv_usage = max(kv_values)
     if kv_usage > 1:
-        raise MetricsParseError(f"{M_KV_USAGE}: {kv_usage} is not a ratio in 0..1")
+        raise MetricsParseError(f"{kv_name}: {kv_usage} is not a ratio in 0..1")
+    waiting = _series(samples, "waiting", required=True)
+    running = _series(samples, "running", required=True)
+    assert waiting is not None and running is not None
+    preemptions = _series(samples, "preemptions", required=False)
+    queued = None
+    if queued_tokens_metric is not None and queued_tokens_metric in samples:
+        queued = sum(_checked(queued_tokens_metric, [v for _, v in samples[queued_tokens_metric]]))
     return EngineLoad(
-        waiting=_required_sum(values, M_REQUESTS_WAITING),
-        running=_required_sum(values, M_REQUESTS_RUNNING),
+        waiting=sum(waiting[1]),
+        running=sum(running[1]),
         kv_usage=kv_usage,
-        queued_prompt_tokens=_optional_sum(values, queued_tokens_metric),
-        kv_blocks=_optional_sum(values, M_KV_BLOCKS_TOTAL),
-        preemptions_total=_optional_sum(values, M_PREEMPTIONS),
+        queued_prompt_tokens=queued,
+        kv_blocks=_kv_blocks(samples),
+        preemptions_total=None if preemptions is None else sum(preemptions[1]),
     )
 
 

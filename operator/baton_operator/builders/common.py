@@ -121,8 +121,8 @@ def placement(spec: models.Placement) -> Manifest:
         out["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         out["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
-    if spec.affinity:
-        out["affinity"] = spec.affinity
+    if spec.affinity is not None:
+        out["affinity"] = spec.affinity.model_dump(by_alias=True, exclude_defaults=True)
     if spec.priority_class_name:
         out["priorityClassName"] = spec.priority_class_name
     return out

@@ -67,11 +67,14 @@ def engine_args(ctx: BuildContext, role: str, engine: EngineSpec, model_ref: str
     ]  # fmt: skip
     if engine.num_kv_blocks is not None:
         args += [contract.FLAG_NUM_KV_BLOCKS, str(engine.num_kv_blocks)]
+    if engine.prefix_hash_seed is not None:
+        args += [contract.FLAG_PREFIX_HASH_SEED, engine.prefix_hash_seed]
     if spec.kv_events.enabled:
         args += [
             contract.FLAG_KV_EVENTS_PORT, str(spec.kv_events.port),
             contract.FLAG_KV_EVENTS_REPLAY_PORT, str(spec.kv_events.replay_port),
             contract.FLAG_KV_EVENTS_BUFFER_STEPS, str(spec.kv_events.buffer_steps),
+            contract.FLAG_KV_EVENTS_ENCODING, spec.kv_events.encoding,
         ]  # fmt: skip
     return args + list(engine.extra_args)
 

@@ -49,6 +49,8 @@ def router_args(ctx: BuildContext, tokenizer: str) -> list[str]:
         contract.FLAG_ROUTER_HOST, f"$({contract.ENV_POD_IP})",
         contract.FLAG_ROUTER_PORT, str(spec.router.port),
     ]  # fmt: skip
+    if spec.engine.prefix_hash_seed is not None:
+        args += [contract.FLAG_ROUTER_PREFIX_HASH_SEED, spec.engine.prefix_hash_seed]
     events = contract.FLAG_ROUTER_KV_EVENTS
     args.append(events if spec.kv_events.enabled else contract.negated(events))
     return args

@@ -9,7 +9,8 @@ from baton_operator.models.autoscaling import (
 )
 from baton_operator.models.engine import EngineOverrides, EngineSpec, EnvVar
 from baton_operator.models.inference_pool import EndpointPickerSpec, InferencePoolSettings
-from baton_operator.models.pods import Placement, Resources, RoleSpec, RouterSpec, ServiceSpec, Toleration
+from baton_operator.models.pods import Resources, RoleSpec, RouterSpec, ServiceSpec
+from baton_operator.models.scheduling import Affinity, Placement, Toleration
 from baton_operator.models.source import ModelSource, parse_source
 from baton_operator.models.spec import (
     InferenceDeploymentSpec,
@@ -31,6 +32,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 __all__ = [
     "API_VERSION",
+    "Affinity",
     "GROUP",
     "KIND",
     "PLURAL",

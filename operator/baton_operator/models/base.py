@@ -21,7 +21,11 @@ class CrdModel(BaseModel):
 
 
 def cel(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict[str, str]:
-    """One `x-kubernetes-validations` entry; the message always names the field it is about."""
+    """One `x-kubernetes-validations` entry; the message always names the field it is about.
+
+    No backslashes: a regex inside a CEL string literal would need them doubled; write `[.]`."""
+    if "\\" in rule:
+        raise ValueError(f"CEL rule with a backslash (use character classes such as [.]): {rule}")
     entry = {"rule": rule, "message": message}
     if field_path:
         entry["fieldPath"] = field_path

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from baton_engine import contract
 from baton_operator.models.base import CrdModel, cel, validations
@@ -19,16 +19,64 @@ DEFAULT_ENGINE_IMAGE = "ghcr.io/baton-llm/baton-engine:0.1.0"
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 Device = Literal["cuda", "cpu"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
-PrefixHash = Literal["fast", "vllm-sha256-cbor"]
+PrefixHash = Literal["fast", "vllm-sha256", "vllm-sha256-cbor"]
 
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+#: An image reference: no whitespace (the API server refuses leading and trailing whitespace).
+IMAGE_PATTERN = r"^\S+$"
+#: Variables the operator sets in every engine container: a user's own would collide with them
+#: (the API server refuses an env list with one name twice).
+OPERATOR_ENV: tuple[str, ...] = (
+    contract.ENV_POD_IP,
+    contract.ENV_POD_NAME,
+    contract.ENV_POD_NAMESPACE,
+    contract.ENV_KV_TRANSFER_KEY,
+    "HOME",
+    "XDG_CACHE_HOME",
+    "HF_HOME",
+    "TRITON_CACHE_DIR",
+    "TORCHINDUCTOR_CACHE_DIR",
+)
+_OPERATOR_ENV_CEL = "[" + ", ".join(f"'{name}'" for name in OPERATOR_ENV) + "]"
+ENV_RULE = f"the operator sets {', '.join(OPERATOR_ENV)} itself"
 
 
 class EnvVar(CrdModel):
     """A literal environment variable for the engine container."""
 
+    model_config = {
+        "json_schema_extra": validations(
+            cel(
+                f"!(self.name in {_OPERATOR_ENV_CEL})",
+                f"env[].name: {ENV_RULE}",
+                ".name",
+                "FieldValueForbidden",
+            )
+        )
+    }
+
     name: str = Field(min_length=1, max_length=128, pattern=ENV_NAME_PATTERN, description="Variable name.")
     value: str = Field("", max_length=4096, description="Literal value.")
+
+    @field_validator("name")
+    @classmethod
+    def _not_the_operators(cls, name: str) -> str:
+        if name in OPERATOR_ENV:
+            raise ValueError(f"env[].name: {ENV_RULE}")
+        return name
+
+
+#: The env lists are maps keyed by name: the API server refuses a name given twice.
+ENV_LIST_EXTRA: dict[str, Any] = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}
+
+
+def unique_names(env: list[EnvVar] | None) -> list[EnvVar] | None:
+    """`env` if no name is given twice (the API server refuses such a container)."""
+    names = [e.name for e in env or []]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"env: {', '.join(duplicates)} given more than once")
+    return env
 
 
 _D: dict[str, str] = {
@@ -51,7 +99,9 @@ _D: dict[str, str] = {
 class EngineOverrides(CrdModel):
     """Per-role engine settings; each one left out inherits `spec.engine`."""
 
-    image: str | None = Field(None, min_length=1, max_length=512, description=_D["image"])
+    image: str | None = Field(
+        None, min_length=1, max_length=512, pattern=IMAGE_PATTERN, description=_D["image"]
+    )
     image_pull_policy: PullPolicy | None = Field(None, description=_D["image_pull_policy"])
     device: Device | None = Field(None, description=_D["device"])
     max_num_seqs: int | None = Field(None, ge=1, le=65536, description=_D["max_num_seqs"])
@@ -66,7 +116,14 @@ class EngineOverrides(CrdModel):
     chunked_prefill: bool | None = Field(None, description=_D["chunked_prefill"])
     max_queued_requests: int | None = Field(None, ge=1, le=1048576, description=_D["max_queued_requests"])
     extra_args: list[str] | None = Field(None, max_length=32, description=_D["extra_args"])
-    env: list[EnvVar] | None = Field(None, max_length=64, description=_D["env"])
+    env: list[EnvVar] | None = Field(
+        None, max_length=64, description=_D["env"], json_schema_extra=ENV_LIST_EXTRA
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _unique_env(cls, env: list[EnvVar] | None) -> list[EnvVar] | None:
+        return unique_names(env)
 
 
 class EngineSpec(CrdModel):
@@ -90,7 +147,9 @@ class EngineSpec(CrdModel):
         )
     }
 
-    image: str = Field(DEFAULT_ENGINE_IMAGE, min_length=1, max_length=512, description=_D["image"])
+    image: str = Field(
+        DEFAULT_ENGINE_IMAGE, min_length=1, max_length=512, pattern=IMAGE_PATTERN, description=_D["image"]
+    )
     image_pull_policy: PullPolicy = Field("IfNotPresent", description=_D["image_pull_policy"])
     device: Device = Field("cuda", description=_D["device"])
     dtype: Dtype = Field(
@@ -105,8 +164,15 @@ class EngineSpec(CrdModel):
     )
     prefix_hash: PrefixHash = Field(
         "fast",
-        description="Prefix-block hash: fast, or vllm-sha256-cbor (vLLM-compatible keys for external "
-        "KV-event indexers).",
+        description="Prefix-block hash: fast, or vLLM's keys for external KV-event indexers: "
+        "vllm-sha256 (vLLM's default) or vllm-sha256-cbor.",
+    )
+    prefix_hash_seed: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="Root seed of the vllm-* prefix hashes (vLLM's PYTHONHASHSEED); default: vLLM's "
+        "own default root, as vLLM pods without PYTHONHASHSEED use.",
     )
     max_num_seqs: int = Field(256, ge=1, le=65536, description=_D["max_num_seqs"])
     max_num_batched_tokens: int = Field(2048, ge=1, le=1048576, description=_D["max_num_batched_tokens"])
@@ -116,7 +182,14 @@ class EngineSpec(CrdModel):
     chunked_prefill: bool = Field(True, description=_D["chunked_prefill"])
     max_queued_requests: int = Field(1024, ge=1, le=1048576, description=_D["max_queued_requests"])
     extra_args: list[str] = Field(default_factory=list, max_length=32, description=_D["extra_args"])
-    env: list[EnvVar] = Field(default_factory=list, max_length=64, description=_D["env"])
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=64, description=_D["env"], json_schema_extra=ENV_LIST_EXTRA
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _unique_env(cls, env: list[EnvVar]) -> list[EnvVar]:
+        return unique_names(env) or []
 
     @model_validator(mode="after")
     def _budget(self) -> EngineSpec:

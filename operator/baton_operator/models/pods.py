@@ -1,20 +1,25 @@
-"""Where and how big pods are: resources, scheduling constraints, roles and the router."""
+"""How big pods are and what they run: resources, the engine roles and the router (where they
+run: `scheduling`)."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StringConstraints, ValidationInfo, field_validator
+from pydantic import Field, StringConstraints, field_validator
 
 from baton_engine import contract
 from baton_operator.models.base import CrdModel, cel, object_default, validations
-from baton_operator.models.engine import EngineOverrides
+from baton_operator.models.engine import IMAGE_PATTERN, EngineOverrides
+from baton_operator.models.scheduling import DNS_SUBDOMAIN, Placement
 
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
 #: A Kubernetes quantity ("500m", "16Gi", 4). Rendered as `x-kubernetes-int-or-string`.
 Quantity = int | Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN)]
-RESOURCE_NAME_PATTERN = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-zA-Z0-9]([-a-zA-Z0-9_.]*[a-zA-Z0-9])?$"
-LABEL_MAP_EXTRA: dict[str, Any] = {"maxProperties": 64}
+#: An extended resource name: a domain, '/', and a name (what a device plugin advertises). Names
+#: without a domain (cpu, memory, gpu) and those in the kubernetes.io domains are not extended.
+EXTENDED_RESOURCE_PATTERN = rf"^{DNS_SUBDOMAIN}/[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?$"
+NATIVE_DOMAIN = r"^([^/]*[.])?kubernetes[.]io/"
 
 
 def _quantity(default: Quantity | None, description: str) -> Any:
@@ -32,11 +37,29 @@ class Resources(CrdModel):
     gpu_resource: str = Field(
         "amd.com/gpu",
         max_length=253,
-        pattern=RESOURCE_NAME_PATTERN,
-        description="Extended resource name of the accelerator, e.g. amd.com/gpu or nvidia.com/gpu.",
+        pattern=EXTENDED_RESOURCE_PATTERN,
+        description="Extended resource name of the accelerator (DOMAIN/NAME, not in kubernetes.io), e.g. "
+        "amd.com/gpu or nvidia.com/gpu.",
+        json_schema_extra=validations(
+            cel(
+                f"!self.matches('{NATIVE_DOMAIN}') && !self.startsWith('requests.')",
+                "must be an extended resource name: not in the kubernetes.io domains, not starting with "
+                "'requests.'",
+            )
+        ),
     )
     cpu: Quantity | None = _quantity(None, "CPU request, e.g. 4 or 500m.")
     memory: Quantity | None = _quantity(None, "Memory request and limit, e.g. 32Gi.")
+
+    @field_validator("gpu_resource")
+    @classmethod
+    def _extended(cls, name: str) -> str:
+        if re.match(NATIVE_DOMAIN, name) or name.startswith("requests."):
+            raise ValueError(
+                "must be an extended resource name: not in the kubernetes.io domains, not starting with "
+                "'requests.'"
+            )
+        return name
 
 
 class RouterResources(CrdModel):
@@ -44,50 +67,6 @@ class RouterResources(CrdModel):
 
     cpu: Quantity | None = _quantity("500m", "CPU request.")
     memory: Quantity | None = _quantity("1Gi", "Memory request and limit.")
-
-
-class Toleration(CrdModel):
-    """A pod toleration (the core/v1 Toleration fields)."""
-
-    model_config = {
-        "json_schema_extra": validations(
-            cel(
-                "self.operator != 'Exists' || !has(self.value)",
-                "tolerations[].value must be empty when operator is Exists",
-                ".value",
-            )
-        )
-    }
-
-    key: str | None = Field(None, max_length=316, description="Taint key; empty with Exists tolerates all.")
-    operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
-    value: str | None = Field(None, max_length=63, description="Taint value (Equal only).")
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
-        None, description="Taint effect to tolerate; empty tolerates all effects."
-    )
-    toleration_seconds: int | None = Field(None, description="How long a NoExecute taint is tolerated.")
-
-    @field_validator("value")
-    @classmethod
-    def _value(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if info.data.get("operator") == "Exists" and value is not None:
-            raise ValueError("tolerations[].value must be empty when operator is Exists")
-        return value
-
-
-class Placement(CrdModel):
-    """Scheduling constraints shared by engine roles and the router."""
-
-    node_selector: dict[str, str] = Field(
-        default_factory=dict, description="Node labels the pods require.", json_schema_extra=LABEL_MAP_EXTRA
-    )
-    tolerations: list[Toleration] = Field(default_factory=list, max_length=32, description="Pod tolerations.")
-    affinity: dict[str, Any] | None = Field(
-        None,
-        description="Pod affinity (core/v1 Affinity), passed through unchanged.",
-        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
-    )
-    priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass of the pods.")
 
 
 class RoleSpec(Placement):
@@ -125,7 +104,11 @@ class RouterSpec(Placement):
 
     replicas: int = Field(1, ge=0, le=64, description="Router pods.")
     image: str = Field(
-        "ghcr.io/baton-llm/baton-router:0.1.0", min_length=1, max_length=512, description="Router image."
+        "ghcr.io/baton-llm/baton-router:0.1.0",
+        min_length=1,
+        max_length=512,
+        pattern=IMAGE_PATTERN,
+        description="Router image.",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Image pull policy of the router container."

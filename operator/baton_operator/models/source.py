@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 BUILTIN = r"builtin:[a-z0-9][a-z0-9._-]*"
-PVC = r"pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[A-Za-z0-9._-]+)*/?"
+#: The claim name is a DNS subdomain (dot-separated lowercase labels).
+CLAIM = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+MAX_CLAIM = 253
+PVC = rf"pvc://{CLAIM}(/[A-Za-z0-9._-]+)*/?"
 HF = r"hf:[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
 SOURCE_PATTERN = rf"^({BUILTIN}|{PVC}|{HF})$"
 #: `..` segments would let a pvc:// path leave the mount.
@@ -34,4 +37,8 @@ def parse_source(source: str) -> ModelSource:
     if source.startswith("hf:"):
         return ModelSource("hf", source.removeprefix("hf:"))
     claim, _, path = source.removeprefix("pvc://").partition("/")
+    if len(claim) > MAX_CLAIM:
+        raise ValueError(
+            f"spec.model.source: the claim name of {source!r} is longer than {MAX_CLAIM} characters"
+        )
     return ModelSource("pvc", claim, path.strip("/"))

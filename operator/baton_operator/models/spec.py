@@ -13,18 +13,28 @@ from baton_operator.models.base import CrdModel, cel, object_default, validation
 from baton_operator.models.engine import EngineSpec, check_budget
 from baton_operator.models.inference_pool import InferencePoolSettings
 from baton_operator.models.pods import Quantity, RoleSpec, RouterSpec, _quantity
-from baton_operator.models.source import PARENT_SEGMENT, SOURCE_PATTERN, parse_source
+from baton_operator.models.scheduling import DNS_SUBDOMAIN_PATTERN
+from baton_operator.models.source import MAX_CLAIM, PARENT_SEGMENT, SOURCE_PATTERN, parse_source
 
 Mode = Literal["disaggregated", "aggregated"]
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"
-SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+#: A key of a Secret's data (what the API server calls a config key).
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 
 
 class SecretKeyRef(CrdModel):
     """A key of a Secret in the resource's namespace."""
 
-    name: str = Field(max_length=253, pattern=SECRET_NAME_PATTERN, description="Secret name.")
-    key: str = Field("token", min_length=1, max_length=253, description="Key inside the Secret.")
+    name: str = Field(
+        max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Secret name (a DNS subdomain)."
+    )
+    key: str = Field(
+        "token",
+        min_length=1,
+        max_length=253,
+        pattern=SECRET_KEY_PATTERN,
+        description="Key inside the Secret (alphanumerics, '-', '_', '.').",
+    )
 
 
 class ModelSpec(CrdModel):
@@ -35,6 +45,12 @@ class ModelSpec(CrdModel):
             cel(
                 f"!self.source.matches('{PARENT_SEGMENT}')",
                 "spec.model.source must not contain '..' path segments",
+                ".source",
+            ),
+            cel(
+                "!self.source.startsWith('pvc://') || "
+                f"self.source.substring(6).split('/')[0].size() <= {MAX_CLAIM}",
+                f"spec.model.source: the claim name must be at most {MAX_CLAIM} characters",
                 ".source",
             ),
             cel(
@@ -95,7 +111,7 @@ class KVTransferSpec(CrdModel):
 
 
 class KVEventsSpec(CrdModel):
-    """KV-cache events (vLLM wire format) the router indexes for prefix-aware routing."""
+    """KV-cache events (vLLM's wire format) the router indexes for prefix-aware routing."""
 
     enabled: bool = Field(True, description="Publish KV-cache events from every engine pod.")
     port: int = Field(
@@ -105,6 +121,11 @@ class KVEventsSpec(CrdModel):
         contract.DEFAULT_KV_EVENTS_REPLAY_PORT, ge=1, le=65535, description="ZMQ replay port ('kv-replay')."
     )
     buffer_steps: int = Field(10000, ge=1, le=1000000, description="Event batches kept for replay.")
+    encoding: Literal["map", "array"] = Field(
+        "map",
+        description="Event encoding: map (vLLM 0.32's, replays carry the topic) or array (vLLM v0.22's, for "
+        "indexers of that time such as llm-d-kv-cache v0.8).",
+    )
 
 
 class NetworkPolicySpec(CrdModel):

@@ -45,7 +45,8 @@ def test_queued_prompt_tokens_when_named_and_exported() -> None:
 def test_a_missing_required_metric_is_named(missing: str) -> None:
     with pytest.raises(MetricsParseError) as info:
         parse_engine_metrics(engine_exposition(omit=(missing,)))
-    assert str(info.value) == f"{missing}: missing from /metrics"
+    vllm = contract.VLLM_EQUIVALENT[missing]
+    assert str(info.value) == f"{missing}: missing from /metrics (and {vllm})"
 
 
 @pytest.mark.parametrize(
@@ -61,8 +62,8 @@ def test_a_missing_required_metric_is_named(missing: str) -> None:
             f"{contract.M_KV_USAGE} zero\n",
             "not Prometheus text format: could not convert string to float: 'zero'",
         ),
-        ("<html>oops</html>", f"{contract.M_KV_USAGE}: missing from /metrics"),
-        ("", f"{contract.M_KV_USAGE}: missing from /metrics"),
+        ("<html>oops</html>", f"{contract.M_KV_USAGE}: missing from /metrics (and vllm:kv_cache_usage_perc)"),
+        ("", f"{contract.M_KV_USAGE}: missing from /metrics (and vllm:kv_cache_usage_perc)"),
     ],
 )
 def test_bad_answers_are_refused_with_the_reason(text: str, message: str) -> None:

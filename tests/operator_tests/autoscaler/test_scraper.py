@@ -81,7 +81,10 @@ async def test_a_slow_trickle_is_cut_at_the_total_timeout(start_server: StartSer
 async def test_an_incomplete_answer_is_unknown_with_the_missing_metric(start_server: StartServer) -> None:
     partial = start_server(answer(200, engine_exposition(omit=(contract.M_KV_USAGE,))))
     [sample] = await scrape_pods([ScrapeTarget("p", "prefill", partial.url)])
-    assert (sample.load, sample.error) == (None, f"{contract.M_KV_USAGE}: missing from /metrics")
+    assert (sample.load, sample.error) == (
+        None,
+        f"{contract.M_KV_USAGE}: missing from /metrics (and vllm:kv_cache_usage_perc)",
+    )
 
 
 async def test_a_bad_pod_address_is_unknown_and_does_not_spoil_the_others(start_server: StartServer) -> None:
