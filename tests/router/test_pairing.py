@@ -24,12 +24,12 @@ BODY = {"model": "smollm2", "prompt": "Hello", "max_tokens": 5, "temperature": 0
 
 def test_pod_label_and_annotations_become_the_endpoints_key_and_hashing() -> None:
     pod = _pod(
-        metadata__labels={**POD["metadata"]["labels"], contract.LABEL_KV_COMPAT: "a2cd80ac3dae1fc6"},
+        metadata__labels={**POD["metadata"]["labels"], contract.LABEL_KV_COMPAT: "aecfc482d86753bf"},
         metadata__annotations={contract.ANNOTATION_BLOCK_SIZE: "32", contract.ANNOTATION_PREFIX_HASH: "fast"},
     )
     endpoint = endpoint_from_pod(pod, "prefill")
     assert endpoint is not None
-    assert (endpoint.kv_key, endpoint.block_size, endpoint.prefix_hash) == ("a2cd80ac3dae1fc6", 32, "fast")
+    assert (endpoint.kv_key, endpoint.block_size, endpoint.prefix_hash) == ("aecfc482d86753bf", 32, "fast")
 
 
 def test_pods_without_the_label_or_with_unusable_annotations() -> None:
