@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +90,18 @@ def _no_guard() -> None:
     return None
 
 
+def rolling_out(pods: Sequence[Mapping[str, Any]], roles: Sequence[str]) -> bool:
+    """Whether a pool's pods carry more than one KV-compatibility key: a rollout of a new key is
+    under way (see `baton_operator.rollout`), which sets the replicas itself until it is done."""
+    keys: dict[str, set[str]] = {}
+    for pod in pods:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        role = labels.get(contract.LABEL_ROLE)
+        if role in roles:
+            keys.setdefault(str(role), set()).add(str(labels.get(contract.LABEL_KV_COMPAT, "")))
+    return any(len(found) > 1 for found in keys.values())
+
+
 async def autoscale_once(
     kube: Kube,
     body: Mapping[str, Any],
@@ -127,6 +139,8 @@ async def autoscale_once(
         return None
     replicas = {role: _replicas(d) for role, d in deployments.items()}
     pods = await kube.list("v1", "Pod", namespace, {contract.LABEL_DEPLOYMENT: name})
+    if rolling_out(pods, roles):
+        return None  # a KV-key rollout steps the pools' replicas until it is done
     observations = await collect(pods, replicas, client=client, timeout_s=scrape_timeout_s, clock=clock)
     now = clock()
     decision, new_history = decide(policy, observations, history, now)

@@ -102,6 +102,11 @@ async def act(
     namespace = ctx.owner.namespace
     for role, action in rollout.pools.items():
         view = views[role]
+        # Paused, the Deployment must be left with no ReplicaSet: one at 0 replicas would be
+        # scaled to its replicas once the active one is released.
+        for name in action.forget:
+            guard()
+            await kube.delete_if_present("apps/v1", "ReplicaSet", namespace, name)
         for rs in action.release:
             current = await kube.get("apps/v1", "ReplicaSet", namespace, rs.name)
             if current is None:

@@ -86,6 +86,9 @@ class PoolView:
     key: str  # the spec's key for this pool
     deployment: Mapping[str, Any] | None  # the pool's Deployment (None: not created yet)
     releasable: tuple[ReplicaSetView, ...] = ()  # the Deployment's ReplicaSets of another key, scaled up
+    #: The Deployment's ReplicaSets at 0 replicas (its revision history): a paused Deployment with
+    #: nothing else would scale the newest of them up, so the switch deletes them first.
+    history: tuple[ReplicaSetView, ...] = ()
     retiring: tuple[ReplicaSetView, ...] = ()  # released ReplicaSets (the old generation)
     new_replicas: int = 0  # spec.replicas summed over the Deployment's ReplicaSets of the key
     new_pods: int = 0  # pods of the key, not terminating
@@ -118,6 +121,7 @@ def pool_view(
     """Sort one pool's ReplicaSets and pods (all of the resource's may be passed) by generation."""
     deployment_uid = None if deployment is None else str(_meta(deployment).get("uid"))
     releasable: list[ReplicaSetView] = []
+    history: list[ReplicaSetView] = []
     retiring: list[ReplicaSetView] = []
     new_replicas = 0
     for rs in replica_sets:
@@ -134,9 +138,11 @@ def pool_view(
         )
         owned_by_pool = deployment_uid is not None and _controller_uid(rs) == deployment_uid
         if owned_by_pool and labels.get(contract.LABEL_ROLE) == role:
-            if view.key == key:
+            if view.replicas == 0:
+                history.append(view)
+            elif view.key == key:
                 new_replicas += view.replicas
-            elif view.replicas > 0:
+            else:
                 releasable.append(view)
         elif labels.get(LABEL_RETIRING) == role and any(
             ref.get("uid") == owner_uid for ref in meta.get("ownerReferences") or []
@@ -151,6 +157,7 @@ def pool_view(
         key=key,
         deployment=deployment,
         releasable=tuple(sorted(releasable, key=lambda r: r.created)),
+        history=tuple(sorted(history, key=lambda r: r.created)),
         retiring=tuple(sorted(retiring, key=lambda r: r.created)),
         new_replicas=new_replicas,
         new_pods=len(live),
@@ -168,6 +175,7 @@ class PoolAction:
     paused: bool = False  # apply its Deployment paused (the switch, or external mode's wait)
     replicas: int | None = None  # the Deployment's replicas to set (None: leave them)
     release: tuple[ReplicaSetView, ...] = ()  # ReplicaSets to release (the switch)
+    forget: tuple[str, ...] = ()  # the Deployment's revision history, deleted before the release
     target: int = 0  # recorded on the released ReplicaSets
     retiring_replicas: dict[str, int] = field(default_factory=dict)  # released RS name -> replicas
     delete: tuple[str, ...] = ()  # released ReplicaSets with nothing left: delete
@@ -238,6 +246,7 @@ def plan(
                 paused=bool(v.releasable),
                 replicas=v.replicas,
                 release=v.releasable,
+                forget=tuple(r.name for r in v.history) if v.releasable else (),
                 target=targets[role],
             )
             for role, v in views.items()
