@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -83,15 +84,24 @@ def test_every_benchmark_has_a_smoke_run() -> None:
     assert sorted(set(BENCHMARKS) | set(HELPERS)) == sorted(bench_modules())
 
 
+def run_in_own_group(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Run a benchmark in its own process group; past the deadline the whole group is killed, so
+    no server or child process a benchmark started outlives it."""
+    proc = subprocess.Popen(
+        argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{argv[2]} ran past {timeout_s} s:\n{err[-4000:]}") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def run_quick(name: str, *args: str, timeout_s: float = 600) -> tuple[dict[str, Any], str]:
     """The benchmark's last stdout line as JSON, and its stderr."""
-    done = subprocess.run(
-        [sys.executable, "-m", f"bench.{name}", "--quick", "--json", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
+    done = run_in_own_group([sys.executable, "-m", f"bench.{name}", "--quick", "--json", *args], timeout_s)
     assert done.returncode == 0, f"bench.{name} --quick exited {done.returncode}:\n{done.stderr[-4000:]}"
     last = done.stdout.strip().splitlines()[-1]
     result: dict[str, Any] = json.loads(last)

@@ -56,4 +56,10 @@ def test_serving_page_commands(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    assert code == 0, log.read_text()[-4000:]

@@ -3,6 +3,8 @@ engines and the router alike (their keys must agree), and the KV-event encoding 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import ValidationError
 
@@ -12,13 +14,15 @@ from baton_operator.models import InferenceDeploymentSpec
 from tests.operator_tests.cases import VALID_SPEC, merged
 
 
-def args_by_deployment(patch: dict[str, object]) -> dict[str, list[str]]:
+def deployments(patch: dict[str, object]) -> dict[str, dict[str, Any]]:
     spec = InferenceDeploymentSpec.model_validate(merged(VALID_SPEC, patch))
     children = desired_children(BuildContext(Owner("demo", "llm", "uid"), spec), "ab" * 32)
+    return {m["metadata"]["name"]: m for m in children.applied if m["kind"] == "Deployment"}
+
+
+def args_by_deployment(patch: dict[str, object]) -> dict[str, list[str]]:
     return {
-        m["metadata"]["name"]: m["spec"]["template"]["spec"]["containers"][0]["args"]
-        for m in children.applied
-        if m["kind"] == "Deployment"
+        name: d["spec"]["template"]["spec"]["containers"][0]["args"] for name, d in deployments(patch).items()
     }
 
 
@@ -31,7 +35,11 @@ def test_vllm_keys_with_a_seed_reach_engines_and_router() -> None:
     for name in ("demo-prefill", "demo-decode"):
         assert flag(args[name], contract.FLAG_PREFIX_HASH) == "vllm-sha256"
         assert flag(args[name], contract.FLAG_PREFIX_HASH_SEED) == "0"
-    assert flag(args["demo-router"], contract.FLAG_ROUTER_PREFIX_HASH) == "vllm-sha256"
+    # The router hashes each pod's prompts as the pod's annotation says, with the seed it is given.
+    pods = deployments({"engine": {"prefixHash": "vllm-sha256"}})
+    for name in ("demo-prefill", "demo-decode"):
+        annotations = pods[name]["spec"]["template"]["metadata"]["annotations"]
+        assert annotations[contract.ANNOTATION_PREFIX_HASH] == "vllm-sha256"
     assert flag(args["demo-router"], contract.FLAG_ROUTER_PREFIX_HASH_SEED) == "0"
     # Unset: neither side gets the flag, both use vLLM's default root.
     plain = args_by_deployment({"engine": {"prefixHash": "vllm-sha256"}})

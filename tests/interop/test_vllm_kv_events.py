@@ -243,11 +243,11 @@ def test_batons_publisher_answers_replays_as_vllm_does(recorded: dict[str, Any])
     vllm_answers = recorded["replay_from_0"]
     publisher = KVEventPublisher("tcp://127.0.0.1:*", recorded["topic"], replay_endpoint="tcp://127.0.0.1:*")
     ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
     try:
         first = decode_batch(vllm_answers[0][3])
         publisher.publish(as_records(first), ts=first.ts)
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(publisher.replay_endpoint or "")
 
         def replayed() -> list[list[bytes]] | None:
@@ -264,7 +264,7 @@ def test_batons_publisher_answers_replays_as_vllm_does(recorded: dict[str, Any])
         assert [len(a) for a in answers] == [len(vllm_answers[0]), 4]
         assert answers[0][:3] == [b"", recorded["topic"].encode(), (0).to_bytes(8, "big")]
         assert answers[0][3] == vllm_answers[0][3]  # same events, same ts: vLLM's bytes
-        dealer.close()
     finally:
+        dealer.close()
         publisher.shutdown()
         ctx.term()

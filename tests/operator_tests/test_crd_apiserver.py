@@ -13,7 +13,7 @@ from baton_operator.builders import BuildContext, Owner, desired_children
 from baton_operator.builders.extras import new_signing_key
 from baton_operator.kube import FIELD_MANAGER, path_of
 from baton_operator.models import InferenceDeploymentSpec
-from baton_support.apiserver import ApiServer
+from baton_support.apiserver import ApiServer, Rest
 from tests.operator_tests.cases import (
     AT_THE_LIMITS,
     CHILD_REFUSED_CASES,
@@ -23,7 +23,6 @@ from tests.operator_tests.cases import (
     Case,
     merged,
 )
-from tests.operator_tests.kube_helpers import Rest
 
 pytestmark = pytest.mark.k8s
 

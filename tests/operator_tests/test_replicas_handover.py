@@ -25,9 +25,9 @@ from baton_operator.kube import Kube, collection_path
 from baton_operator.object_cache import replicas_managers
 from baton_operator.reconcile import OperatorConfig, reconcile
 from baton_operator.replicas import HANDOVER, releasable, taker
-from baton_support.apiserver import ApiServer
+from baton_support.apiserver import ApiServer, Rest
 from tests.operator_tests.cases import VALID_SPEC, merged
-from tests.operator_tests.kube_helpers import Rest, create_infd, create_namespace
+from tests.operator_tests.kube_helpers import create_infd, create_namespace
 from tests.operator_tests.watching import Watch, resource_version
 
 pytestmark = pytest.mark.k8s

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import signal
 import subprocess
@@ -41,8 +43,24 @@ def pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+_LIVE_GROUPS: set[int] = set()
+"""Process groups of the processes started here and not yet stopped."""
+
+
+@atexit.register
+def _kill_leftover_groups() -> None:
+    """A test run that ends early (an error in a fixture, Ctrl-C) leaves no server or engine core
+    behind: each one runs in its own process group, killed here as a whole."""
+    for group in list(_LIVE_GROUPS):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+
+
 class LoopbackProcess:
-    """A command serving HTTP on 127.0.0.1:`port`, its output in `log_path`, stopped by pid."""
+    """A command serving HTTP on 127.0.0.1:`port`, its output in `log_path`, stopped by pid.
+
+    It runs in its own process group (with its children: an engine core), so that a run killed
+    before it could stop them leaves processes findable by that group, and killable as one."""
 
     label = "process"
 
@@ -58,7 +76,10 @@ class LoopbackProcess:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, process_group=0
+        )
+        _LIVE_GROUPS.add(self.proc.pid)
         self.http = httpx.Client(base_url=self.url, timeout=http_timeout)
 
     def wait_ready(self, timeout: float, interval: float, stop_signal: int) -> None:
@@ -97,8 +118,10 @@ class LoopbackProcess:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)  # the process and what it started
                 self.proc.wait()
+        _LIVE_GROUPS.discard(self.proc.pid)
         self.http.close()
         self._log.close()
         return self.proc.returncode

@@ -8,6 +8,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,6 +34,8 @@ from baton_engine.server.protocol import (
     stop_list,
 )
 from baton_engine.server.state import ServerState
+from baton_engine.server.tool_calls import StreamingToolParser, ToolCall, parse_tool_calls
+from baton_engine.structured.grammar import ToolCallFormat, tool_call_format
 
 log = logging.getLogger("baton_engine.server")
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -176,12 +179,16 @@ def build_app(state: ServerState) -> FastAPI:
         request_id = _request_id(request, "chatcmpl")
         raw = await _read_body(request, state.config.max_request_body_bytes)
 
-        def prepare() -> tuple[ChatCompletionRequest, list[int]]:
+        def prepare() -> tuple[ChatCompletionRequest, list[int], ToolCallFormat | None]:
             req: ChatCompletionRequest = parse(ChatCompletionRequest, decode_body(raw))
             _check_model(state, req.model)
-            return req, _chat_prompt(state, req)
+            tools = _tool_format(state, req)
+            return req, _chat_prompt(state, req), tools
 
-        req, prompt = await _preprocess(state, len(raw), prepare)
+        req, prompt, tool_format = await _preprocess(state, len(raw), prepare)
+        tools = (
+            None if tool_format is None else _ToolOutput(tool_format, req.parallel_tool_calls is not False)
+        )
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = _sampling_params(state, req, [prompt], max_tokens, num_logprobs)
@@ -190,8 +197,8 @@ def build_app(state: ServerState) -> FastAPI:
         log.info("request %s: chat, %d prompt tokens, stream=%s", request_id, len(prompt), req.stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return _sse(state, gen, request_id, _chat_stream(state, gen, request_id, include_usage))
-        return await _collect(state, request, gen, request_id, "chat.completion")
+            return _sse(state, gen, request_id, _chat_stream(state, gen, request_id, include_usage, tools))
+        return await _collect(state, request, gen, request_id, "chat.completion", tools)
 
     return app
 
@@ -245,12 +252,35 @@ def _check_text_fits(state: ServerState, num_chars: int, where: str, param: str)
         )
 
 
+@dataclass(frozen=True)
+class _ToolOutput:
+    """How to read tool calls out of a chat answer."""
+
+    format: ToolCallFormat
+    parallel: bool
+    """False (``parallel_tool_calls: false``): only the first call is returned."""
+
+
+def _tool_format(state: ServerState, req: ChatCompletionRequest) -> ToolCallFormat | None:
+    """The tool-call format to parse answers with; None when no tools may be called."""
+    if not req.tools:
+        return None
+    fmt = tool_call_format(_tokenizer(state).chat_template)
+    if fmt is None:
+        raise bad_request(
+            "tools: this model's chat template renders no tools (no tool-call format known for it)",
+            param="tools",
+        )
+    return None if req.tool_choice == "none" else fmt
+
+
 def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     tokenizer = _tokenizer(state)
     messages = chat_messages(req)
     _check_text_fits(state, sum(len(m["content"]) for m in messages), "messages", "messages")
+    extra: dict[str, Any] = {"tools": req.tools} if req.tools else {}
     try:
-        return tokenizer.encode_chat(messages)  # type: ignore[no-any-return]
+        return tokenizer.encode_chat(messages, **extra)  # type: ignore[no-any-return]
     except APIError:
         raise
     except Exception as exc:  # template errors (e.g. roles the template refuses)
@@ -531,11 +561,27 @@ def _completion_stream(
 
 
 def _chat_stream(
-    state: ServerState, gen: Generation, request_id: str, include_usage: bool
+    state: ServerState, gen: Generation, request_id: str, include_usage: bool, tools: _ToolOutput | None
 ) -> AsyncGenerator[str, None]:
     chunk = _chunk_writer(state, request_id, "chat.completion.chunk", include_usage)
     token_text = TokenText(state.tokenizer) if state.tokenizer is not None else None
     n = len(gen.prompts) * gen.params.n
+    parsers = [StreamingToolParser(tools.format) for _ in range(n)] if tools is not None else None
+
+    def tool_deltas(index: int, text: str, finished: bool) -> list[dict[str, Any]]:
+        """The text as deltas: content, and calls (each in one delta) once complete."""
+        if parsers is None or tools is None:
+            return [{"content": text}] if text else []
+        parser = parsers[index]
+        events = parser.feed(text) + (parser.finish() if finished else [])
+        out: list[dict[str, Any]] = []
+        for event in events:
+            if event.tool_call is not None:
+                if tools.parallel or event.index == 0:
+                    out.append({"tool_calls": [event.tool_call.to_dict(event.index)]})
+            elif event.content:
+                out.append({"content": event.content})
+        return out
 
     async def events() -> AsyncGenerator[str, None]:
         first = {"role": "assistant", "content": ""}
@@ -550,10 +596,22 @@ def _chat_stream(
                 logprobs = None
                 if d.logprobs is not None and token_text is not None:
                     logprobs = chat_logprobs(d.logprobs, token_text)
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                choices.append(
-                    {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
-                )
+                deltas = tool_deltas(d.index, d.text, d.finish_reason is not None)
+                finish = d.finish_reason
+                if finish == "stop" and parsers is not None and parsers[d.index].num_calls:
+                    finish = "tool_calls"
+                if not deltas:
+                    deltas = [{"content": ""}] if finish is None else [{}]
+                for k, delta in enumerate(deltas):
+                    last = k == len(deltas) - 1
+                    choices.append(
+                        {
+                            "index": d.index,
+                            "delta": delta,
+                            "logprobs": logprobs if k == 0 else None,
+                            "finish_reason": finish if last else None,
+                        }
+                    )
             if choices:
                 yield chunk(choices, None)
 
@@ -561,7 +619,12 @@ def _chat_stream(
 
 
 async def _collect(
-    state: ServerState, request: Request, gen: Generation, request_id: str, kind: str
+    state: ServerState,
+    request: Request,
+    gen: Generation,
+    request_id: str,
+    kind: str,
+    tools: _ToolOutput | None = None,
 ) -> Response:
     """A non-streaming answer; a client that goes away meanwhile aborts the request."""
     n = len(gen.prompts) * gen.params.n
@@ -614,14 +677,19 @@ async def _collect(
             choices.append({"index": i, "text": texts[i], "logprobs": lp, "finish_reason": finish[i]})
         else:
             lp = chat_logprobs(logprobs[i], token_text) if want_logprobs else None  # type: ignore[arg-type]
-            choices.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": texts[i]},
-                    "logprobs": lp,
-                    "finish_reason": finish[i],
-                }
-            )
+            message: dict[str, Any] = {"role": "assistant", "content": texts[i]}
+            reason = finish[i]
+            if tools is not None:
+                parsed = parse_tool_calls(texts[i], tools.format)
+                calls: list[ToolCall] = parsed.tool_calls if tools.parallel else parsed.tool_calls[:1]
+                if calls:
+                    message = {
+                        "role": "assistant",
+                        "content": parsed.content,
+                        "tool_calls": [c.to_dict() for c in calls],
+                    }
+                    reason = "tool_calls" if reason == "stop" else reason
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
     body = {
         "id": request_id,
         "object": kind,

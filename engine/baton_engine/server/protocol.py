@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from baton_engine.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_N
 from baton_engine.server.errors import APIError, bad_request
+from baton_engine.structured.grammar import StructuredOutputError, parse_tools, response_format_grammar
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
@@ -85,10 +86,27 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+    """JSON text, as OpenAI returns it."""
+
+
+class AssistantToolCall(_Strict):
+    """A call an earlier assistant turn made (sent back by the client with the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+    """role ``tool``: the call this message answers."""
 
 
 class ChatCompletionRequest(_Common):
@@ -273,18 +291,50 @@ def _check_common(request: _Common) -> None:
 
 def _check_unsupported_chat(request: ChatCompletionRequest) -> None:
     """OpenAI fields that would change the answer and that this server does not implement:
-    refused by name rather than silently ignored (their neutral values pass)."""
-    if request.response_format is not None and request.response_format.get("type") != "text":
-        kind = request.response_format.get("type")
+    refused by name rather than silently ignored (their neutral values pass). ``response_format``
+    and forced tool choices are checked in full first (a bad schema names its field), then
+    refused: enforcing them needs the engine's grammar hooks, which are not wired yet."""
+    try:
+        grammar = response_format_grammar(request.response_format)
+        tools = parse_tools(request.tools or [])
+    except StructuredOutputError as exc:
+        raise bad_request(str(exc), param=exc.param) from exc
+    if grammar is not None:
+        kind = request.response_format.get("type") if request.response_format else None
         raise bad_request(
-            f"response_format: type {kind!r} is not supported (supported: 'text')", param="response_format"
+            f"response_format: type {kind!r} needs grammar-constrained decoding, which this engine does not "
+            "apply yet (supported: 'text')",
+            param="response_format",
+            code="unsupported",
         )
-    if request.tools:
-        raise bad_request("tools: tool calling is not supported", param="tools")
-    if request.tool_choice is not None and request.tool_choice != "none":
-        raise bad_request("tool_choice: only 'none' is supported (tool calling is not)", param="tool_choice")
-    if request.parallel_tool_calls:
-        raise bad_request("parallel_tool_calls: tool calling is not supported", param="parallel_tool_calls")
+    choice = request.tool_choice
+    if choice is not None and choice not in ("none", "auto"):
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if not isinstance(name, str):
+                raise bad_request(
+                    "tool_choice: must be 'none', 'auto', 'required' or "
+                    '{"type": "function", "function": {"name": ...}}',
+                    param="tool_choice",
+                )
+            if name not in {t.name for t in tools}:
+                raise bad_request(
+                    f"tool_choice.function.name: {shown(name)} is not one of the offered tools",
+                    param="tool_choice.function.name",
+                )
+        elif choice != "required":
+            raise bad_request(
+                f"tool_choice: {shown(choice)} is not one of 'none', 'auto', 'required' or a named function",
+                param="tool_choice",
+            )
+        if not tools:
+            raise bad_request("tool_choice: requires tools", param="tool_choice")
+        raise bad_request(
+            "tool_choice: 'required' and named functions need grammar-constrained decoding, which this "
+            "engine does not apply yet (supported: 'none', 'auto')",
+            param="tool_choice",
+            code="unsupported",
+        )
     for name in ("functions", "function_call", "audio", "prediction"):
         if getattr(request, name) is not None:
             raise bad_request(f"{name}: not supported", param=name)
@@ -317,8 +367,23 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": message.role, "content": content}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out
+
+
+def _template_tool_call(call: AssistantToolCall) -> dict[str, Any]:
+    """A past call as chat templates read it: arguments as an object where they parse (HF's
+    convention; templates ``tojson`` them), else the text as sent."""
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": call.type, "function": function, **function}
 
 
 def _part_text(part: ContentPart, where: str) -> str:

@@ -1,0 +1,155 @@
+"""Grammars for constrained decoding, built from OpenAI request fields (torch-free).
+
+A grammar is llguidance's serialized form (a JSON string): it travels in
+`SamplingParams.grammar` from the server to the engine core, where a `GrammarMatcher` follows
+the output token by token. Errors name the request field they come from.
+
+- ``response_format`` ``{"type": "json_object"}``: any JSON object.
+- ``response_format`` ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``:
+  JSON valid under the schema (enforced whether or not ``strict`` is set: a looser answer is
+  never better).
+- ``tool_choice`` ``required`` or a named function: one call (or several, with
+  ``parallel_tool_calls``) of the offered tools, in the model family's tool-call format, each
+  call's arguments valid under the tool's ``parameters`` schema.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import llguidance
+
+ToolCallFormat = Literal["hermes", "llama3_json"]
+"""``hermes``: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (Qwen 2.5/3,
+Hermes); ``llama3_json``: ``{"name": ..., "parameters": {...}}`` (Llama 3.1-3.3 JSON calls)."""
+
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""One canonical spacing (as ``json.dumps`` writes it): with free whitespace a weak model can
+pad forever without ever closing the document."""
+
+
+class StructuredOutputError(ValueError):
+    """A request's grammar cannot be built; `param` names the request field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One function the model may call: its name and its arguments' JSON schema."""
+
+    name: str
+    parameters: dict[str, Any]
+
+
+def response_format_grammar(response_format: dict[str, Any] | None) -> str | None:
+    """The grammar of an OpenAI ``response_format``, or None for plain text."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _validated(_json_grammar({"type": "object"}), "response_format")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise StructuredOutputError(
+                "response_format.json_schema", "required object for type 'json_schema'"
+            )
+        name = spec.get("name")
+        if not isinstance(name, str) or not name:
+            raise StructuredOutputError("response_format.json_schema.name", "required non-empty string")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise StructuredOutputError("response_format.json_schema.schema", "must be a JSON schema object")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise StructuredOutputError("response_format.json_schema.strict", "must be a boolean")
+        return _validated(_json_grammar(schema), "response_format.json_schema.schema")
+    raise StructuredOutputError(
+        "response_format.type", f"{kind!r} is not one of 'text', 'json_object', 'json_schema'"
+    )
+
+
+def parse_tools(tools: list[Any]) -> list[Tool]:
+    """OpenAI ``tools`` (``[{"type": "function", "function": {"name", "parameters"}}]``)."""
+    parsed: list[Tool] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise StructuredOutputError(f"{where}.type", "only tools of type 'function' are supported")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise StructuredOutputError(f"{where}.function", "required object")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise StructuredOutputError(f"{where}.function.name", "required non-empty string")
+        parameters = function.get("parameters", {"type": "object"})
+        if not isinstance(parameters, dict):
+            raise StructuredOutputError(f"{where}.function.parameters", "must be a JSON schema object")
+        _validated(_json_grammar(parameters), f"{where}.function.parameters")
+        parsed.append(Tool(name, parameters))
+    names = [t.name for t in parsed]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise StructuredOutputError("tools", f"function name {duplicate!r} is offered twice")
+    return parsed
+
+
+def tool_call_grammar(tools: list[Tool], fmt: ToolCallFormat, *, parallel: bool) -> str:
+    """Output that is one call (or, with `parallel`, one or more) of `tools` in format `fmt`."""
+    if not tools:
+        raise StructuredOutputError("tools", "tool_choice requires at least one tool")
+    arguments_key = "arguments" if fmt == "hermes" else "parameters"
+    bodies = []
+    for i, tool in enumerate(tools):
+        schema = {
+            "type": "object",
+            "properties": {"name": {"const": tool.name}, arguments_key: tool.parameters},
+            "required": ["name", arguments_key],
+            "additionalProperties": False,
+            "x-guidance": JSON_OPTIONS,
+        }
+        bodies.append(f"call_{i}: %json {json.dumps(schema)}")
+    if fmt == "hermes":
+        call = 'call: "<tool_call>\\n" body "\\n</tool_call>"'
+        repeat = '("\\n" call)*' if parallel else ""
+    else:
+        call = "call: body"
+        repeat = '("; " call)*' if parallel else ""
+    lark = "\n".join(
+        [
+            f"start: call {repeat}",
+            call,
+            "body: " + " | ".join(f"call_{i}" for i in range(len(tools))),
+            *bodies,
+        ]
+    )
+    return _validated(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
+
+
+def tool_call_format(chat_template: str | None) -> ToolCallFormat | None:
+    """The tool-call format a chat template teaches its model, or None if it renders no tools."""
+    if not chat_template or "tools" not in chat_template:
+        return None
+    if "<tool_call>" in chat_template:
+        return "hermes"
+    if '"parameters"' in chat_template or "<|python_tag|>" in chat_template:
+        return "llama3_json"
+    return None
+
+
+def _json_grammar(schema: dict[str, Any]) -> str:
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+
+
+def _validated(grammar: str, param: str) -> str:
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise StructuredOutputError(param, f"cannot be enforced: {messages[0]}")
+    return grammar
