@@ -294,11 +294,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         tokenizer=request_tokenizer,
         hasher=hasher,
         index=kv_index,
-        hasher_factory=lambda prefix_hash, block_size: block_hasher(
-            prefix_hash, block_size, args.prefix_hash_seed
-        ),
+        hasher_factory=block_hasher,
         default_prefix_hash=args.prefix_hash,
         default_block_size=args.block_size,
+        default_seed=args.prefix_hash_seed,
     )
     app = create_app(settings, registry, discovery=discovery, scorer=scorer, kv_index=kv_index)
     uvicorn.run(

@@ -131,6 +131,8 @@ def engine_pod_metadata(ctx: BuildContext, role: str, engine: EngineSpec) -> tup
         contract.ANNOTATION_BLOCK_SIZE: str(engine.block_size),
         contract.ANNOTATION_PREFIX_HASH: engine.prefix_hash,
     }
+    if engine.prefix_hash_seed is not None:
+        annotations[contract.ANNOTATION_PREFIX_HASH_SEED] = engine.prefix_hash_seed
     return labels, annotations
 
 
