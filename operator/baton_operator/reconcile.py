@@ -327,6 +327,12 @@ async def _deployments(
     return found
 
 
+def _scales_to_zero(spec: InferenceDeploymentSpec) -> bool:
+    """Whether the built-in autoscaler may take every pool to zero pods (their minReplicas 0)."""
+    auto = spec.autoscaling
+    return auto.mode == "builtin" and auto.decode.min_replicas == 0
+
+
 def _pool_keys(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, str]:
     """The KV-compatibility key of each pool whose generations status shows (disaggregated)."""
     return rollouts.keys_of(BuildContext(owner, spec)) if spec.mode == "disaggregated" else {}
@@ -351,6 +357,7 @@ async def _report(
             failure=failure,
             pods=caches.pods.of(owner.namespace, owner.name),
             keys=_pool_keys(owner, spec),
+            scale_to_zero=_scales_to_zero(spec),
         ),
         endpoint=router_endpoint(BuildContext(owner, spec)),
         now=now_rfc3339(),
@@ -408,6 +415,7 @@ async def refresh_status(kube: Kube, caches: Caches, namespace: str, name: str) 
             failure=stored_failure(stored),
             pods=caches.pods.of(namespace, name),
             keys=_pool_keys(owner, spec),
+            scale_to_zero=_scales_to_zero(spec),
         ),
         endpoint=router_endpoint(BuildContext(owner, spec)),
         now=now_rfc3339(),

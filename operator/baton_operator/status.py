@@ -83,6 +83,7 @@ class Observed:
     failure: Failure | None = None
     pods: Mapping[str, Sequence[Mapping[str, Any]]] = field(default_factory=dict)  # role -> its pods
     keys: Mapping[str, str] = field(default_factory=dict)  # pool -> the KV-compatibility key it must have
+    scale_to_zero: bool = False  # the autoscaler may scale every pool to zero (builtin, minReplicas 0)
 
     def generations(self) -> dict[str, PoolView]:
         """The pools with a key, their pods sorted into the key's and other keys' (a rollout)."""
@@ -154,6 +155,7 @@ def conditions(
 ) -> list[Condition]:
     """Ready, Progressing and Degraded; a transition time moves only when its status flips."""
     counts = ", ".join(f"{role} {s.ready}" for role, s in roles.items())
+    engines = [r for r in roles if r in contract.ENGINE_ROLES]
     missing = [role for role, d in observed.deployments.items() if d is None]
     not_ready = [
         role for role, s in roles.items() if s.desired_replicas == 0 or s.ready_replicas < s.desired_replicas
@@ -169,6 +171,9 @@ def conditions(
         ready = _condition(
             READY, False, "Creating", f"waiting for {', '.join(missing)}", generation, now, previous
         )
+    elif observed.scale_to_zero and engines and all(roles[r].desired_replicas == 0 for r in engines):
+        message = "every pool is scaled to zero; the router holds requests and a request wakes the pools"
+        ready = _condition(READY, True, "ScaledToZero", message, generation, now, previous)
     elif not_ready and stuck is not None:
         ready = _condition(READY, False, stuck.reason, stuck.message, generation, now, previous)
     elif not_ready:

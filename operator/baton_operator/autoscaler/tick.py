@@ -141,7 +141,14 @@ async def autoscale_once(
     pods = await kube.list("v1", "Pod", namespace, {contract.LABEL_DEPLOYMENT: name})
     if rolling_out(pods, roles):
         return None  # a KV-key rollout steps the pools' replicas until it is done
-    observations = await collect(pods, replicas, client=client, timeout_s=scrape_timeout_s, clock=clock)
+    observations = await collect(
+        pods,
+        replicas,
+        client=client,
+        timeout_s=scrape_timeout_s,
+        clock=clock,
+        routers=policy.scale_to_zero is not None,
+    )
     now = clock()
     decision, new_history = decide(policy, observations, history, now)
 

@@ -48,6 +48,8 @@ def router_args(ctx: BuildContext, tokenizer: str) -> list[str]:
         contract.FLAG_ROUTER_TOKENIZER, tokenizer,
         contract.FLAG_ROUTER_HOST, f"$({contract.ENV_POD_IP})",
         contract.FLAG_ROUTER_PORT, str(spec.router.port),
+        contract.FLAG_ROUTER_HOLD_QUEUE, str(spec.router.hold_queue),
+        contract.FLAG_ROUTER_HOLD_TIMEOUT, str(spec.router.hold_timeout_seconds),
     ]  # fmt: skip
     events = contract.FLAG_ROUTER_KV_EVENTS
     args.append(events if spec.kv_events.enabled else contract.negated(events))

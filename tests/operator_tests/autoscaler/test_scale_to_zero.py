@@ -157,3 +157,58 @@ def test_history_in_status_keeps_the_idle_clock() -> None:
     assert history_from_dict({"recommendations": [], "actions": []}) == History()
     with pytest.raises(ValueError, match=r"history\.activeAt: must be a non-negative number, got 'soon'"):
         history_from_dict({"activeAt": "soon"})
+
+
+def test_the_spec_turns_scale_to_zero_on_with_both_pools_at_zero() -> None:
+    from baton_operator.autoscaler.spec_adapter import policy_from_spec
+    from baton_operator.models import InferenceDeploymentSpec
+
+    spec = InferenceDeploymentSpec.model_validate(
+        {
+            "model": {"name": "m", "source": "builtin:smollm2-135m-instruct"},
+            "autoscaling": {
+                "mode": "builtin",
+                "scaleToZeroIdleSeconds": 120,
+                "prefill": {"minReplicas": 0},
+                "decode": {"minReplicas": 0},
+            },
+        }
+    )
+    policy = policy_from_spec(spec.autoscaling.model_dump(by_alias=True))
+    assert policy.scale_to_zero == ScaleToZero(idle_s=120)
+    assert [p.min_replicas for p in policy.pools] == [0, 0]
+    default = InferenceDeploymentSpec.model_validate({"model": {"name": "m", "source": "builtin:x"}})
+    assert policy_from_spec(default.autoscaling.model_dump(by_alias=True)).scale_to_zero is None
+
+
+def test_router_demand_is_read_from_its_metrics() -> None:
+    from baton_operator.autoscaler.metrics import MetricsParseError, parse_router_demand
+
+    text = (
+        "# TYPE baton_router_requests_held gauge\nbaton_router_requests_held 3.0\n"
+        "# TYPE baton_router_requests_total counter\n"
+        'baton_router_requests_total{mode="disaggregated",outcome="success"} 40.0\n'
+        'baton_router_requests_total{mode="disaggregated",outcome="unavailable"} 2.0\n'
+        "baton_router_requests_held_extra 9\n"
+    )
+    assert parse_router_demand(text) == RouterDemand(held=3, requests=42)
+    assert parse_router_demand("baton_router_requests_held 0\n") == RouterDemand(held=0, requests=0)
+    with pytest.raises(MetricsParseError, match="baton_router_requests_held: missing"):
+        parse_router_demand("baton_router_requests_total 4\n")
+
+
+def test_router_pods_are_scrape_targets_ready_or_not() -> None:
+    from baton_operator.autoscaler.pods import router_targets
+
+    def router(
+        name: str, phase: str = "Running", ip: str | None = "10.0.0.9", **meta: str
+    ) -> dict[str, object]:
+        return {
+            "metadata": {"name": name, "labels": {"baton.dev/role": "router"}, **meta},
+            "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 8080}]}]},
+            "status": {"phase": phase, "podIP": ip, "conditions": [{"type": "Ready", "status": "False"}]},
+        }
+
+    pods = [router("r0"), router("r1", phase="Pending"), router("r2", ip=None),
+            router("r3", deletionTimestamp="2026-12-01T00:00:00Z")]  # fmt: skip
+    assert [(t.pod, t.url) for t in router_targets(pods)] == [("r0", "http://10.0.0.9:8080/metrics")]
