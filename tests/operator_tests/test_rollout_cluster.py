@@ -26,7 +26,7 @@ from baton_operator.models import InferenceDeploymentSpec
 from baton_operator.rollout.generations import LABEL_RETIRING
 from baton_operator.rollout.kv_key import kv_compat_key
 from baton_support.operator_process import OperatorProcess, operator_process
-from tests.operator_tests.timeline import Timeline
+from tests.operator_tests.timeline import Timeline, deleting, key_of_pod, role_of, rollout_invariants
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -117,55 +117,14 @@ class Resource:
         """Every pool at its count, all pods Ready with `key`, no old generation left, Stable."""
         for role, n in counts.items():
             pods = self.pods(role)
-            if len(pods) != n or not all(is_ready(p) and _key(p) == key and not _deleting(p) for p in pods):
+            if len(pods) != n or not all(
+                is_ready(p) and key_of_pod(p) == key and not deleting(p) for p in pods
+            ):
                 return False
         if any(LABEL_RETIRING in (rs["metadata"].get("labels") or {}) for rs in self.replica_sets()):
             return False
         progressing = condition(self.get(), "Progressing")
         return progressing is not None and progressing["reason"] == "Stable"
-
-
-def _key(pod: dict[str, Any]) -> str:
-    return str((pod["metadata"].get("labels") or {}).get(contract.LABEL_KV_COMPAT, ""))
-
-
-def _deleting(pod: dict[str, Any]) -> bool:
-    return bool(pod["metadata"].get("deletionTimestamp"))
-
-
-def _role(pod: dict[str, Any]) -> str:
-    return str((pod["metadata"].get("labels") or {}).get(contract.LABEL_ROLE, ""))
-
-
-def check_invariants(timeline: Timeline, counts: dict[str, int], new_key: str, surge: bool = True) -> int:
-    """Check each recorded state; returns how many states there were."""
-    first_new_prefill_seen = False
-    states = 0
-    for state in timeline.states():
-        states += 1
-        pods = [p for p in state.values() if _role(p) in counts]
-        for role, spec_count in counts.items():
-            live = [p for p in pods if _role(p) == role and not _deleting(p)]
-            ready = [p for p in live if is_ready(p)]
-            high = spec_count + 1 if surge else spec_count
-            low = spec_count if surge else spec_count - 1
-            assert len(live) <= high, (role, [p["metadata"]["name"] for p in live])
-            assert len(ready) >= low, (role, len(ready), [p["metadata"]["name"] for p in live])
-        for key in {_key(p) for p in pods}:
-            of_key = [p for p in pods if _key(p) == key and not _deleting(p) and is_ready(p)]
-            prefill = [p for p in of_key if _role(p) == contract.ROLE_PREFILL]
-            decode = [p for p in of_key if _role(p) == contract.ROLE_DECODE]
-            # No generation serves prefill pods without a decode pod to hand their KV to.
-            assert not prefill or decode, (key, [p["metadata"]["name"] for p in prefill])
-        new_prefill = [p for p in pods if _role(p) == contract.ROLE_PREFILL and _key(p) == new_key]
-        if new_prefill and not first_new_prefill_seen:
-            first_new_prefill_seen = True
-            ready_new_decode = [
-                p for p in pods if _role(p) == contract.ROLE_DECODE and _key(p) == new_key and is_ready(p)
-            ]
-            assert ready_new_decode, "a new prefill pod was created before a new decode pod was Ready"
-    assert first_new_prefill_seen
-    return states
 
 
 def test_key_change_rolls_decode_first_in_two_generations_then_a_plain_change_rolls_in_place(
@@ -190,7 +149,7 @@ def test_key_change_rolls_decode_first_in_two_generations_then_a_plain_change_ro
         wait_for(
             "the new generation alone", lambda: res.settled(new_key, counts), timeout_s=180, interval_s=0.5
         )
-    states = check_invariants(pods, counts, new_key)
+    states = rollout_invariants(pods, counts, new_key)
     assert states >= 10  # every pod of both generations went through several states
     released = {
         rs["metadata"]["name"]
@@ -231,7 +190,7 @@ def test_key_change_rolls_decode_first_in_two_generations_then_a_plain_change_ro
 
         wait_for("the plain change rolled out", rolled, timeout_s=180, interval_s=0.5)
     assert not [rs for rs in replica_sets.ever() if LABEL_RETIRING in (rs["metadata"].get("labels") or {})]
-    assert {_key(p) for p in pods.ever() if _role(p) in counts} == {new_key}
+    assert {key_of_pod(p) for p in pods.ever() if role_of(p) in counts} == {new_key}
     assert len(res.events("RollingOut")) == 1
 
 
@@ -274,7 +233,7 @@ def test_builtin_mode_keeps_the_autoscalers_replicas_through_a_rollout(
         wait_for(
             "the new generation alone", lambda: res.settled(new_key, counts), timeout_s=180, interval_s=0.5
         )
-    check_invariants(pods, counts, new_key)
+    rollout_invariants(pods, counts, new_key)
     for role, count in counts.items():
         deployment = res.deployment(role)
         assert deployment["spec"]["replicas"] == count
@@ -320,9 +279,9 @@ def test_external_mode_rolls_decode_first_each_pool_with_its_own_strategy(
     assert not [rs for rs in replica_sets.ever() if LABEL_RETIRING in (rs["metadata"].get("labels") or {})]
     # Prefill's first new pod came once no old decode pod was left.
     for state in pods.states():
-        live = [p for p in state.values() if _role(p) in counts]
-        if any(_role(p) == contract.ROLE_PREFILL and _key(p) == new_key for p in live):
-            assert not [p for p in live if _role(p) == contract.ROLE_DECODE and _key(p) == old_key]
+        live = [p for p in state.values() if role_of(p) in counts]
+        if any(role_of(p) == contract.ROLE_PREFILL and key_of_pod(p) == new_key for p in live):
+            assert not [p for p in live if role_of(p) == contract.ROLE_DECODE and key_of_pod(p) == old_key]
             break
     else:
         raise AssertionError("no new prefill pod was recorded")

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from baton_dev.kubeapi import ApiAccess, AsyncKubeApi
+from baton_dev.testing import is_ready
+from baton_engine import contract
 
 Event = tuple[str, dict[str, Any]]  # (ADDED | MODIFIED | DELETED, object)
 
@@ -94,3 +96,51 @@ class Timeline:
         """Every version of every object seen."""
         initial, events = self.snapshot()
         return initial + [obj for _, obj in events]
+
+
+def key_of_pod(pod: dict[str, Any]) -> str:
+    return str((pod["metadata"].get("labels") or {}).get(contract.LABEL_KV_COMPAT, ""))
+
+
+def deleting(pod: dict[str, Any]) -> bool:
+    return bool(pod["metadata"].get("deletionTimestamp"))
+
+
+def role_of(pod: dict[str, Any]) -> str:
+    return str((pod["metadata"].get("labels") or {}).get(contract.LABEL_ROLE, ""))
+
+
+def rollout_invariants(timeline: Timeline, counts: dict[str, int], new_key: str, surge: bool = True) -> int:
+    """Check every recorded state of a KV-key rollout to `new_key` of pools of `counts` pods: each
+    pool within one pod of its count (with spare capacity: never fewer Ready, at most one more),
+    no key with Ready prefill pods but no Ready decode pod, the first new prefill pod created
+    once a new decode pod was Ready. Returns how many states there were."""
+    first_new_prefill_seen = False
+    states = 0
+    for state in timeline.states():
+        states += 1
+        pods = [p for p in state.values() if role_of(p) in counts]
+        for role, spec_count in counts.items():
+            live = [p for p in pods if role_of(p) == role and not deleting(p)]
+            ready = [p for p in live if is_ready(p)]
+            high = spec_count + 1 if surge else spec_count
+            low = spec_count if surge else spec_count - 1
+            assert len(live) <= high, (role, [p["metadata"]["name"] for p in live])
+            assert len(ready) >= low, (role, len(ready), [p["metadata"]["name"] for p in live])
+        for key in {key_of_pod(p) for p in pods}:
+            of_key = [p for p in pods if key_of_pod(p) == key and not deleting(p) and is_ready(p)]
+            prefill = [p for p in of_key if role_of(p) == contract.ROLE_PREFILL]
+            decode = [p for p in of_key if role_of(p) == contract.ROLE_DECODE]
+            # No generation serves prefill pods without a decode pod to hand their KV to.
+            assert not prefill or decode, (key, [p["metadata"]["name"] for p in prefill])
+        new_prefill = [p for p in pods if role_of(p) == contract.ROLE_PREFILL and key_of_pod(p) == new_key]
+        if new_prefill and not first_new_prefill_seen:
+            first_new_prefill_seen = True
+            ready_new_decode = [
+                p
+                for p in pods
+                if role_of(p) == contract.ROLE_DECODE and key_of_pod(p) == new_key and is_ready(p)
+            ]
+            assert ready_new_decode, "a new prefill pod was created before a new decode pod was Ready"
+    assert first_new_prefill_seen
+    return states
