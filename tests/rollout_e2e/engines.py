@@ -5,23 +5,13 @@ process node keeps after the pod is gone."""
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton_dev.testing import DevCluster
 from baton_engine import contract
-
-
-def http_url(pod: dict[str, Any], path: str) -> str:
-    port = next(
-        p["containerPort"]
-        for c in pod["spec"]["containers"]
-        for p in c.get("ports") or []
-        if p["name"] == "http"
-    )
-    return f"http://{pod['status']['podIP']}:{port}{path}"
+from bench.cold_start import http_url
 
 
 def counters(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

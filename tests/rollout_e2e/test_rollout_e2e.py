@@ -30,9 +30,10 @@ from baton_operator.models import InferenceDeploymentSpec
 from baton_operator.rollout.generations import LABEL_RETIRING
 from baton_operator.rollout.kv_key import kv_compat_key
 from baton_support.operator_process import OperatorProcess, operator_process
+from bench.cold_start import http_url
 from tests.autoscaler_e2e.load import LoadGenerator
 from tests.operator_tests.timeline import Timeline, key_of_pod, role_of, rollout_invariants
-from tests.rollout_e2e.engines import EngineSampler, http_url
+from tests.rollout_e2e.engines import EngineSampler
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(2400)]
 
