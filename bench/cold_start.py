@@ -115,10 +115,16 @@ class ZeroDeployment:
         return int(d["spec"].get("replicas", 1))
 
     def at_zero(self) -> bool:
-        return all(self.replicas(r) == 0 and not self.pods(r) for r in ("prefill", "decode"))
+        try:
+            return all(self.replicas(r) == 0 and not self.pods(r) for r in ("prefill", "decode"))
+        except httpx.TimeoutException:  # an API server starved by a loaded machine: look again
+            return False
 
     def serving(self) -> bool:
-        return all(len(p := self.pods(r)) == 1 and is_ready(p[0]) for r in ("prefill", "decode"))
+        try:
+            return all(len(p := self.pods(r)) == 1 and is_ready(p[0]) for r in ("prefill", "decode"))
+        except httpx.TimeoutException:
+            return False
 
     def events(self, reason: str) -> list[str]:
         items = self.cluster.admin.get(f"/api/v1/namespaces/{self.ns}/events")["items"]
