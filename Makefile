@@ -18,4 +18,4 @@ cluster-build:
 	bash devcluster/scripts/build.sh
 
 lint: setup
-	.venv/bin/ruff check . && .venv/bin/ruff format --check engine operator devcluster support bench tests
+	.venv/bin/ruff check . && .venv/bin/ruff format --check engine operator devcluster support bench tests && .venv/bin/lint-imports --no-logo

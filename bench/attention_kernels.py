@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 
-from baton_engine.attention.triton_attention import (
+from baton_engine.model.kernels.triton_attention import (
     DecodeWorkspace,
     decode_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
     prefill_tiles,
 )
-from baton_engine.attention.triton_multi_query import multi_query_workspace, paged_multi_query_attention
+from baton_engine.model.kernels.triton_multi_query import multi_query_workspace, paged_multi_query_attention
 
 MAX_MODEL_LEN = 4096
 BLOCK_SIZE = 16

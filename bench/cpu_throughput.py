@@ -89,8 +89,8 @@ def make_workload(
 
 
 def run_baton(work: Workload, model: str, max_num_seqs: int, max_num_batched_tokens: int) -> dict[str, Any]:
-    from baton_engine.llm import LLM
-    from baton_engine.sampling_params import SamplingParams
+    from baton_engine.core.sampling_params import SamplingParams
+    from baton_engine.entrypoints.llm import LLM
 
     longest = max(len(p) + m for p, m in zip(work.prompts, work.max_tokens, strict=True))
     blocks = sum(-(-(len(p) + m) // 16) for p, m in zip(work.prompts, work.max_tokens, strict=True)) + 64
@@ -120,7 +120,7 @@ def run_baton(work: Workload, model: str, max_num_seqs: int, max_num_batched_tok
 def run_hf(work: Workload, model_ref: str, batch_size: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    from baton_engine.loader import resolve_model
+    from baton_engine.model.loader.reference import resolve_model
 
     if model_ref == MODEL:
         resolved = resolve_model(MODEL)

@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from baton_engine.config import EngineConfig
-from baton_engine.engine_core import EngineCore
-from baton_engine.gpu_runner import GpuModelRunner
-from baton_engine.loader import LoadedModel
-from baton_engine.loader.reference import ResolvedModel
+from baton_engine.core.engine_core import EngineCore
+from baton_engine.core.sampling_params import SamplingParams
+from baton_engine.core.scheduler import Scheduler
 from baton_engine.model.config import ModelConfig
 from baton_engine.model.llama import build_model
-from baton_engine.sampling_params import SamplingParams
-from baton_engine.scheduler import Scheduler
+from baton_engine.model.loader.model_loading import LoadedModel
+from baton_engine.model.loader.reference import ResolvedModel
+from baton_engine.worker.gpu.model_runner import GpuModelRunner
 from bench.shapes import LLAMA_32_1B
 
 LLAMA_31_8B = ModelConfig(
@@ -382,7 +382,7 @@ def one_b(result: dict[str, Any], quick: bool) -> None:
 
 def kernels(result: dict[str, Any]) -> None:
     """The attention choice, measured: Triton paged kernels vs PyTorch SDPA (1B shape, bf16)."""
-    from baton_engine.attention.triton_attention import (
+    from baton_engine.model.kernels.triton_attention import (
         DecodeWorkspace,
         decode_num_splits,
         paged_decode_attention,

@@ -2,7 +2,7 @@
 
 ``python -m bench.gpu_tune --json``: median time of each (BLOCK_N, warps, stages) for decode at
 batch 256 / 640 context and batch 1 / 512 context, and for prefill of 32 x 512 fresh tokens. The
-defaults in `baton_engine.attention.triton_attention` were picked from its output.
+defaults in `baton_engine.model.kernels.triton_attention` were picked from its output.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from baton_engine.attention.triton_attention import (
+from baton_engine.model.kernels.triton_attention import (
     DecodeWorkspace,
     decode_num_splits,
     paged_decode_attention,

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="8 rows instead of 64 (a smoke run).")
     args = parser.parse_args(argv)
-    from baton_engine.loader.tokenizer_loading import load_tokenizer
+    from baton_engine.model.loader.tokenizer_loading import load_tokenizer
     from baton_engine.server.openai_format import TokenText
 
     tokenizer = load_tokenizer("builtin:smollm2-135m-instruct")

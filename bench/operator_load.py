@@ -31,16 +31,20 @@ from baton_dev.binaries import find_binaries
 from baton_dev.cluster import leftover_pod_processes, start_cluster, stop_cluster
 from baton_dev.demo_manifests import PROCESS_NODES, chart_values
 from baton_dev.kubeapi import ApiError
-from baton_dev.spec import NODE_TYPE_LABEL, ClusterSpec
+from baton_dev.spec import KWOK_TOLERATION, NODE_TYPE_LABEL, ClusterSpec
 from baton_dev.state import ClusterState
-from baton_dev.testing import DevCluster, is_ready, wait_for
+from baton_dev.testing import DevCluster, is_ready
+from baton_support.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "baton"
 KWOK = {NODE_TYPE_LABEL: "kwok"}
 SPEC = {
     "model": {"name": "smollm2", "source": "builtin:smollm2-135m-instruct"},
-    **{role: {"nodeSelector": KWOK} for role in ("prefill", "decode", "router")},
+    **{
+        role: {"nodeSelector": KWOK, "tolerations": [KWOK_TOLERATION]}
+        for role in ("prefill", "decode", "router")
+    },
 }
 INFDS = "/apis/baton.dev/v1alpha1/namespaces/{ns}/inferencedeployments"
 PODS_PER_RESOURCE = 3  # prefill, decode, router: one each by default
@@ -67,10 +71,10 @@ def reconciled(cluster: DevCluster, namespace: str) -> set[str]:
 def wait_all(cluster: DevCluster, namespace: str, names: set[str], timeout_s: float, poll_s: float) -> float:
     start = time.monotonic()
     wait_for(
-        f"{len(names)} resources reconciled",
         lambda: names <= reconciled(cluster, namespace),
-        timeout_s,
-        poll_s,
+        timeout=timeout_s,
+        interval=poll_s,
+        message=f"{len(names)} resources reconciled",
     )
     return time.monotonic() - start
 
@@ -129,7 +133,10 @@ def install_operator(cluster: DevCluster, workdir: Path) -> None:
         "install", "baton", str(CHART), "-n", "baton-system", "--create-namespace", "-f", str(values_file)
     )
     wait_for(
-        "the operator pod Ready", lambda: any(is_ready(p) for p in cluster.pods("baton-system")), 180, 0.5
+        lambda: any(is_ready(p) for p in cluster.pods("baton-system")),
+        timeout=180,
+        interval=0.5,
+        message="the operator pod Ready",
     )
 
 
@@ -147,7 +154,7 @@ def leave_cluster(cluster: DevCluster) -> None:
         items = cluster.admin.get("/api/v1/namespaces")["items"]
         return not {n["metadata"]["name"] for n in items} & set(NAMESPACES)
 
-    wait_for("the bench's namespaces deleted", namespaces_gone, 180, 0.5)
+    wait_for(namespaces_gone, timeout=180, interval=0.5, message="the bench's namespaces deleted")
     cluster.close()
 
 
@@ -195,7 +202,10 @@ def run(
             rss = peak_rss_mb(pid)
             pods = burst * PODS_PER_RESOURCE
             wait_for(
-                f"{pods} pods Running and Ready", lambda: running_pods(cluster, BURST_NS) >= pods, 600, 1.0
+                lambda: running_pods(cluster, BURST_NS) >= pods,
+                timeout=600,
+                interval=1.0,
+                message=f"{pods} pods Running and Ready",
             )
             pods_s = time.monotonic() - start
             counts = operator_counts(operator_metrics(cluster))

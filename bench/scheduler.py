@@ -23,10 +23,10 @@ import time
 
 import numpy as np
 
-from baton_engine.sampling_params import SamplingParams
-from baton_engine.scheduler import Scheduler
-from baton_engine.scheduler_output import ModelRunnerOutput
-from baton_engine.sequence import Sequence
+from baton_engine.core.request import Request
+from baton_engine.core.sampling_params import SamplingParams
+from baton_engine.core.scheduler import Scheduler
+from baton_engine.core.scheduler_output import ModelRunnerOutput
 
 PROMPT_LEN = 512
 BLOCK_SIZE = 16
@@ -61,7 +61,7 @@ class _Bench:
         # Distinct prompts: the first token is unique per request, so no prefix is shared.
         prompt = self.rng.integers(3, VOCAB, PROMPT_LEN).tolist()
         prompt[0] = 100_000 + self.next_id
-        self.scheduler.add(Sequence(self.next_id, prompt, self.params))
+        self.scheduler.add(Request(self.next_id, prompt, self.params))
         self.next_id += 1
 
     def warm_up(self) -> None:

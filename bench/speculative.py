@@ -144,8 +144,8 @@ def timed_generate(
 
 
 def cpu_part(args: argparse.Namespace, model: str = MODEL) -> tuple[dict[str, Any], Trace]:
-    from baton_engine.llm import LLM
-    from baton_engine.sampling_params import SamplingParams
+    from baton_engine.core.sampling_params import SamplingParams
+    from baton_engine.entrypoints.llm import LLM
 
     common = dict(dtype="float32", num_kv_blocks=1024, max_num_seqs=64, max_num_batched_tokens=2048)
     off = LLM(model, **common)
@@ -236,13 +236,13 @@ def random_weights(
 def _build_runner(
     shape: dict[str, Any], device: str, dtype_name: str, engine_settings: dict[str, Any]
 ) -> Any:
-    from baton_engine import engine_factory
     from baton_engine.config import EngineConfig
-    from baton_engine.loader import LoadedModel
-    from baton_engine.loader.reference import ResolvedModel
+    from baton_engine.entrypoints import engine_factory
     from baton_engine.model.config import ModelConfig
     from baton_engine.model.llama import build_model
-    from baton_engine.model_runner import ModelRunner, resolve_dtype
+    from baton_engine.model.loader.model_loading import LoadedModel
+    from baton_engine.model.loader.reference import ResolvedModel
+    from baton_engine.worker.model_runner import ModelRunner, resolve_dtype
 
     config = ModelConfig(**shape)
     dtype = resolve_dtype(dtype_name, torch.device(device))
@@ -277,9 +277,9 @@ def verify_step_costs(
 
     `info`, when given, receives which runner ran the steps and, for the GPU runner, how many
     verify steps replayed a captured graph and for which query lengths graphs exist."""
-    from baton_engine.sampling_params import SamplingParams
-    from baton_engine.scheduler import Scheduler
-    from baton_engine.sequence import Sequence
+    from baton_engine.core.request import Request
+    from baton_engine.core.sampling_params import SamplingParams
+    from baton_engine.core.scheduler import Scheduler
 
     max_k = max(ks)
     needed_len = context_len + (repeats + 2) * len(ks) * (max_k + 1) + 16
@@ -298,7 +298,7 @@ def verify_step_costs(
     for i in range(batch_size):
         prompt = rng.integers(0, vocab, size=context_len).tolist()
         scheduler.add(
-            Sequence(i, prompt, SamplingParams(temperature=0.0, max_tokens=needed_len, ignore_eos=True))
+            Request(i, prompt, SamplingParams(temperature=0.0, max_tokens=needed_len, ignore_eos=True))
         )
     while scheduler.batch.num_decode < batch_size:  # prefill everything first
         out = scheduler.schedule()

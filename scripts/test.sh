@@ -11,6 +11,8 @@ export PATH="$root/.venv/bin:$PATH"
 echo "== ruff"
 ruff check .
 ruff format --check engine operator devcluster support bench tests
+echo "== import-linter (layers, torch-free boundary)"
+lint-imports --no-logo
 echo "== mypy (operator, devcluster, support)"
 mypy
 echo "== docs (mkdocs build --strict: a broken link or a page missing from the nav fails)"

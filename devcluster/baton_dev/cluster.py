@@ -64,7 +64,11 @@ def _kwok_node(index: int, gpus: int) -> dict[str, object]:
             },
             "annotations": {"node.alpha.kubernetes.io/ttl": "0", "kwok.x-k8s.io/node": "fake"},
         },
-        "spec": {"podCIDR": f"127.1.{index}.0/24", "podCIDRs": [f"127.1.{index}.0/24"]},
+        "spec": {
+            "podCIDR": f"127.1.{index}.0/24",
+            "podCIDRs": [f"127.1.{index}.0/24"],
+            "taints": [dict(names.KWOK_TAINT)],
+        },
         "status": {"capacity": resources, "allocatable": resources},
     }
 

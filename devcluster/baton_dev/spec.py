@@ -8,6 +8,11 @@ from pathlib import Path
 
 GPU_RESOURCE = "amd.com/gpu"
 NODE_TYPE_LABEL = "type"  # type=kwok | type=process; tests opt in with a nodeSelector on it
+#: kwok nodes are tainted, so that only pods opting in (this toleration, and a nodeSelector on
+#: NODE_TYPE_LABEL) land there, where nothing runs: anything else, e.g. the operator of a plain
+#: `helm install`, goes to a process node, where it runs.
+KWOK_TAINT: dict[str, str] = {"key": "kwok.x-k8s.io/node", "value": "fake", "effect": "NoSchedule"}
+KWOK_TOLERATION: dict[str, str] = {"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}
 KWOK_POD_CIDR = "127.1.0.0/16"  # kwok nodes get 127.1.<n>.0/24
 # Process node n gets 127.<k>.<n>.0/24, k claimed per running cluster (node_agent/pod_range.py).
 SERVICE_CIDR = "198.19.0.0/24"

@@ -7,9 +7,8 @@ import json
 import os
 import re
 import subprocess
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,20 +17,9 @@ from typing import Any, TypeVar
 from baton_dev.kubeapi import ApiAccess, ApiError, JsonObject, KubeApi
 from baton_dev.node_agent.context import EVENTS_FILE
 from baton_dev.state import ClusterState
+from baton_support.wait import wait_for
 
 T = TypeVar("T")
-
-
-def wait_for(what: str, check: Callable[[], T | None], timeout_s: float = 30.0, interval_s: float = 0.1) -> T:
-    """Poll until `check` returns something truthy and return it; AssertionError at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 @dataclass
@@ -95,8 +83,10 @@ class DevCluster:
         self.admin.post("/api/v1/namespaces", {"metadata": {"name": name, "labels": labels or {}}})
         try:
             wait_for(
-                f"the default ServiceAccount in {name}",
                 lambda: self.exists(f"/api/v1/namespaces/{name}/serviceaccounts/default"),
+                timeout=30,
+                interval=0.1,
+                message=f"the default ServiceAccount in {name}",
             )
             yield name
         finally:

@@ -13,17 +13,17 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
-    from baton_engine.llm import LLM
-    from baton_engine.sampling_params import SamplingParams
+    from baton_engine.core.sampling_params import SamplingParams
+    from baton_engine.entrypoints.llm import LLM
 
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from baton_engine.llm import LLM
+        from baton_engine.entrypoints.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from baton_engine.sampling_params import SamplingParams
+        from baton_engine.core.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

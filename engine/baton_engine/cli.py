@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{flag_name(str(e['loc'][0])) if e['loc'] else 'config'}: {e['msg']}" for e in exc.errors()
             )
             parser.error(problems)
-        from baton_engine.loader.reference import ModelNotFoundError, resolve_model
+        from baton_engine.model.loader.reference import ModelNotFoundError, resolve_model
 
         try:  # before anything starts: a wrong --model is one line, not a failed load
             resolve_model(config.model)
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         from pathlib import Path
 
-        from baton_engine.loader.hf_export import ExportError, export_hf_folder
-        from baton_engine.loader.reference import ModelNotFoundError
+        from baton_engine.model.loader.hf_export import ExportError, export_hf_folder
+        from baton_engine.model.loader.reference import ModelNotFoundError
 
         try:
             print(export_hf_folder(args.model, Path(args.output), args.dtype))

@@ -42,7 +42,7 @@ class EngineConfig(BaseModel):
         0.9, gt=0.0, le=1.0, description="Fraction of device memory the engine may use (weights + KV)."
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
-    prefix_hash: Literal["fast", "vllm-sha256", "vllm-sha256-cbor"] = Field(
+    prefix_hash: contract.PrefixHashName = Field(
         "fast",
         description="Prefix-block hash: fast (default), or vLLM's keys so that indexers computing "
         "vLLM keys from prompts find Baton's blocks: vllm-sha256 (vLLM's default algorithm, sha256) "

@@ -2,8 +2,12 @@
 
 The operator builds engine pods from these names, the router discovers and scrapes pods with
 them, and the engine parses them. Changing a value here changes the wire contract between the
-planes; `tests/test_contract.py` checks that both sides use this module and that neither the
-operator nor the router imports torch.
+planes; `tests/test_contract.py` checks the shared values, and import-linter (pyproject's
+``[tool.importlinter]``) that neither the operator nor the router imports torch.
+
+Sections, by topic: ports; Kubernetes labels, roles and environment; engine flags; router flags;
+HTTP paths; engine metric names (speculative decoding included); router metric names; KV events;
+kv_transfer_params.
 """
 
 from __future__ import annotations
@@ -12,9 +16,9 @@ import hashlib
 import hmac
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, get_args
 
-# --------------------------------------------------------------------------- ports
+# ------------------------------------------------------------------------------------------- ports
 
 #: Named container ports (Kubernetes port names are at most 15 characters) and their defaults.
 PORT_HTTP: Final = "http"
@@ -37,58 +41,8 @@ DEFAULT_PORTS: Final[dict[str, int]] = {
     PORT_KV_TRANSFER: DEFAULT_KV_TRANSFER_PORT,
 }
 
-# --------------------------------------------------------------------------- engine CLI
 
-#: Engine flags (``baton-engine serve``). The operator renders pod args from these names only.
-FLAG_MODEL: Final = "--model"
-FLAG_SERVED_MODEL_NAME: Final = "--served-model-name"
-FLAG_HOST: Final = "--host"
-FLAG_PORT: Final = "--port"
-FLAG_DEVICE: Final = "--device"
-FLAG_DTYPE: Final = "--dtype"
-FLAG_BLOCK_SIZE: Final = "--block-size"
-FLAG_MAX_NUM_SEQS: Final = "--max-num-seqs"
-FLAG_MAX_NUM_BATCHED_TOKENS: Final = "--max-num-batched-tokens"
-FLAG_MAX_MODEL_LEN: Final = "--max-model-len"
-FLAG_NUM_KV_BLOCKS: Final = "--num-kv-blocks"
-FLAG_GPU_MEMORY_UTILIZATION: Final = "--gpu-memory-utilization"
-FLAG_PREFIX_CACHING: Final = "--enable-prefix-caching"  # BooleanOptionalAction: --no-enable-...
-FLAG_CHUNKED_PREFILL: Final = "--enable-chunked-prefill"  # BooleanOptionalAction
-FLAG_MAX_QUEUE: Final = "--max-queued-requests"
-FLAG_KV_ROLE: Final = "--kv-role"
-FLAG_KV_TRANSFER_PORT: Final = "--kv-transfer-port"
-FLAG_KV_LEASE_SECONDS: Final = "--kv-lease-seconds"
-FLAG_KV_ON_FAILURE: Final = "--kv-transfer-on-failure"
-FLAG_KV_EVENTS: Final = "--kv-events"  # BooleanOptionalAction
-FLAG_KV_EVENTS_PORT: Final = "--kv-events-port"
-FLAG_KV_EVENTS_REPLAY_PORT: Final = "--kv-events-replay-port"
-FLAG_KV_EVENTS_BUFFER_STEPS: Final = "--kv-events-buffer-steps"
-FLAG_KV_EVENTS_ENCODING: Final = "--kv-events-encoding"  # "map" (vLLM 0.32) | "array" (v0.22)
-FLAG_METRIC_NAMES: Final = "--metric-names"  # "both" | "baton" | "vllm"
-FLAG_PREFIX_HASH: Final = "--prefix-hash"  # "fast" | "vllm-sha256" | "vllm-sha256-cbor"
-FLAG_PREFIX_HASH_SEED: Final = "--prefix-hash-seed"  # root seed of the vllm-* hashes
-FLAG_SPECULATIVE: Final = "--speculative"
-FLAG_NUM_SPECULATIVE_TOKENS: Final = "--num-speculative-tokens"
-#: The KV-compatibility key the operator computed for this pod (see LABEL_KV_COMPAT): it travels
-#: signed in kv_transfer_params, and a consumer refuses to pull from a producer with another key.
-FLAG_KV_COMPAT_KEY: Final = "--kv-compat-key"
-
-KVRole = Literal["producer", "consumer", "both", "none"]
-KV_ROLES: Final[tuple[str, ...]] = ("producer", "consumer", "both", "none")
-KVFailurePolicy = Literal["recompute", "fail"]
-KV_FAILURE_POLICIES: Final[tuple[str, ...]] = ("recompute", "fail")
-
-# --------------------------------------------------------------------------- environment
-
-#: HMAC key shared by one deployment's engine pods (the operator fills it from a Secret).
-ENV_KV_TRANSFER_KEY: Final = "BATON_KV_TRANSFER_KEY"
-#: The address peers use to reach this pod (the operator sets it from status.podIP).
-ENV_POD_IP: Final = "BATON_POD_IP"
-ENV_POD_NAME: Final = "BATON_POD_NAME"
-ENV_POD_NAMESPACE: Final = "BATON_POD_NAMESPACE"
-SECRET_KEY_FIELD: Final = "kv-transfer-key"
-
-# --------------------------------------------------------------------------- labels
+# ---------------------------------------------------------- Kubernetes: labels, roles, environment
 
 LABEL_NAME: Final = "app.kubernetes.io/name"
 LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
@@ -153,7 +107,107 @@ def engine_pod_labels(deployment: str, role: str) -> dict[str, str]:
     return {**engine_pods_selector(deployment), LABEL_LLMD_ROLE: LLMD_ROLE_OF[role]}
 
 
-# --------------------------------------------------------------------------- HTTP paths
+#: HMAC key shared by one deployment's engine pods (the operator fills it from a Secret).
+ENV_KV_TRANSFER_KEY: Final = "BATON_KV_TRANSFER_KEY"
+#: The address peers use to reach this pod (the operator sets it from status.podIP).
+ENV_POD_IP: Final = "BATON_POD_IP"
+ENV_POD_NAME: Final = "BATON_POD_NAME"
+ENV_POD_NAMESPACE: Final = "BATON_POD_NAMESPACE"
+SECRET_KEY_FIELD: Final = "kv-transfer-key"
+
+
+# ------------------------------------------------------------------------------------ engine flags
+
+#: Engine flags (``baton-engine serve``). The operator renders pod args from these names only.
+FLAG_MODEL: Final = "--model"
+FLAG_SERVED_MODEL_NAME: Final = "--served-model-name"
+FLAG_HOST: Final = "--host"
+FLAG_PORT: Final = "--port"
+FLAG_DEVICE: Final = "--device"
+FLAG_DTYPE: Final = "--dtype"
+FLAG_BLOCK_SIZE: Final = "--block-size"
+FLAG_MAX_NUM_SEQS: Final = "--max-num-seqs"
+FLAG_MAX_NUM_BATCHED_TOKENS: Final = "--max-num-batched-tokens"
+FLAG_MAX_MODEL_LEN: Final = "--max-model-len"
+FLAG_NUM_KV_BLOCKS: Final = "--num-kv-blocks"
+FLAG_GPU_MEMORY_UTILIZATION: Final = "--gpu-memory-utilization"
+FLAG_PREFIX_CACHING: Final = "--enable-prefix-caching"  # BooleanOptionalAction: --no-enable-...
+FLAG_CHUNKED_PREFILL: Final = "--enable-chunked-prefill"  # BooleanOptionalAction
+FLAG_MAX_QUEUE: Final = "--max-queued-requests"
+FLAG_KV_ROLE: Final = "--kv-role"
+FLAG_KV_TRANSFER_PORT: Final = "--kv-transfer-port"
+FLAG_KV_LEASE_SECONDS: Final = "--kv-lease-seconds"
+FLAG_KV_ON_FAILURE: Final = "--kv-transfer-on-failure"
+FLAG_KV_EVENTS: Final = "--kv-events"  # BooleanOptionalAction
+FLAG_KV_EVENTS_PORT: Final = "--kv-events-port"
+FLAG_KV_EVENTS_REPLAY_PORT: Final = "--kv-events-replay-port"
+FLAG_KV_EVENTS_BUFFER_STEPS: Final = "--kv-events-buffer-steps"
+FLAG_KV_EVENTS_ENCODING: Final = "--kv-events-encoding"  # "map" (vLLM 0.32) | "array" (v0.22)
+FLAG_METRIC_NAMES: Final = "--metric-names"  # "both" | "baton" | "vllm"
+FLAG_PREFIX_HASH: Final = "--prefix-hash"  # one of PREFIX_HASHES
+FLAG_PREFIX_HASH_SEED: Final = "--prefix-hash-seed"  # root seed of the vllm-* hashes
+FLAG_SPECULATIVE: Final = "--speculative"
+FLAG_NUM_SPECULATIVE_TOKENS: Final = "--num-speculative-tokens"
+FLAG_NGRAM_MIN: Final = "--ngram-min"
+FLAG_NGRAM_MAX: Final = "--ngram-max"
+#: The KV-compatibility key the operator computed for this pod (see LABEL_KV_COMPAT): it travels
+#: signed in kv_transfer_params, and a consumer refuses to pull from a producer with another key.
+FLAG_KV_COMPAT_KEY: Final = "--kv-compat-key"
+
+KVRole = Literal["producer", "consumer", "both", "none"]
+KV_ROLES: Final[tuple[str, ...]] = ("producer", "consumer", "both", "none")
+KVFailurePolicy = Literal["recompute", "fail"]
+KV_FAILURE_POLICIES: Final[tuple[str, ...]] = ("recompute", "fail")
+SPECULATIVE_METHODS: Final = ("none", "ngram")
+
+#: Prefix-block key algorithms (``--prefix-hash`` of engines and router; `prefix.hashing` builds
+#: them): fast (64-bit BLAKE2b, Baton's default), vllm-sha256 (vLLM's default: SHA-256 of a
+#: pickle) and vllm-sha256-cbor (SHA-256 of canonical CBOR) — vLLM's keys, for external KV-event
+#: indexers and vLLM peers; the vllm-* ones take their root from the same seed everywhere.
+PrefixHashName = Literal["fast", "vllm-sha256", "vllm-sha256-cbor"]
+PREFIX_HASH_FAST: Final = "fast"
+PREFIX_HASH_VLLM_SHA256: Final = "vllm-sha256"
+PREFIX_HASH_VLLM: Final = "vllm-sha256-cbor"
+PREFIX_HASHES: Final[tuple[str, ...]] = get_args(PrefixHashName)
+
+
+# ------------------------------------------------------------------------------------ router flags
+# The flags the operator renders into router pods (`baton-router ...`). The router implements
+# them; discovery watches Pods matching each selector (Ready condition, status.podIP, the named
+# container ports above).
+
+FLAG_ROUTER_DISCOVERY: Final = "--discovery"  # "kubernetes" | "static"
+DISCOVERY_KUBERNETES: Final = "kubernetes"
+DISCOVERY_STATIC: Final = "static"
+FLAG_ROUTER_NAMESPACE: Final = "--namespace"  # namespace whose Pods are watched
+FLAG_ROUTER_PREFILL_SELECTOR: Final = "--prefill-selector"  # "k=v,k=v" label selector
+FLAG_ROUTER_DECODE_SELECTOR: Final = "--decode-selector"
+FLAG_ROUTER_ENGINE_SELECTOR: Final = "--engine-selector"  # aggregated mode: one pool doing both
+FLAG_ROUTER_MODEL: Final = "--model"  # served model name (what clients send)
+FLAG_ROUTER_TOKENIZER: Final = "--tokenizer"  # model reference or local path holding the tokenizer
+FLAG_ROUTER_HOST: Final = "--host"
+FLAG_ROUTER_PORT: Final = "--port"
+FLAG_ROUTER_BLOCK_SIZE: Final = "--block-size"  # for pods without ANNOTATION_BLOCK_SIZE (static)
+FLAG_ROUTER_PREFIX_HASH: Final = "--prefix-hash"  # for pods without ANNOTATION_PREFIX_HASH
+FLAG_ROUTER_PREFIX_HASH_SEED: Final = "--prefix-hash-seed"  # the seed of the vllm-* hashes
+FLAG_ROUTER_KV_EVENTS: Final = "--kv-events"  # BooleanOptionalAction: subscribe to pods' KV events
+#: Requests held at most at once while a needed pool has no ready pod (0: answer 503 at once).
+FLAG_ROUTER_HOLD_QUEUE: Final = "--hold-queue"
+#: Seconds one request is held at most before it gets 503 with Retry-After.
+FLAG_ROUTER_HOLD_TIMEOUT: Final = "--hold-timeout"
+
+
+def selector_arg(labels: dict[str, str]) -> str:
+    """A label selector as a flag value: ``k=v,k=v`` in sorted key order."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def negated(flag: str) -> str:
+    """The off form of a BooleanOptionalAction flag: ``--kv-events`` -> ``--no-kv-events``."""
+    return "--no-" + flag.removeprefix("--")
+
+
+# -------------------------------------------------------------------------------------- HTTP paths
 
 PATH_HEALTH: Final = "/health"
 PATH_READY: Final = "/ready"
@@ -162,7 +216,8 @@ PATH_METRICS: Final = "/metrics"
 # lease early (the router calls it when a client goes away between the legs).
 PATH_KV_TRANSFER_RELEASE: Final = "/v1/kv_transfer/release"
 
-# --------------------------------------------------------------------------- metrics
+
+# ---------------------------------------------------------------------------------- engine metrics
 
 # Names as exposed on /metrics. Counters carry prometheus_client's `_total` suffix; create them
 # with the name minus `_total`. Units are base units (seconds, bytes, ratio 0..1).
@@ -186,6 +241,15 @@ M_KV_TRANSFER_FAILURES: Final = "baton_kv_transfer_failures_total"
 M_KV_LEASES_EXPIRED: Final = "baton_kv_transfer_leases_expired_total"
 M_SPEC_DRAFT_TOKENS: Final = "baton_spec_decode_draft_tokens_total"
 M_SPEC_ACCEPTED_TOKENS: Final = "baton_spec_decode_accepted_tokens_total"
+M_SPEC_NUM_DRAFTS: Final = "baton_spec_decode_num_drafts_total"
+"""Counter: verify rows (decode rows that carried at least one draft)."""
+M_SPEC_ACCEPTED_PER_POSITION: Final = "baton_spec_decode_accepted_tokens_per_pos_total"
+"""Counter with label ``position`` (0-based draft index): verify rows whose draft at that
+position was accepted. Divided by M_SPEC_NUM_DRAFTS: the per-position acceptance."""
+M_SPEC_ACCEPTANCE_RATE: Final = "baton_spec_decode_acceptance_rate"
+"""Gauge: accepted / proposed draft tokens since start (0..1)."""
+M_SPEC_TOKENS_PER_FORWARD: Final = "baton_spec_decode_mean_tokens_per_forward"
+"""Gauge: mean tokens a verify row gained per forward since start (accepted drafts + 1)."""
 
 #: Baton's engine metric -> the vLLM metric with the same meaning.
 VLLM_EQUIVALENT: Final[dict[str, str]] = {
@@ -204,6 +268,8 @@ VLLM_EQUIVALENT: Final[dict[str, str]] = {
     M_QUEUE_TIME: "vllm:request_queue_time_seconds",
     M_SPEC_DRAFT_TOKENS: "vllm:spec_decode_num_draft_tokens_total",
     M_SPEC_ACCEPTED_TOKENS: "vllm:spec_decode_num_accepted_tokens_total",
+    M_SPEC_NUM_DRAFTS: "vllm:spec_decode_num_drafts_total",
+    M_SPEC_ACCEPTED_PER_POSITION: "vllm:spec_decode_num_accepted_tokens_per_pos_total",
 }
 
 #: vLLM's gauge whose labels carry the cache layout (value 1); Baton exports it with the labels
@@ -225,7 +291,43 @@ LOAD_METRICS: Final[dict[str, tuple[str, str]]] = {
 }
 
 
-# --------------------------------------------------------------------------- KV events
+# ---------------------------------------------------------------------------------- router metrics
+# Exposed by baton-router on its /metrics (prefix baton_router_). Counters carry the `_total`
+# suffix as exposed; create them with the name minus `_total`.
+
+#: Client requests by outcome (label "outcome": success, client_error, upstream_error,
+#: unavailable, unauthorized, cancelled, internal_error) and mode (label "mode": disaggregated,
+#: aggregated).
+M_ROUTER_REQUESTS: Final = "baton_router_requests_total"
+#: Duration of each upstream leg in seconds (label "leg": prefill, decode, direct): prefill is
+#: the whole prefill call; decode and direct run until the last byte reached the client.
+M_ROUTER_LEG_SECONDS: Final = "baton_router_leg_duration_seconds"
+#: Seconds from the client request arriving to the first response byte sent back.
+M_ROUTER_TTFB_SECONDS: Final = "baton_router_time_to_first_byte_seconds"
+#: Requests sent whole to a decode pod because the prefill leg failed (label "reason":
+#: connect, timeout, status, bad_response, no_prefill_pod, no_paired_prefill (no prefill pod of a
+#: decode pod's KV-compatibility key), no_paired_decode (the prefill pod's key lost its last
+#: decode pod between the legs)).
+M_ROUTER_FALLBACKS: Final = "baton_router_fallbacks_total"
+#: Cached prompt tokens on the pods chosen (matched blocks x block size), summed over requests.
+M_ROUTER_PREFIX_HIT_TOKENS: Final = "baton_router_prefix_hit_tokens_total"
+#: Endpoints currently known by role (label "role").
+M_ROUTER_ENDPOINTS: Final = "baton_router_endpoints"
+#: Per pod (label "pod"): the next KV-event batch the router expects; every earlier one is applied.
+M_ROUTER_KV_EVENTS_NEXT_SEQ: Final = "baton_router_kv_events_next_sequence"
+#: Per pod (label "pod"): KV-event batches that did not decode (each drops that pod's index).
+M_ROUTER_KV_EVENTS_REJECTED: Final = "baton_router_kv_events_rejected_batches_total"
+#: Requests the router holds right now because a pool they need has no ready pod (scaled to zero,
+#: or starting): the operator's autoscaler reads this to wake the pools at once.
+M_ROUTER_HELD: Final = "baton_router_requests_held"
+#: Held requests by how their wait ended (label "outcome": released, timeout, rejected (queue
+#: full), cancelled (client gone)).
+M_ROUTER_HELD_TOTAL: Final = "baton_router_held_requests_total"
+#: Seconds held requests waited for a pod (released ones only).
+M_ROUTER_HOLD_SECONDS: Final = "baton_router_hold_duration_seconds"
+
+
+# --------------------------------------------------------------------------------------- KV events
 
 KV_EVENTS_TOPIC_PREFIX: Final = "kv"
 
@@ -235,7 +337,7 @@ def kv_events_topic(pod_address: str, model_name: str) -> str:
     return f"{KV_EVENTS_TOPIC_PREFIX}@{pod_address}@{model_name}"
 
 
-# --------------------------------------------------------------------------- kv_transfer_params
+# ------------------------------------------------------------------------------ kv_transfer_params
 
 KV_TRANSFER_SCHEMA_VERSION: Final = 1
 KV_LAYOUT: Final = "layers,kv,blocks,block_size,kv_heads,head_dim"
@@ -347,101 +449,3 @@ def verify_dict(params: Any, key: bytes) -> KVTransferParams:
     parsed = KVTransferParams.from_dict(params)
     parsed.verify(key)
     return parsed
-
-
-# =========================================================================== router metrics
-# Exposed by baton-router on its /metrics (prefix baton_router_). Counters carry the `_total`
-# suffix as exposed; create them with the name minus `_total`.
-
-#: Client requests by outcome (label "outcome": success, client_error, upstream_error,
-#: unavailable, unauthorized, cancelled, internal_error) and mode (label "mode": disaggregated,
-#: aggregated).
-M_ROUTER_REQUESTS: Final = "baton_router_requests_total"
-#: Duration of each upstream leg in seconds (label "leg": prefill, decode, direct): prefill is
-#: the whole prefill call; decode and direct run until the last byte reached the client.
-M_ROUTER_LEG_SECONDS: Final = "baton_router_leg_duration_seconds"
-#: Seconds from the client request arriving to the first response byte sent back.
-M_ROUTER_TTFB_SECONDS: Final = "baton_router_time_to_first_byte_seconds"
-#: Requests sent whole to a decode pod because the prefill leg failed (label "reason":
-#: connect, timeout, status, bad_response, no_prefill_pod, no_paired_prefill (no prefill pod of a
-#: decode pod's KV-compatibility key), no_paired_decode (the prefill pod's key lost its last
-#: decode pod between the legs)).
-M_ROUTER_FALLBACKS: Final = "baton_router_fallbacks_total"
-#: Cached prompt tokens on the pods chosen (matched blocks x block size), summed over requests.
-M_ROUTER_PREFIX_HIT_TOKENS: Final = "baton_router_prefix_hit_tokens_total"
-#: Endpoints currently known by role (label "role").
-M_ROUTER_ENDPOINTS: Final = "baton_router_endpoints"
-#: Per pod (label "pod"): the next KV-event batch the router expects; every earlier one is applied.
-M_ROUTER_KV_EVENTS_NEXT_SEQ: Final = "baton_router_kv_events_next_sequence"
-#: Per pod (label "pod"): KV-event batches that did not decode (each drops that pod's index).
-M_ROUTER_KV_EVENTS_REJECTED: Final = "baton_router_kv_events_rejected_batches_total"
-#: Requests the router holds right now because a pool they need has no ready pod (scaled to zero,
-#: or starting): the operator's autoscaler reads this to wake the pools at once.
-M_ROUTER_HELD: Final = "baton_router_requests_held"
-#: Held requests by how their wait ended (label "outcome": released, timeout, rejected (queue
-#: full), cancelled (client gone)).
-M_ROUTER_HELD_TOTAL: Final = "baton_router_held_requests_total"
-#: Seconds held requests waited for a pod (released ones only).
-M_ROUTER_HOLD_SECONDS: Final = "baton_router_hold_duration_seconds"
-
-
-# =========================================================================== router CLI
-# Added by the operator (issue 7): the flags the operator renders into router pods
-# (`baton-router ...`). The router implements them; discovery watches Pods matching each
-# selector (Ready condition, status.podIP, the named container ports above).
-
-FLAG_ROUTER_DISCOVERY: Final = "--discovery"  # "kubernetes" | "static"
-DISCOVERY_KUBERNETES: Final = "kubernetes"
-DISCOVERY_STATIC: Final = "static"
-FLAG_ROUTER_NAMESPACE: Final = "--namespace"  # namespace whose Pods are watched
-FLAG_ROUTER_PREFILL_SELECTOR: Final = "--prefill-selector"  # "k=v,k=v" label selector
-FLAG_ROUTER_DECODE_SELECTOR: Final = "--decode-selector"
-FLAG_ROUTER_ENGINE_SELECTOR: Final = "--engine-selector"  # aggregated mode: one pool doing both
-FLAG_ROUTER_MODEL: Final = "--model"  # served model name (what clients send)
-FLAG_ROUTER_TOKENIZER: Final = "--tokenizer"  # model reference or local path holding the tokenizer
-FLAG_ROUTER_HOST: Final = "--host"
-FLAG_ROUTER_PORT: Final = "--port"
-FLAG_ROUTER_BLOCK_SIZE: Final = "--block-size"  # for pods without ANNOTATION_BLOCK_SIZE (static)
-FLAG_ROUTER_PREFIX_HASH: Final = "--prefix-hash"  # for pods without ANNOTATION_PREFIX_HASH
-FLAG_ROUTER_PREFIX_HASH_SEED: Final = "--prefix-hash-seed"  # the seed of the vllm-* hashes
-FLAG_ROUTER_KV_EVENTS: Final = "--kv-events"  # BooleanOptionalAction: subscribe to pods' KV events
-#: Requests held at most at once while a needed pool has no ready pod (0: answer 503 at once).
-FLAG_ROUTER_HOLD_QUEUE: Final = "--hold-queue"
-#: Seconds one request is held at most before it gets 503 with Retry-After.
-FLAG_ROUTER_HOLD_TIMEOUT: Final = "--hold-timeout"
-
-
-def selector_arg(labels: dict[str, str]) -> str:
-    """A label selector as a flag value: ``k=v,k=v`` in sorted key order."""
-    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-
-
-def negated(flag: str) -> str:
-    """The off form of a BooleanOptionalAction flag: ``--kv-events`` -> ``--no-kv-events``."""
-    return "--no-" + flag.removeprefix("--")
-
-
-# --------------------------------------------------------------------------- speculative decoding
-# Added with issue 10 (n-gram speculative decoding). Flags of the drafter and the acceptance
-# metrics beyond M_SPEC_DRAFT_TOKENS / M_SPEC_ACCEPTED_TOKENS.
-
-FLAG_NGRAM_MIN: Final = "--ngram-min"
-FLAG_NGRAM_MAX: Final = "--ngram-max"
-SPECULATIVE_METHODS: Final = ("none", "ngram")
-
-M_SPEC_NUM_DRAFTS: Final = "baton_spec_decode_num_drafts_total"
-"""Counter: verify rows (decode rows that carried at least one draft)."""
-M_SPEC_ACCEPTED_PER_POSITION: Final = "baton_spec_decode_accepted_tokens_per_pos_total"
-"""Counter with label ``position`` (0-based draft index): verify rows whose draft at that
-position was accepted. Divided by M_SPEC_NUM_DRAFTS: the per-position acceptance."""
-M_SPEC_ACCEPTANCE_RATE: Final = "baton_spec_decode_acceptance_rate"
-"""Gauge: accepted / proposed draft tokens since start (0..1)."""
-M_SPEC_TOKENS_PER_FORWARD: Final = "baton_spec_decode_mean_tokens_per_forward"
-"""Gauge: mean tokens a verify row gained per forward since start (accepted drafts + 1)."""
-
-VLLM_EQUIVALENT.update(
-    {
-        M_SPEC_NUM_DRAFTS: "vllm:spec_decode_num_drafts_total",
-        M_SPEC_ACCEPTED_PER_POSITION: "vllm:spec_decode_num_accepted_tokens_per_pos_total",
-    }
-)

@@ -56,7 +56,9 @@ def structural(node: Any, defs: JSON) -> Any:
     for key, value in node.items():
         if key in _DROPPED:
             continue
-        if key == "exclusiveMinimum":
+        if key == "const":  # not a CRD schema keyword: the API server would drop it silently
+            out["enum"] = [value]
+        elif key == "exclusiveMinimum":
             out["minimum"] = value
             out["exclusiveMinimum"] = True
         elif key == "exclusiveMaximum":

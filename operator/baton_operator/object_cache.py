@@ -33,7 +33,7 @@ OWNER_STATUS_FIELDS = tuple(
     f"status.{key}"
     for key in ("observedGeneration", "conditions", "endpoint", "prefill", "decode", "pool", "router")
 )
-#: What `status.compute_status` reads of a Deployment.
+#: What `resource_status.compute_status` reads of a Deployment.
 DEPLOYMENT_STATUS_FIELDS = ("observedGeneration", "replicas", "readyReplicas", "updatedReplicas")
 _CONDITION_FIELDS = ("type", "status", "reason", "message")  # not their timestamps
 _META_FIELDS = ("name", "namespace", "uid", "generation", "resourceVersion")
@@ -88,7 +88,7 @@ def replicas_managers(obj: Mapping[str, Any]) -> list[str]:
 
 
 def deployment_view(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """A Deployment as `status.compute_status` reads it: replicas, counts, and its conditions
+    """A Deployment as `resource_status.compute_status` reads it: replicas, counts, and its conditions
     without timestamps (a condition re-stamped with nothing else new is no change); and who owns
     its replicas (`replicasManagers`), for the reconcile's ownership handover."""
     view = slim(obj, ("spec.replicas",))

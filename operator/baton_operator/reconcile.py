@@ -24,14 +24,14 @@ from baton_operator.kube import Kube, KubeError
 from baton_operator.models import InferenceDeploymentSpec
 from baton_operator.object_cache import ObjectCache, PodIndex, deployment_view, owner_view
 from baton_operator.replicas import release, take_over
-from baton_operator.rollout import controller as rollouts
-from baton_operator.status import (
+from baton_operator.resource_status import (
     Failure,
     Observed,
     compute_status,
     status_changed,
     stored_failure,
 )
+from baton_operator.rollout import controller as rollouts
 from baton_operator.workers import ResourceGone, ResourceId
 
 

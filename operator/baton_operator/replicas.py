@@ -70,6 +70,8 @@ async def take_over(
     force when it must (see `taker`). The count is read fresh (the cache may lag, and a count
     the new owner did not take would be reset by the operator's apply); a conflict (the count
     changed meanwhile) raises, so that the operator's apply is not sent."""
+    if mode == "off":
+        return  # the operator's own apply sets the count (nothing to read)
     namespace, name = manifest["metadata"]["namespace"], manifest["metadata"]["name"]
     cached = deployments.get(namespace, name)
     if cached is not None and taker(mode, cached.get("replicasManagers") or []) is None:

@@ -141,12 +141,6 @@ class Job(Protocol):
 JobFactory = Callable[[ResourceId], Sequence[Job]]
 
 
-@dataclass
-class _Worker:
-    lease: Lease
-    tasks: list[asyncio.Task[None]]
-
-
 class ResourceWorkers:
     """The periodic jobs of every live resource, started and stopped by the owner watch."""
 
@@ -154,15 +148,14 @@ class ResourceWorkers:
         self._jobs = jobs
         self._is_live = is_live
         self._active = active
-        self._workers: dict[tuple[str, str], _Worker] = {}
+        self._leases: dict[tuple[str, str], Lease] = {}  # (namespace, name) -> the live resource's
         self._tasks: set[asyncio.Task[None]] = set()  # every job task still running, ended leases' too
 
     def __len__(self) -> int:
-        return len(self._workers)
+        return len(self._leases)
 
     def lease(self, namespace: str, name: str) -> Lease | None:
-        worker = self._workers.get((namespace, name))
-        return None if worker is None else worker.lease
+        return self._leases.get((namespace, name))
 
     def observe(self, body: Mapping[str, Any]) -> Lease | None:
         """A version of a resource from the watch (or the initial listing). Starts its jobs when
@@ -171,29 +164,26 @@ class ResourceWorkers:
         resource = ResourceId.of(body)
         if not self._is_live(resource):
             return None
-        worker = self._workers.get(resource.key)
-        if worker is not None and worker.lease.id == resource and not worker.lease.ended:
-            worker.lease.update(body)
-            return worker.lease
-        if worker is not None:
-            self._stop(worker)
+        held = self._leases.get(resource.key)
+        if held is not None and held.id == resource and not held.ended:
+            held.update(body)
+            return held
+        if held is not None:
+            self._stop(held)
         lease = Lease(resource, body, self._is_live)
-        tasks = [
-            asyncio.create_task(self._drive(lease, job), name=f"{job.name} of {resource}")
-            for job in self._jobs(resource)
-        ]
-        for task in tasks:
+        for job in self._jobs(resource):
+            task = asyncio.create_task(self._drive(lease, job), name=f"{job.name} of {resource}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        self._workers[resource.key] = _Worker(lease, tasks)
+        self._leases[resource.key] = lease
         return lease
 
     def forget(self, body: Mapping[str, Any]) -> None:
         """The resource's DELETED event: its jobs end (another UID's, under that name, do not)."""
         resource = ResourceId.of(body)
-        worker = self._workers.get(resource.key)
-        if worker is not None and worker.lease.id == resource:
-            self._stop(worker)
+        held = self._leases.get(resource.key)
+        if held is not None and held.id == resource:
+            self._stop(held)
 
     def request(self, body: Mapping[str, Any], trigger: str) -> bool:
         """Ask the resource's jobs for a reconcile now (create, update, resume); False when the
@@ -204,18 +194,18 @@ class ResourceWorkers:
         lease.request(trigger)
         return True
 
-    def _stop(self, worker: _Worker) -> None:
-        worker.lease.end()
-        if self._workers.get(worker.lease.id.key) is worker:
-            del self._workers[worker.lease.id.key]
+    def _stop(self, lease: Lease) -> None:
+        lease.end()
+        if self._leases.get(lease.id.key) is lease:
+            del self._leases[lease.id.key]
         # The tasks end by themselves at their next check of the lease (a run in progress stops
         # at its next write); cancelling one mid-request would only leave that request unknown.
 
     async def close(self) -> None:
         """End every lease and cancel every job (the operator is stopping); wait for them."""
-        for worker in list(self._workers.values()):
-            worker.lease.end()
-        self._workers.clear()
+        for lease in list(self._leases.values()):
+            lease.end()
+        self._leases.clear()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

@@ -1,5 +1,5 @@
 """The metrics reference page, generated from the metric definitions themselves: the engine's
-(`baton_engine.metrics`, `baton_engine.kv_transfer.metrics`), the router's
+(`baton_engine.server.metrics`, `baton_engine.kv_transfer.metrics`), the router's
 (`baton_engine.router.metrics`) and the operator's (`baton_operator.metrics`, with the
 autoscaler's series). Names, types and help texts come from the registered metrics, the vLLM
 column from `baton_engine.contract.VLLM_EQUIVALENT`: nothing is copied by hand.
@@ -69,7 +69,7 @@ def _rows(objects: Iterable[object]) -> list[Row]:
 
 
 def engine_rows() -> list[Row]:
-    from baton_engine.metrics import EngineMetrics
+    from baton_engine.server.metrics import EngineMetrics
 
     metrics = EngineMetrics("", names="baton")
     return _rows(vars(metrics).values())
@@ -77,7 +77,7 @@ def engine_rows() -> list[Row]:
 
 def vllm_rows() -> list[Row]:
     """The series an engine exports under vLLM's names (`--metric-names`)."""
-    from baton_engine.metrics import EngineMetrics
+    from baton_engine.server.metrics import EngineMetrics
 
     metrics = EngineMetrics("", names="vllm")
     return _rows(vars(metrics).values())

@@ -48,6 +48,8 @@ def create(rest: Rest, manifest: dict[str, Any]) -> None:
     kind = manifest["kind"]
     if kind in CLUSTER_PATHS:
         path = CLUSTER_PATHS[kind]
+    elif kind == "KopfPeering":  # Kopf's own kind: not one the operator's client writes
+        path = f"/apis/kopf.dev/v1/namespaces/{manifest['metadata']['namespace']}/kopfpeerings"
     else:
         path = collection_path(manifest["apiVersion"], manifest["kind"], manifest["metadata"]["namespace"])
     status, body = rest.call("POST", path, manifest)
@@ -65,15 +67,23 @@ def wait_established(rest: Rest, crd_name: str, timeout_s: float = 30) -> None:
     raise TimeoutError(f"CRD {crd_name} not Established")
 
 
-def install_chart(rest: Rest, helm: Path) -> str:
-    """Apply the chart's CRDs and templates; return the operator ServiceAccount's name."""
+def install_chart(rest: Rest, helm: Path, *sets: str) -> str:
+    """Apply the chart's CRDs and templates (values `sets`, e.g. ``watchNamespaces={llm}``: the
+    namespaces they name are created too); return the operator ServiceAccount's name."""
     create(rest, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NS}})
     for path in sorted((CHART / "crds").glob("*.yaml")):
         for crd in yaml.safe_load_all(path.read_text()):
             create(rest, crd)
             wait_established(rest, crd["metadata"]["name"])
-    docs = helm_template(helm)
-    order = ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"]
+    docs = helm_template(helm, *sets)
+    for namespace in sorted(
+        {d["metadata"]["namespace"] for d in docs if d["kind"] in ("Role", "KopfPeering")}
+    ):
+        create(rest, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    order = [
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ClusterKopfPeering",
+        "KopfPeering",
+    ]  # fmt: skip
     for kind in order:
         for doc in docs:
             if doc["kind"] == kind:

@@ -15,16 +15,18 @@ from typing import Any
 import yaml
 
 from baton_dev import spec as cluster_spec
-from baton_dev.testing import DevCluster, wait_for
+from baton_dev.testing import DevCluster
 from baton_operator.kube import KubeError
 from baton_operator.reconcile import OperatorConfig, reconcile
+from baton_support.wait import wait_for
 from tests.argocd.lua_health import CUSTOMIZATION
 from tests.operator_tests.cases import VALID_SPEC, merged
 from tests.operator_tests.kube_helpers import dev_cluster_kube
 
 TESTDATA = CUSTOMIZATION / "testdata"
 KWOK = {cluster_spec.NODE_TYPE_LABEL: "kwok"}
-SMALL = {"resources": {"gpus": 0, "cpu": "100m", "memory": "256Mi"}, "nodeSelector": KWOK}
+ON_KWOK = {"nodeSelector": KWOK, "tolerations": [cluster_spec.KWOK_TOLERATION]}
+SMALL = {"resources": {"gpus": 0, "cpu": "100m", "memory": "256Mi"}, **ON_KWOK}
 INFDS = "/apis/baton.dev/v1alpha1/namespaces/{ns}/inferencedeployments"
 
 
@@ -35,7 +37,7 @@ def _spec(prefill: int, decode: int) -> dict[str, Any]:
             "autoscaling": {"mode": "off"},
             "prefill": {"replicas": prefill, **SMALL},
             "decode": {"replicas": decode, **SMALL},
-            "router": {"nodeSelector": KWOK},
+            "router": ON_KWOK,
         },
     )
 
@@ -51,7 +53,7 @@ SPECS: dict[str, dict[str, Any]] = {
             "mode": "aggregated",
             "autoscaling": {"mode": "off"},
             "pool": {"replicas": 1, **SMALL},
-            "router": {"nodeSelector": KWOK},
+            "router": ON_KWOK,
         },
     ),  # fmt: skip
     "d": _spec(1, 1),
@@ -114,7 +116,7 @@ async def produce(cluster: DevCluster, namespace: str) -> dict[str, dict[str, An
         deployments = [f"{n}-{r}" for n in ("h", "z", "p") for r in ("prefill", "decode", "router")]
         deployments += ["a-engine", "a-router"]
         await asyncio.to_thread(
-            wait_for, "every Deployment Ready", lambda: _ready(cluster, namespace, deployments), 180.0
+            wait_for, lambda: _ready(cluster, namespace, deployments), 180.0, 0.1, "every Deployment Ready"
         )
         for name in ("h", "z", "p", "a"):
             await reconcile(kube, cluster.admin.get(f"{infds}/{name}"), cfg)  # reads the Deployments' status

@@ -27,10 +27,11 @@ import yaml
 
 from baton_dev.demo_manifests import PROCESS_NODES, with_node_selector
 from baton_dev.kubeapi import ApiAccess, AsyncKubeApi
-from baton_dev.testing import DevCluster, is_ready, wait_for
+from baton_dev.testing import DevCluster, is_ready
 from baton_engine import contract
 from baton_operator import models
 from baton_support.operator_process import OperatorProcess, operator_process
+from baton_support.wait import wait_for
 from tests.autoscaler_e2e.load import LoadGenerator
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.model]
@@ -158,7 +159,7 @@ def operator(dev_cluster: DevCluster, k8s_namespace: str, tmp_path: Path) -> Ite
         conditions = dev_cluster.admin.get(crd).get("status", {}).get("conditions") or []
         return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
-    wait_for("the CRD to be Established", established, timeout_s=60)
+    wait_for(established, timeout=60, interval=0.1, message="the CRD to be Established")
     with operator_process(
         dev_cluster.state.admin_kubeconfig,
         tmp_path,
@@ -207,14 +208,19 @@ def test_prefill_and_decode_scale_with_load_and_back(
         roles = [contract.ROLE_PREFILL, contract.ROLE_DECODE, contract.ROLE_ROUTER]
         return all(len(p := _pods(dev_cluster, ns, r)) == 1 and is_ready(p[0]) for r in roles)
 
-    wait_for("one Ready prefill, decode and router pod", all_ready, timeout_s=600, interval_s=1)
+    wait_for(all_ready, timeout=600, interval=1, message="one Ready prefill, decode and router pod")
     (router,) = _pods(dev_cluster, ns, contract.ROLE_ROUTER)
     (first_prefill,) = _pods(dev_cluster, ns, contract.ROLE_PREFILL)
     recorder = Recorder(ApiAccess.from_kubeconfig(dev_cluster.state.admin_kubeconfig), ns)
     load = LoadGenerator(_url(router, "/v1/completions"), PREFILL_HEAVY, timeout_s=300).start(concurrency=10)
     try:
         # 1. Prefill grows, and the new pod serves.
-        wait_for("prefill scaled to 2", lambda: _replicas(dev_cluster, ns, "prefill") >= 2, 240, 0.5)
+        wait_for(
+            lambda: _replicas(dev_cluster, ns, "prefill") >= 2,
+            timeout=240,
+            interval=0.5,
+            message="prefill scaled to 2",
+        )
 
         def new_prefill() -> dict[str, Any] | None:
             pods = [
@@ -224,21 +230,41 @@ def test_prefill_and_decode_scale_with_load_and_back(
             ]
             return pods[0] if pods and is_ready(pods[0]) else None
 
-        added = wait_for("the new prefill pod Ready", new_prefill, 300, 1)
-        wait_for("the new prefill pod to serve requests", lambda: _served(added) > 0, 120, 1)
+        added = wait_for(new_prefill, timeout=300, interval=1, message="the new prefill pod Ready")
+        wait_for(
+            lambda: _served(added) > 0,
+            timeout=120,
+            interval=1,
+            message="the new prefill pod to serve requests",
+        )
 
         # 2. Decode grows on KV pressure.
         load.set_body(DECODE_HEAVY)
         load.set_concurrency(6)
-        wait_for("decode scaled to 2", lambda: _replicas(dev_cluster, ns, "decode") >= 2, 240, 0.5)
+        wait_for(
+            lambda: _replicas(dev_cluster, ns, "decode") >= 2,
+            timeout=240,
+            interval=0.5,
+            message="decode scaled to 2",
+        )
 
         # 3. Heavy load stops; a light load keeps requests in flight while pods are removed.
         load.set_body(LIGHT)
         load.set_concurrency(1)
         for role in ("prefill", "decode"):
-            wait_for(f"{role} back to 1", lambda r=role: _replicas(dev_cluster, ns, r) == 1, 240, 0.5)
+            wait_for(
+                lambda r=role: _replicas(dev_cluster, ns, r) == 1,
+                timeout=240,
+                interval=0.5,
+                message=f"{role} back to 1",
+            )
         for role in ("prefill", "decode"):
-            wait_for(f"one {role} pod left", lambda r=role: len(_pods(dev_cluster, ns, r)) == 1, 120, 0.5)
+            wait_for(
+                lambda r=role: len(_pods(dev_cluster, ns, r)) == 1,
+                timeout=120,
+                interval=0.5,
+                message=f"one {role} pod left",
+            )
     finally:
         stats = load.stop()
         recorder.stop()
@@ -268,5 +294,10 @@ def test_prefill_and_decode_scale_with_load_and_back(
         return any(m.startswith(f"{role}: scale down 2 -> 1") for m in downs)
 
     for role in ("prefill", "decode"):
-        wait_for(f"a ScaledDown event for {role} 2 -> 1", lambda r=role: scaled_down(r), 60, 0.5)
+        wait_for(
+            lambda r=role: scaled_down(r),
+            timeout=60,
+            interval=0.5,
+            message=f"a ScaledDown event for {role} 2 -> 1",
+        )
     print(yaml.safe_dump({"requests_ok": stats.ok, "statuses": dict(stats.by_status)}))

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from baton_engine import contract
-from baton_engine.router.block_hashes import ChainedBlockHasher, block_hasher
+from baton_engine.prefix.hashing import EventKeyHasher
 from baton_engine.router.cli import _discovery, _request_tokenizer, build_parser
 from baton_engine.router.discovery import KubernetesDiscovery, pod_hashing
 from baton_engine.router.endpoints import EndpointRegistry
@@ -103,11 +103,9 @@ def test_router_discovery_flag_errors(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_fast_prefix_hash_matches_the_engines() -> None:
-    from baton_engine.kv_events_wire import to_event_hash
-    from baton_engine.prefix_hash import chain_hashes, fast_prefix_hash
+    from baton_engine.prefix.hashing import chain_hashes, fast_prefix_hash, to_event_hash
 
-    hasher = block_hasher("fast", 4)
-    assert isinstance(hasher, ChainedBlockHasher)
+    hasher = EventKeyHasher.named("fast", 4)
     tokens = list(range(10, 21))
     expected = [to_event_hash(h) for h in chain_hashes(fast_prefix_hash, tokens, 4)]
     assert hasher.block_hashes(tokens) == expected

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from baton_dev.testing import DevCluster, wait_for
+from baton_dev.testing import DevCluster
+from baton_support.wait import wait_for
 
 
 def run_to_completion(
@@ -30,4 +31,4 @@ def run_to_completion(
         pod = dev_cluster.pod(ns, name)
         return pod if pod["status"].get("phase") in ("Succeeded", "Failed") else None
 
-    return wait_for(f"{name} to finish", done, timeout_s=timeout_s)
+    return wait_for(done, timeout=timeout_s, interval=0.1, message=f"{name} to finish")

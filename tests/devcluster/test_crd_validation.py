@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from baton_dev.testing import DevCluster, wait_for
+from baton_dev.testing import DevCluster
+from baton_support.wait import wait_for
 
 pytestmark = pytest.mark.k8s
 
@@ -58,7 +59,6 @@ def widget_crd(dev_cluster: DevCluster) -> Iterator[str]:
     }
     dev_cluster.apply(crd)
     wait_for(
-        "the CRD to be established",
         lambda: any(
             c["type"] == "Established" and c["status"] == "True"
             for c in dev_cluster.admin.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
@@ -66,6 +66,9 @@ def widget_crd(dev_cluster: DevCluster) -> Iterator[str]:
             .get("conditions")
             or []
         ),
+        timeout=30,
+        interval=0.1,
+        message="the CRD to be established",
     )
     yield group
     dev_cluster.kubectl("delete", "crd", name, "--wait=false")

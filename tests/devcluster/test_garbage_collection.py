@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from baton_dev.testing import DevCluster, wait_for
+from baton_dev.spec import KWOK_TOLERATION
+from baton_dev.testing import DevCluster
+from baton_support.wait import wait_for
 
 pytestmark = pytest.mark.k8s
 
@@ -24,11 +28,13 @@ def test_children_are_deleted_with_their_owner(dev_cluster: DevCluster, k8s_name
     api.delete(f"/api/v1/namespaces/{ns}/configmaps/owner", {"propagationPolicy": "Background"})
 
     wait_for(
-        "the garbage collector to delete both children",
         lambda: (
             not dev_cluster.exists(f"/api/v1/namespaces/{ns}/configmaps/child-a")
             and not dev_cluster.exists(f"/api/v1/namespaces/{ns}/secrets/child-b")
         ),
+        timeout=30,
+        interval=0.1,
+        message="the garbage collector to delete both children",
     )
     assert dev_cluster.exists(f"/api/v1/namespaces/{ns}/configmaps/unowned")
 
@@ -47,9 +53,15 @@ def test_foreground_deletion_of_a_deployment_removes_replicasets_and_pods(
         "-n",
         ns,
         "-p",
-        '{"spec":{"template":{"spec":{"nodeSelector":{"type":"kwok"}}}}}',
+        json.dumps(
+            {
+                "spec": {
+                    "template": {"spec": {"nodeSelector": {"type": "kwok"}, "tolerations": [KWOK_TOLERATION]}}
+                }
+            }
+        ),
     )
-    wait_for("2 pods", lambda: len(dev_cluster.pods(ns, "app=web")) == 2, timeout_s=60)
+    wait_for(lambda: len(dev_cluster.pods(ns, "app=web")) == 2, timeout=60, interval=0.1, message="2 pods")
     dev_cluster.kubectl("delete", "deployment", "web", "-n", ns, "--cascade=foreground", "--wait=true")
-    wait_for("pods gone", lambda: dev_cluster.pods(ns, "app=web") == [], timeout_s=60)
+    wait_for(lambda: dev_cluster.pods(ns, "app=web") == [], timeout=60, interval=0.1, message="pods gone")
     assert dev_cluster.admin.get(f"/apis/apps/v1/namespaces/{ns}/replicasets")["items"] == []

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from baton_dev.testing import DevCluster, wait_for
+from baton_dev.testing import DevCluster
+from baton_support.wait import wait_for
 
 pytestmark = pytest.mark.k8s
 CHART = Path(__file__).parent / "data" / "chart"
@@ -30,12 +31,22 @@ def test_helm_install_and_uninstall(dev_cluster: DevCluster, k8s_namespace: str)
 
     # helm's --wait may judge readiness from the ReplicaSet, which the Deployment's status follows
     # a moment later.
-    wait_for("demo-worker's status to count 2 ready replicas", lambda: ready_replicas() == 2)
+    wait_for(
+        lambda: ready_replicas() == 2,
+        timeout=30,
+        interval=0.1,
+        message="demo-worker's status to count 2 ready replicas",
+    )
     releases = json.loads(dev_cluster.helm("list", "-n", ns, "-o", "json").stdout)
     assert [(r["name"], r["status"], r["chart"]) for r in releases] == [("demo", "deployed", "tiny-0.1.0")]
 
     dev_cluster.helm("uninstall", "demo", "-n", ns, "--wait", "--timeout", "60s")
     assert not dev_cluster.exists(f"/api/v1/namespaces/{ns}/configmaps/demo-settings")
     assert not dev_cluster.exists(f"/apis/apps/v1/namespaces/{ns}/deployments/demo-worker")
-    wait_for("the chart's pods to go", lambda: dev_cluster.pods(ns, "app.kubernetes.io/instance=demo") == [])
+    wait_for(
+        lambda: dev_cluster.pods(ns, "app.kubernetes.io/instance=demo") == [],
+        timeout=30,
+        interval=0.1,
+        message="the chart's pods to go",
+    )
     assert json.loads(dev_cluster.helm("list", "-n", ns, "-o", "json").stdout) == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from baton_dev.kubeapi import ApiError
+from baton_dev.spec import KWOK_TOLERATION
 from baton_dev.testing import DevCluster
 
 pytestmark = pytest.mark.k8s
@@ -17,6 +18,7 @@ def _pod(name: str, security: dict[str, object], pod_security: dict[str, object]
         "metadata": {"name": name},
         "spec": {
             "nodeSelector": {"type": "kwok"},
+            "tolerations": [KWOK_TOLERATION],
             "securityContext": pod_security,
             "containers": [{"name": "c", "image": "example.invalid/x:1", "securityContext": security}],
         },

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from baton_dev.node_agent.pod_range import FIRST_OCTET, claim_pod_range
-from baton_dev.testing import DevCluster, condition, is_ready, wait_for
+from baton_dev.testing import DevCluster, condition, is_ready
+from baton_support.wait import wait_for
 from tests.devcluster.pods import run_to_completion
 
 pytestmark = pytest.mark.k8s
@@ -54,7 +55,7 @@ def _running_ip(dev_cluster: DevCluster, ns: str, name: str) -> str:
         except httpx.HTTPError:
             return None
 
-    return wait_for(f"{name} to serve on its pod IP", serving, timeout_s=30)
+    return wait_for(serving, timeout=30, interval=0.1, message=f"{name} to serve on its pod IP")
 
 
 def test_env_and_service_account_kubeconfig(dev_cluster: DevCluster, k8s_namespace: str) -> None:
@@ -116,7 +117,10 @@ def test_ready_only_when_readiness_probe_passes(dev_cluster: DevCluster, k8s_nam
 
     # Serving, but /ready answers 503: after three failed probes it must still be unready.
     wait_for(
-        "3 failed readiness probes", lambda: len(dev_cluster.agent_events(ns, "web", "probe-failed")) >= 3
+        lambda: len(dev_cluster.agent_events(ns, "web", "probe-failed")) >= 3,
+        timeout=30,
+        interval=0.1,
+        message="3 failed readiness probes",
     )
     pod = dev_cluster.pod(ns, "web")
     assert not is_ready(pod)
@@ -130,7 +134,7 @@ def test_ready_only_when_readiness_probe_passes(dev_cluster: DevCluster, k8s_nam
         pod = dev_cluster.pod(ns, "web")
         return pod if is_ready(pod) else None
 
-    pod = wait_for("the pod to turn Ready", ready_pod)
+    pod = wait_for(ready_pod, timeout=30, interval=0.1, message="the pod to turn Ready")
     assert pod["status"]["containerStatuses"][0]["ready"] is True
     assert pod["status"]["podIP"] == ip
     assert pod["status"]["podIPs"] == [{"ip": ip}]
@@ -145,11 +149,12 @@ def test_killed_process_restarts_with_growing_backoff(dev_cluster: DevCluster, k
         pid = int(httpx.get(f"http://{ip}:8080/pid", timeout=30).text)
         os.kill(pid, signal.SIGKILL)
         wait_for(
-            f"restart {restarts + 1}",
             lambda n=restarts: (
                 dev_cluster.pod(ns, "crashy")["status"]["containerStatuses"][0]["restartCount"] == n + 1
             ),
-            timeout_s=30,
+            timeout=30,
+            interval=0.1,
+            message=f"restart {restarts + 1}",
         )
     _running_ip(dev_cluster, ns, "crashy")
 
@@ -185,9 +190,10 @@ def test_delete_sends_sigterm_then_sigkill_after_grace(dev_cluster: DevCluster, 
 
     dev_cluster.admin.delete(f"/api/v1/namespaces/{ns}/pods/stubborn")
     wait_for(
-        "the pod object to go",
         lambda: not dev_cluster.exists(f"/api/v1/namespaces/{ns}/pods/stubborn"),
-        timeout_s=30,
+        timeout=30,
+        interval=0.1,
+        message="the pod object to go",
     )
 
     sigterm = dev_cluster.agent_events(ns, "stubborn", "sigterm")
@@ -225,7 +231,10 @@ def test_delete_of_cooperative_process_needs_no_sigkill(dev_cluster: DevCluster,
 
     # The agent posts Events from background tasks: "Killing" may land after the pod is gone.
     wait_for(
-        "the Started and Killing Events", lambda: {("Started", "polite"), ("Killing", "polite")} <= reasons()
+        lambda: {("Started", "polite"), ("Killing", "polite")} <= reasons(),
+        timeout=30,
+        interval=0.1,
+        message="the Started and Killing Events",
     )
 
 
@@ -292,7 +301,12 @@ def test_liveness_probe_failure_restarts_after_startup_probe(
         statuses = dev_cluster.pod(ns, "lively")["status"].get("containerStatuses") or [{}]
         return dict(statuses[0])
 
-    wait_for("a liveness restart", lambda: container_status().get("restartCount", 0) >= 1, timeout_s=30)
+    wait_for(
+        lambda: container_status().get("restartCount", 0) >= 1,
+        timeout=30,
+        interval=0.1,
+        message="a liveness restart",
+    )
     failures = [e for e in dev_cluster.agent_events(ns, "lively", "probe-failed") if e["probe"] == "Liveness"]
     assert len(failures) >= 2
     assert "exited with 1" in failures[0]["message"]
@@ -310,12 +324,15 @@ def test_liveness_probe_failure_restarts_after_startup_probe(
     pod_dir = next((dev_cluster.state.agent_dir / "pods").glob(f"{ns}_lively_*"))
     (pod_dir / "alive").write_text("yes")
     ip = _running_ip(dev_cluster, ns, "lively")
-    wait_for("started", lambda: container_status()["started"])
+    wait_for(lambda: container_status()["started"], timeout=30, interval=0.1, message="started")
     count = container_status()["restartCount"]
     pid = int(httpx.get(f"http://{ip}:8080/pid", timeout=30).text)
     runs = len((pod_dir / "probes.log").read_text().splitlines())
     wait_for(
-        "3 more liveness probes", lambda: len((pod_dir / "probes.log").read_text().splitlines()) >= runs + 3
+        lambda: len((pod_dir / "probes.log").read_text().splitlines()) >= runs + 3,
+        timeout=30,
+        interval=0.1,
+        message="3 more liveness probes",
     )
     assert container_status()["restartCount"] == count
     assert int(httpx.get(f"http://{ip}:8080/pid", timeout=30).text) == pid
@@ -333,7 +350,12 @@ def test_container_exit_ends_its_child_processes(dev_cluster: DevCluster, k8s_na
     pod = run_to_completion(dev_cluster, ns, "parent", [main])
     assert pod["status"]["phase"] == "Succeeded"
     child = int(dev_cluster.pod_log(ns, "parent", "main").strip())
-    wait_for("the orphaned child to be gone", lambda: not Path(f"/proc/{child}").exists() or _zombie(child))
+    wait_for(
+        lambda: not Path(f"/proc/{child}").exists() or _zombie(child),
+        timeout=30,
+        interval=0.1,
+        message="the orphaned child to be gone",
+    )
 
 
 def _zombie(pid: int) -> bool:

@@ -9,13 +9,27 @@ import pytest
 
 from baton_dev.kubeapi import ApiError
 from baton_dev.testing import DevCluster
+from baton_support.wait import wait_for
 from tests.devcluster.pods import run_to_completion
 
 pytestmark = pytest.mark.k8s
 DATA = Path(__file__).parent / "data"
 
 
+def _allowed(dev_cluster: DevCluster, ns: str, user: str, verb: str, resource: str) -> bool:
+    """What the API server's authorizer answers now for `user` (a SubjectAccessReview)."""
+    review = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SubjectAccessReview",
+        "spec": {"user": user, "resourceAttributes": {"namespace": ns, "verb": verb, "resource": resource}},
+    }
+    answer = dev_cluster.admin.post("/apis/authorization.k8s.io/v1/subjectaccessreviews", review)
+    return bool(answer["status"].get("allowed"))
+
+
 def _pod_reader_role(dev_cluster: DevCluster, ns: str, subject: dict[str, str]) -> None:
+    """A Role reading pods bound to `subject`; returns once the authorizer applies the binding
+    (its RBAC cache follows the API by a watch: a request right after the create may be refused)."""
     api = dev_cluster.admin
     api.post(
         f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
@@ -31,6 +45,15 @@ def _pod_reader_role(dev_cluster: DevCluster, ns: str, subject: dict[str, str]) 
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
             "subjects": [subject],
         },
+    )
+    user = subject["name"]
+    if subject["kind"] == "ServiceAccount":
+        user = f"system:serviceaccount:{subject['namespace']}:{subject['name']}"
+    wait_for(
+        lambda: _allowed(dev_cluster, ns, user, "list", "pods"),
+        timeout=60,
+        interval=0.1,
+        message=f"the RoleBinding to let {user} list pods in {ns}",
     )
 
 

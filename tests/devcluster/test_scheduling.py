@@ -7,7 +7,9 @@ from collections import Counter
 
 import pytest
 
-from baton_dev.testing import DevCluster, condition, is_ready, wait_for
+from baton_dev.spec import KWOK_TOLERATION
+from baton_dev.testing import DevCluster, condition, is_ready
+from baton_support.wait import wait_for
 
 pytestmark = pytest.mark.k8s
 
@@ -25,6 +27,7 @@ def _deployment(name: str, replicas: int, gpus: int) -> dict[str, object]:
                 "metadata": {"labels": labels},
                 "spec": {
                     "nodeSelector": {"type": "kwok"},
+                    "tolerations": [KWOK_TOLERATION],
                     "containers": [
                         {
                             "name": "engine",
@@ -48,7 +51,7 @@ def test_deployment_pods_fill_gpu_nodes(dev_cluster: DevCluster, k8s_namespace: 
         pending = [p for p in pods if (condition(p, "PodScheduled") or {}).get("reason") == "Unschedulable"]
         return pods if len(pods) == 5 and len(running) == 4 and len(pending) == 1 else None
 
-    pods = wait_for("4 pods running and 1 unschedulable", settled, timeout_s=60)
+    pods = wait_for(settled, timeout=60, interval=0.1, message="4 pods running and 1 unschedulable")
     per_node = Counter(p["spec"].get("nodeName") for p in pods if p["spec"].get("nodeName"))
     assert per_node == {"kwok-node-0": 2, "kwok-node-1": 2}
     pending = next(p for p in pods if not p["spec"].get("nodeName"))
@@ -77,13 +80,14 @@ def test_pod_wanting_more_gpus_than_any_node_stays_pending(
             "kind": "Pod",
             "metadata": {"name": "too-big"},
             "spec": {
+                "tolerations": [KWOK_TOLERATION],  # every node is a candidate: none has 9 GPUs
                 "containers": [
                     {
                         "name": "c",
                         "image": "example.invalid/x:1",
                         "resources": {"limits": {"amd.com/gpu": "9"}},
                     }
-                ]
+                ],
             },
         },
         k8s_namespace,
@@ -93,7 +97,7 @@ def test_pod_wanting_more_gpus_than_any_node_stays_pending(
         scheduled = condition(dev_cluster.pod(k8s_namespace, "too-big"), "PodScheduled")
         return scheduled if scheduled and scheduled.get("reason") == "Unschedulable" else None
 
-    scheduled = wait_for("the scheduler's verdict", unschedulable)
+    scheduled = wait_for(unschedulable, timeout=30, interval=0.1, message="the scheduler's verdict")
     assert scheduled["status"] == "False"
     assert scheduled["message"] == (
         "0/3 nodes are available: 3 Insufficient amd.com/gpu. no new claims to deallocate, "

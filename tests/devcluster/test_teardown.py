@@ -10,7 +10,8 @@ from baton_dev.binaries import find_binaries
 from baton_dev.cluster import leftover_pod_processes, start_cluster, stop_cluster
 from baton_dev.processes import ProcessRecord, is_alive
 from baton_dev.spec import ClusterSpec
-from baton_dev.testing import DevCluster, wait_for
+from baton_dev.testing import DevCluster
+from baton_support.wait import wait_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 SERVER = str(Path(__file__).parent / "data" / "podserver.py")
@@ -51,7 +52,7 @@ def test_down_stops_every_process(tmp_path: Path) -> None:
             records = leftover_pod_processes(state)
             return records if len(records) == 2 else None
 
-        pod_processes = wait_for("both pod processes", both_running)
+        pod_processes = wait_for(both_running, timeout=30, interval=0.1, message="both pod processes")
         cluster.close()
     finally:
         stopped = stop_cluster(state)

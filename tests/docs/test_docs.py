@@ -161,7 +161,7 @@ def _reason_constants(trees: list[ast.Module]) -> dict[str, set[str]]:
 
 def operator_reasons() -> tuple[set[str], set[str]]:
     """(condition reasons, Event reasons) the operator's code writes: the third argument of
-    status._condition, the second of ``Event(type, reason, message)``, every ``reason=`` keyword,
+    resource_status._condition, the second of ``Event(type, reason, message)``, every ``reason=`` keyword,
     and the autoscaler's EVENT_REASONS. A reconcile failure's reason (``failure.reason``) is a
     condition reason when the status records it (one of FAILURE_REASONS) and an Event reason for
     every ``Failure(reason, ...)`` the code builds."""

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from baton_engine.gpu_runner import GpuModelRunner
-from baton_engine.llm import LLM
-from baton_engine.model_runner import ModelRunner
-from baton_engine.sampling_params import SamplingParams
+from baton_engine.core.sampling_params import SamplingParams
+from baton_engine.entrypoints.llm import LLM
+from baton_engine.worker.gpu.model_runner import GpuModelRunner
+from baton_engine.worker.model_runner import ModelRunner
 from baton_support.tiny_models import PARITY, SPECULATIVE, parity_model
 
 VOCAB = PARITY.vocab_size

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from baton_engine.attention.triton_multi_query import multi_query_workspace, paged_multi_query_attention
+from baton_engine.model.kernels.triton_multi_query import multi_query_workspace, paged_multi_query_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 

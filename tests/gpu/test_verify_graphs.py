@@ -13,7 +13,7 @@ import gc
 import pytest
 import torch
 
-from baton_engine.gpu_runner import GpuModelRunner
+from baton_engine.worker.gpu.model_runner import GpuModelRunner
 from bench.speculative import _build_runner
 from tests.gpu_kernels.verify_steps import verify_step
 

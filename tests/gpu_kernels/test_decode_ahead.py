@@ -6,8 +6,8 @@ import dataclasses
 
 import numpy as np
 
-from baton_engine.decode_ahead import match_rows, plan_next_decode
-from baton_engine.scheduler_output import SchedulerOutput
+from baton_engine.core.scheduler_output import SchedulerOutput
+from baton_engine.worker.gpu.decode_ahead import match_rows, plan_next_decode
 from tests.gpu_kernels.verify_steps import verify_step
 
 BS = 4

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from baton_engine.attention.triton_attention import DecodeWorkspace, prefill_tiles
-from baton_engine.fused_decoder import DecodeMeta, FusedDecoder, PrefillMeta
-from baton_engine.kv_cache import allocate_kv_cache
-from baton_engine.loader import load_model
-from baton_engine.model.attention_backend import get_attention_backend
-from baton_engine.model.attention_batch import AttentionBatch
+from baton_engine.model.attention.backend import get_attention_backend
+from baton_engine.model.attention.batch import AttentionBatch
+from baton_engine.model.kernels.triton_attention import DecodeWorkspace, prefill_tiles
+from baton_engine.model.loader.model_loading import load_model
+from baton_engine.worker.gpu.fused_decoder import DecodeMeta, FusedDecoder, PrefillMeta
+from baton_engine.worker.kv_cache import allocate_kv_cache
 from baton_support.tiny_models import parity_model
 
 BLOCK = 4

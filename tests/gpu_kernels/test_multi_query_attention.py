@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton_engine.attention.triton_multi_query import multi_query_workspace, paged_multi_query_attention
+from baton_engine.model.kernels.triton_multi_query import multi_query_workspace, paged_multi_query_attention
 from tests.gpu_kernels.test_triton_kernels import HEAD_DIM, HEADS, _paged_cache, _reference, _rel_err
 
 
@@ -43,7 +43,7 @@ def test_multi_query_matches_reference(num_splits: int, kernel_device: torch.dev
 
 
 def test_query_len_one_equals_the_decode_kernel(kernel_device: torch.device) -> None:
-    from baton_engine.attention.triton_attention import DecodeWorkspace, paged_decode_attention
+    from baton_engine.model.kernels.triton_attention import DecodeWorkspace, paged_decode_attention
 
     gen = torch.Generator().manual_seed(6)
     seq_lens = [13, 40, 1]

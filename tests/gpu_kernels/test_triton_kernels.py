@@ -6,13 +6,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from baton_engine.attention.triton_attention import (
+from baton_engine.model.kernels.triton_attention import (
     DecodeWorkspace,
     paged_decode_attention,
     paged_prefill_attention,
     prefill_tiles,
 )
-from baton_engine.attention.triton_fused import fused_add_rms_norm, rms_norm, rotary_cache_write, silu_and_mul
+from baton_engine.model.kernels.triton_fused import (
+    fused_add_rms_norm,
+    rms_norm,
+    rotary_cache_write,
+    silu_and_mul,
+)
 from baton_engine.model.layers import RMSNorm
 from baton_engine.model.rope import apply_rotary
 

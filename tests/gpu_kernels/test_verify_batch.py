@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from baton_engine.scheduler_output import SchedulerOutput
-from baton_engine.verify_batch import is_verify_step, plan_verify, smallest_fit, verify_query_lens
+from baton_engine.core.scheduler_output import SchedulerOutput
+from baton_engine.worker.gpu.verify_batch import is_verify_step, plan_verify, smallest_fit, verify_query_lens
 from tests.gpu_kernels.verify_steps import verify_step
 
 BS = 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from baton_engine.scheduler_output import SamplingBatch, SchedulerOutput
+from baton_engine.core.scheduler_output import SamplingBatch, SchedulerOutput
 
 
 def verify_step(

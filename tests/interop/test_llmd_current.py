@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import zmq
 
-from baton_engine.kv_events_publisher import KVEventPublisher
-from baton_engine.kv_events_wire import (
+from baton_engine.prefix.publisher import KVEventPublisher
+from baton_engine.prefix.wire import (
     WireAllBlocksCleared,
     WireBlockRemoved,
     WireBlockStored,
@@ -28,7 +28,7 @@ from baton_engine.kv_events_wire import (
 from baton_support.wait import wait_for
 from tests.interop import vllm_peer
 from tests.interop.test_vllm_kv_events import as_records, history
-from tests.kv_events.conftest import CACHE_ROOT, GO_DECODER_SRC
+from tests.prefix.conftest import CACHE_ROOT, GO_DECODER_SRC
 
 pytestmark = pytest.mark.slow
 

@@ -12,14 +12,14 @@ import pytest
 import zmq
 
 from baton_engine import contract
-from baton_engine.kv_events_publisher import KVEventPublisher
-from baton_engine.kv_events_wire import encode_sequence
+from baton_engine.prefix.publisher import KVEventPublisher
+from baton_engine.prefix.wire import encode_sequence
 from baton_engine.router.app import create_app
 from baton_engine.router.endpoints import Endpoint, EndpointRegistry, static_endpoint
 from baton_engine.router.kv_index import KVEventIndex
 from baton_engine.router.settings import RouterSettings
 from baton_support.wait import wait_for
-from tests.kv_events.records import BlocksStored
+from tests.prefix.records import BlocksStored
 from tests.router.fake_engine import FakeEngine
 from tests.router.servers import ServerThread, stop_all
 

@@ -20,8 +20,10 @@ from typing import Any
 import pytest
 import zmq
 
-from baton_engine.kv_events_subscriber import KVEventSubscriber
-from baton_engine.kv_events_wire import (
+from baton_engine.prefix.hashing import EventKeyHasher
+from baton_engine.prefix.subscriber import KVEventSubscriber
+from baton_engine.prefix.vllm_hash import VllmPrefixHasher
+from baton_engine.prefix.wire import (
     ENCODING_MAP,
     WireAllBlocksCleared,
     WireBlockRemoved,
@@ -31,8 +33,6 @@ from baton_engine.kv_events_wire import (
     encode_batch,
     parse_replay_answer,
 )
-from baton_engine.prefix_hash_vllm import VllmPrefixHasher
-from baton_engine.router.block_hashes import ChainedBlockHasher
 from baton_support.wait import wait_for
 from tests.interop import vllm_peer
 
@@ -70,7 +70,7 @@ def test_the_recording(recorded: dict[str, Any]) -> None:
 
 
 def test_every_batch_decodes_as_maps_and_every_key_is_recomputed(recorded: dict[str, Any]) -> None:
-    hasher = ChainedBlockHasher(VllmPrefixHasher(ALGOS[recorded["hash_algo"]]), recorded["block_size"])
+    hasher = EventKeyHasher(VllmPrefixHasher(ALGOS[recorded["hash_algo"]]), recorded["block_size"])
     prefix_of: dict[int, tuple[int, ...]] = {}  # event key -> the tokens from the sequence start
     stored = 0
     for _, batch in batches(recorded):
@@ -238,7 +238,7 @@ def test_a_subscriber_follows_the_recorded_stream(recorded: dict[str, Any], peer
 def test_batons_publisher_answers_replays_as_vllm_does(recorded: dict[str, Any]) -> None:
     """Baton's publisher (default encoding) replays in vLLM 0.32's framing: the same frame
     layout as the recorded answers, the identical end marker, and map-encoded payloads."""
-    from baton_engine.kv_events_publisher import KVEventPublisher
+    from baton_engine.prefix.publisher import KVEventPublisher
 
     vllm_answers = recorded["replay_from_0"]
     publisher = KVEventPublisher("tcp://127.0.0.1:*", recorded["topic"], replay_endpoint="tcp://127.0.0.1:*")

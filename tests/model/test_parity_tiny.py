@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from baton_engine.config import EngineConfig
-from baton_engine.model_runner import ModelRunner
+from baton_engine.worker.model_runner import ModelRunner
 from baton_support.tiny_models import PARITY, hf_greedy, parity_model
 from tests.model.driver import TestDriver
 

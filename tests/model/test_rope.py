@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from baton_engine.loader.hf_config import model_config_from_hf
+from baton_engine.model.loader.hf_config import model_config_from_hf
 from baton_engine.model.rope import RotaryTable, apply_rotary, inverse_frequencies
 
 BASE = {

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from baton_engine.config import EngineConfig
-from baton_engine.loader import LoadedModel, load_model, resolve_model
-from baton_engine.model_runner import ModelRunner
+from baton_engine.model.loader.model_loading import LoadedModel, load_model
+from baton_engine.model.loader.reference import resolve_model
+from baton_engine.worker.model_runner import ModelRunner
 from tests.model.driver import TestDriver
 
 pytestmark = pytest.mark.model

@@ -10,8 +10,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from baton_engine.model.attention_batch import AttentionBatch
-from baton_engine.model.torch_attention import GROUP_COST_IN_BLOCKS, TorchAttentionBackend, _group_cuts
+from baton_engine.model.attention.batch import AttentionBatch
+from baton_engine.model.attention.torch_backend import (
+    GROUP_COST_IN_BLOCKS,
+    TorchAttentionBackend,
+    _group_cuts,
+)
 
 BLOCK = 4
 KV_HEADS, HEADS_PER_KV, DIM = 2, 3, 8

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import kopf
@@ -10,6 +9,7 @@ import kopf
 from baton_operator import metrics, models
 from baton_operator.kube import Kube
 from baton_support.apiserver import ApiServer, Rest
+from baton_support.wait import wait_for
 
 
 def async_kube(server: ApiServer, token: str | None = None) -> Kube:
@@ -45,17 +45,6 @@ def get_infd(kube: Any, namespace: str, name: str) -> dict[str, Any]:
     return got
 
 
-def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
-    """Poll `predicate` until it returns something truthy; fail naming `what` after the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 def create_foreign_deployment(rest: Rest, namespace: str, name: str) -> None:
     """A Deployment someone else created under a name Baton wants, with another selector: the
     selector is immutable, so Baton's apply of that Deployment is refused (422)."""
@@ -89,7 +78,6 @@ def dev_cluster_kube(cluster: Any) -> Kube:
 def install_crd_in(cluster: Any, crd: dict[str, Any]) -> None:
     """Create a CRD in a `baton_dev` cluster unless it is there, and wait until it is Established."""
     from baton_dev.kubeapi import ApiError
-    from baton_dev.testing import wait_for as wait
 
     crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
     try:
@@ -98,10 +86,12 @@ def install_crd_in(cluster: Any, crd: dict[str, Any]) -> None:
         if exc.status != 409:
             raise
     path = f"{crds}/{crd['metadata']['name']}"
-    wait(
-        f"the CRD {crd['metadata']['name']} to be Established",
+    wait_for(
         lambda: any(
             c["type"] == "Established" and c["status"] == "True"
             for c in (cluster.admin.get(path).get("status") or {}).get("conditions") or []
         ),
+        timeout=30,
+        interval=0.1,
+        message=f"the CRD {crd['metadata']['name']} to be Established",
     )

@@ -142,3 +142,41 @@ def test_helm_install_and_uninstall_keeps_the_crds(helm: Path, apiserver: ApiSer
     crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
     for name in ("inferencedeployments.baton.dev", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"):
         assert rest.call("GET", f"{crds}/{name}")[0] == 200, name
+
+
+NAMESPACE_ONLY_IN_CLUSTER_ROLE = (["customresourcedefinitions"], ["namespaces"], ["clusterkopfpeerings"])
+
+
+def test_watched_namespaces_get_roles_and_the_cluster_role_keeps_only_crds(helm: Path) -> None:
+    docs = helm_template(helm, "watchNamespaces={llm,batch}")
+    crds = {
+        "apiGroups": ["apiextensions.k8s.io"],
+        "resources": ["customresourcedefinitions"],
+        "verbs": ["get", "list", "watch"],
+    }
+    assert by_kind(docs, "ClusterRole")["rules"] == [crds]
+    everywhere = by_kind(helm_template(helm), "ClusterRole")["rules"]
+    namespaced = [r for r in everywhere if r["resources"] not in NAMESPACE_ONLY_IN_CLUSTER_ROLE]
+    peering = {
+        "apiGroups": ["kopf.dev"],
+        "resources": ["kopfpeerings"],
+        "verbs": ["get", "list", "watch", "patch"],
+    }
+    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"}
+    assert sorted(roles) == ["batch", "llm"]
+    for role in roles.values():
+        assert role["rules"] == [*namespaced, peering]
+    bindings = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "RoleBinding"}
+    assert sorted(bindings) == ["batch", "llm"]
+    for binding in bindings.values():
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": "baton-operator",
+        }
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "baton-operator", "namespace": "baton-system"}
+        ]
+    # Cluster-wide, the ClusterRole holds everything and there are no Roles.
+    assert [d for d in helm_template(helm) if d["kind"] in ("Role", "RoleBinding")] == []
+    assert crds in everywhere and len(everywhere) == len(namespaced) + 3

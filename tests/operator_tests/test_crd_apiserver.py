@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from baton_operator import models
+from baton_operator import crd, models
 from baton_operator.builders import BuildContext, Owner, desired_children
 from baton_operator.builders.extras import new_signing_key
 from baton_operator.kube import FIELD_MANAGER, path_of
@@ -130,3 +130,30 @@ def test_specs_at_the_limits_are_accepted_and_so_are_their_children(
         if status not in (200, 201):
             refused[f"{manifest['kind']} {manifest['metadata']['name']}"] = body.get("message")
     assert refused == {}
+
+
+def _numbers_as_floats(node: Any) -> Any:
+    """JSON numbers compared by value (the API server stores 1.0 as 1)."""
+    if isinstance(node, dict):
+        return {k: _numbers_as_floats(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_numbers_as_floats(v) for v in node]
+    if isinstance(node, int | float) and not isinstance(node, bool):
+        return float(node)
+    return node
+
+
+def test_the_api_server_stores_the_schema_as_generated(kube: Any) -> None:
+    """Nothing of the generated schema is dropped on the way in (a keyword CRDs do not know,
+    such as `const`, would be pruned silently, and a server-side apply of the file would then
+    conflict with the stored copy)."""
+    import kubernetes
+
+    ext = kubernetes.client.ApiextensionsV1Api(kube)
+    stored = ext.api_client.sanitize_for_serialization(
+        ext.read_custom_resource_definition(crd.crd()["metadata"]["name"])
+    )
+    generated = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert _numbers_as_floats(
+        stored["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    ) == _numbers_as_floats(generated)

@@ -23,8 +23,9 @@ from baton_operator import models
 from baton_operator.kube import collection_path
 from baton_support.apiserver import ApiServer, Rest, api_server, binary_dir
 from baton_support.operator_process import OperatorProcess, operator_process
+from baton_support.wait import wait_for
 from tests.operator_tests.cases import merged
-from tests.operator_tests.kube_helpers import create_infd, create_namespace, get_infd, wait_for
+from tests.operator_tests.kube_helpers import create_infd, create_namespace, get_infd
 from tests.operator_tests.watching import Watch, resource_version
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -75,8 +76,9 @@ def keeper(own_kube: Any, operator: OperatorProcess) -> str:
     create_infd(own_kube, "keeper", "keeper", SPEC)
     wait_for(
         lambda: get_infd(own_kube, "keeper", "keeper").get("status", {}).get("observedGeneration") == 1,
-        60,
-        "the keeper reconciled",
+        timeout=60,
+        interval=0.1,
+        message="the keeper reconciled",
     )
     return "keeper"
 
@@ -93,7 +95,12 @@ def wait_for_resyncs(operator: OperatorProcess, count: int, live: int = 1) -> No
     """Until each of the `live` live resources has been resynced `count` more times."""
     count *= live
     start = resyncs(operator)
-    wait_for(lambda: resyncs(operator) >= start + count, 90, f"{count} more resyncs of the live resources")
+    wait_for(
+        lambda: resyncs(operator) >= start + count,
+        timeout=90,
+        interval=0.1,
+        message=f"{count} more resyncs of the live resources",
+    )
 
 
 def children(rest: Rest, namespace: str, name: str) -> dict[tuple[str, str], dict[str, Any]]:
@@ -139,7 +146,9 @@ def reconciled(kube: Any, rest: Rest, namespace: str, name: str) -> dict[str, An
         pods = pods_of(rest, namespace, body["metadata"]["uid"])
         return body if len(pods) == 3 else None
 
-    return dict(wait_for(done, 60, f"{namespace}/{name} reconciled with three pods"))
+    return dict(
+        wait_for(done, timeout=60, interval=0.1, message=f"{namespace}/{name} reconciled with three pods")
+    )
 
 
 def delete_infd(rest: Rest, namespace: str, name: str) -> None:
@@ -158,8 +167,18 @@ def test_a_deleted_resource_stays_deleted(
     wait_for_resyncs(operator, 2)  # the deleted resource's periodic work has run, too
 
     delete_infd(rest, "gone", "demo")
-    wait_for(lambda: not children(rest, "gone", "demo"), 60, "the garbage collector to delete every child")
-    wait_for(lambda: not pods_of_namespace(rest, "gone"), 60, "the garbage collector to delete every pod")
+    wait_for(
+        lambda: not children(rest, "gone", "demo"),
+        timeout=60,
+        interval=0.1,
+        message="the garbage collector to delete every child",
+    )
+    wait_for(
+        lambda: not pods_of_namespace(rest, "gone"),
+        timeout=60,
+        interval=0.1,
+        message="the garbage collector to delete every pod",
+    )
 
     paths = [collection_path(v, k, "gone") for v, k in CHILD_KINDS] + ["/api/v1/namespaces/gone/events"]
     watches = [Watch(own_apiserver, path, resource_version(own_apiserver, path)) for path in paths]
@@ -203,7 +222,12 @@ def test_a_recreated_resource_keeps_its_pods_and_owns_every_child(
         everything = pods_of_namespace(rest, "twin")
         return pods if len(pods) == 3 and len(everything) == 3 else None
 
-    pods = wait_for(settled, 90, "every child owned by the new UID, its three pods and no other")
+    pods = wait_for(
+        settled,
+        timeout=90,
+        interval=0.1,
+        message="every child owned by the new UID, its three pods and no other",
+    )
     path = collection_path("v1", "Pod", "twin")
     with Watch(own_apiserver, path, resource_version(own_apiserver, path)) as watch:
         wait_for_resyncs(operator, WINDOW_RESYNCS, live=2)  # the keeper and the new twin

@@ -12,7 +12,7 @@ import pytest
 
 from baton_dev import ecosystem_crds
 from baton_dev import spec as cluster_spec
-from baton_dev.testing import DevCluster, wait_for
+from baton_dev.testing import DevCluster
 from baton_engine import contract
 from baton_operator import crd
 from baton_operator.builders import BuildContext, Owner, desired_children
@@ -21,6 +21,7 @@ from baton_operator.models import InferenceDeploymentSpec
 from baton_operator.reconcile import OperatorConfig, reconcile
 from baton_support.apiserver import ApiServer, Rest
 from baton_support.operator_process import CLUSTER_PATHS, wait_established
+from baton_support.wait import wait_for
 from tests.operator_tests.cases import VALID_SPEC, merged
 from tests.operator_tests.kube_helpers import (
     async_kube,
@@ -159,7 +160,12 @@ def _delete_crd(rest: Rest) -> None:
     path = f"{CLUSTER_PATHS['CustomResourceDefinition']}/{CRD.name}"
     rest.call("DELETE", path)
     # A terminating CRD still "exists": wait until it is gone, for the next module's counts.
-    wait_for("the InferencePool CRD to be deleted", lambda: rest.call("GET", path)[0] == 404, 60)
+    wait_for(
+        lambda: rest.call("GET", path)[0] == 404,
+        timeout=60,
+        interval=0.1,
+        message="the InferencePool CRD to be deleted",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -299,7 +305,8 @@ async def test_a_crd_deleted_while_cached_as_present_does_not_fail_the_reconcile
 # --------------------------------------------------------------------------- the full control plane
 
 KWOK = {cluster_spec.NODE_TYPE_LABEL: "kwok"}
-SMALL = {"resources": {"gpus": 0, "cpu": "100m", "memory": "256Mi"}, "nodeSelector": KWOK}
+ON_KWOK = {"nodeSelector": KWOK, "tolerations": [cluster_spec.KWOK_TOLERATION]}
+SMALL = {"resources": {"gpus": 0, "cpu": "100m", "memory": "256Mi"}, **ON_KWOK}
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +321,12 @@ def cluster_crds(dev_cluster: DevCluster) -> Iterator[None]:
         yield
     finally:
         dev_cluster.admin.delete(path)
-        wait_for("the InferencePool CRD to be deleted", lambda: not dev_cluster.exists(path), 60)
+        wait_for(
+            lambda: not dev_cluster.exists(path),
+            timeout=60,
+            interval=0.1,
+            message="the InferencePool CRD to be deleted",
+        )
 
 
 def selected(cluster: DevCluster, namespace: str, match_labels: dict[str, str]) -> set[str]:
@@ -331,9 +343,9 @@ async def test_pool_selects_exactly_the_engine_pods(
     ns = k8s_namespace
     specs = {
         "pd": merged(VALID_SPEC, {"autoscaling": {"mode": "off"}, "prefill": {"replicas": 2, **SMALL},
-                                  "decode": {"replicas": 1, **SMALL}, "router": {"nodeSelector": KWOK}}),
+                                  "decode": {"replicas": 1, **SMALL}, "router": ON_KWOK}),
         "agg": merged(VALID_SPEC, {"mode": "aggregated", "autoscaling": {"mode": "off"},
-                                   "pool": {"replicas": 2, **SMALL}, "router": {"nodeSelector": KWOK}}),
+                                   "pool": {"replicas": 2, **SMALL}, "router": ON_KWOK}),
     }  # fmt: skip
     kube = dev_cluster_kube(dev_cluster)
     try:
@@ -362,7 +374,7 @@ async def test_pool_selects_exactly_the_engine_pods(
         return found if {k: len(v) for k, v in found.items()} == want else None
 
     try:
-        pods = wait_for("every pod of both deployments", pods_by_role, timeout_s=180)
+        pods = wait_for(pods_by_role, timeout=180, interval=0.1, message="every pod of both deployments")
     except AssertionError:
         raise AssertionError(
             dev_cluster.kubectl("get", "pods,deploy,rs", "-n", ns, "-o", "wide").stdout

@@ -14,12 +14,12 @@ import pytest
 import yaml
 
 from baton_dev import ecosystem_crds
-from baton_dev.testing import wait_for
 from baton_engine import contract
 from baton_operator.kube import FIELD_MANAGER, Kube
 from baton_operator.reconcile import OperatorConfig, reconcile
 from baton_support.apiserver import ApiServer, Rest
 from baton_support.operator_process import CLUSTER_PATHS, wait_established
+from baton_support.wait import wait_for
 
 pytestmark = pytest.mark.k8s
 
@@ -48,7 +48,12 @@ def keda_crd(apiserver: ApiServer, kube: Any) -> Iterator[None]:
         yield
     finally:
         rest.call("DELETE", path)
-        wait_for("the ScaledObject CRD to be deleted", lambda: rest.call("GET", path)[0] == 404, 60)
+        wait_for(
+            lambda: rest.call("GET", path)[0] == 404,
+            timeout=60,
+            interval=0.1,
+            message="the ScaledObject CRD to be deleted",
+        )
 
 
 @pytest.fixture

@@ -15,13 +15,13 @@ import pytest
 from baton_operator.kube import FIELD_MANAGER, collection_path
 from baton_support.apiserver import ApiServer, Rest
 from baton_support.operator_process import OperatorProcess, operator_process
+from baton_support.wait import wait_for
 from tests.operator_tests.cases import VALID_SPEC
 from tests.operator_tests.kube_helpers import (
     create_foreign_deployment,
     create_infd,
     create_namespace,
     get_infd,
-    wait_for,
 )
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -48,7 +48,11 @@ def reconciled(own_kube: Any, operator: OperatorProcess, own_apiserver: ApiServe
         recorded = "baton.dev/last-handled-configuration" in body["metadata"].get("annotations", {})
         return body if done and recorded else None
 
-    return dict(wait_for(handled, 60, "status.observedGeneration == 1 and Kopf's record"))
+    return dict(
+        wait_for(
+            handled, timeout=60, interval=0.1, message="status.observedGeneration == 1 and Kopf's record"
+        )
+    )
 
 
 def test_children_status_and_bookkeeping(reconciled: dict[str, Any], own_apiserver: ApiServer) -> None:
@@ -77,7 +81,7 @@ def test_events_are_posted(reconciled: dict[str, Any], own_apiserver: ApiServer)
         found = {e["reason"] for e in rest.get("/api/v1/namespaces/op/events")["items"]}
         return found if {"SigningKeyCreated", "Reconciled"} <= found else None
 
-    assert wait_for(reasons, 20, "SigningKeyCreated and Reconciled events")
+    assert wait_for(reasons, timeout=20, interval=0.1, message="SigningKeyCreated and Reconciled events")
 
 
 def test_operator_cannot_read_secrets(
@@ -107,7 +111,12 @@ def test_periodic_reconcile_repairs_a_hand_edit(reconciled: dict[str, Any], own_
     def repaired() -> bool:
         return bool(rest.get(path)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 60)
 
-    wait_for(repaired, 20, "the resync timer to restore terminationGracePeriodSeconds")
+    wait_for(
+        repaired,
+        timeout=20,
+        interval=0.1,
+        message="the resync timer to restore terminationGracePeriodSeconds",
+    )
 
 
 def test_spec_change_reaches_the_pod_template(
@@ -127,9 +136,12 @@ def test_spec_change_reaches_the_pod_template(
         args = rest.get(path)["spec"]["template"]["spec"]["containers"][0]["args"]
         return bool(args[args.index("--max-num-seqs") + 1] == "17")
 
-    wait_for(updated, 30, "--max-num-seqs 17 in the decode pod template")
+    wait_for(updated, timeout=30, interval=0.1, message="--max-num-seqs 17 in the decode pod template")
     wait_for(
-        lambda: get_infd(own_kube, "op", "demo")["status"].get("observedGeneration") == 2, 30, "generation 2"
+        lambda: get_infd(own_kube, "op", "demo")["status"].get("observedGeneration") == 2,
+        timeout=30,
+        interval=0.1,
+        message="generation 2",
     )
 
 
@@ -153,15 +165,19 @@ def test_peering_keeps_one_replica_active(
     with operator_process(kubeconfig, own_apiserver.workdir, "--resync-seconds=2") as second:
         peering = "/apis/kopf.dev/v1/clusterkopfpeerings/baton-operator"
         peers = wait_for(
-            lambda: (s := rest.get(peering).get("status") or {}) and len(s) == 2 and s, 30, "2 peers"
+            lambda: (s := rest.get(peering).get("status") or {}) and len(s) == 2 and s,
+            timeout=30,
+            interval=0.1,
+            message="2 peers",
         )
         priorities = [p["priority"] for p in peers.values()]
         assert len(set(priorities)) == 2
         create_infd(own_kube, "op", "second", VALID_SPEC)
         wait_for(
             lambda: get_infd(own_kube, "op", "second").get("status", {}).get("observedGeneration") == 1,
-            30,
-            "the active replica to reconcile",
+            timeout=30,
+            interval=0.1,
+            message="the active replica to reconcile",
         )
         pattern = r'baton_operator_reconciles_total\{result="ok",trigger="create"\} (\S+)'
 
@@ -170,7 +186,12 @@ def test_peering_keeps_one_replica_active(
             return float(found.group(1)) if found else 0.0
 
         # The counter moves just after the status patch: poll it rather than race it.
-        wait_for(lambda: creates(operator) == 2.0, 30, "the first replica's second create")
+        wait_for(
+            lambda: creates(operator) == 2.0,
+            timeout=30,
+            interval=0.1,
+            message="the first replica's second create",
+        )
         assert creates(second) == 0.0  # the standby never reconciled
 
 
@@ -200,17 +221,23 @@ def test_child_readiness_reaches_status_and_printer_columns(
         conditions = get_infd(own_kube, "op", "demo")["status"]["conditions"]
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
-    wait_for(ready, 30, "Ready=True from the child Deployments' status")
+    wait_for(ready, timeout=30, interval=0.1, message="Ready=True from the child Deployments' status")
     # The child events also ran a status refresh (the 2 s resync may have written Ready first).
     wait_for(
         lambda: sample(operator.metrics(), "baton_operator_status_refreshes_total") > refreshes,
-        30,
-        "a status refresh after the child Deployments' status changes",
+        timeout=30,
+        interval=0.1,
+        message="a status refresh after the child Deployments' status changes",
     )
     # The operator's status patches never start a reconcile: the only update is the spec change.
     updates = 'baton_operator_reconciles_total{result="ok",trigger="update"}'
     # (counted just after that reconcile's status patch, which is all the spec-change test waited for)
-    wait_for(lambda: sample(operator.metrics(), updates) == 1.0, 30, "exactly one update reconcile")
+    wait_for(
+        lambda: sample(operator.metrics(), updates) == 1.0,
+        timeout=30,
+        interval=0.1,
+        message="exactly one update reconcile",
+    )
     status = get_infd(own_kube, "op", "demo")["status"]
     assert (status["prefill"]["ready"], status["decode"]["ready"], status["router"]["ready"]) == ("1/1",) * 3
     conditions = {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
@@ -277,7 +304,10 @@ def test_a_stuck_pool_says_why(reconciled: dict[str, Any], own_apiserver: ApiSer
     write_status({"phase": "Pending", "conditions": [unschedulable]})
     stuck = f"decode: pod demo-decode-stuck is unschedulable: {SCHEDULER}"
     wait_for(
-        lambda: degraded() == ("True", "PodsUnschedulable", stuck), 30, "Degraded=True PodsUnschedulable"
+        lambda: degraded() == ("True", "PodsUnschedulable", stuck),
+        timeout=30,
+        interval=0.1,
+        message="Degraded=True PodsUnschedulable",
     )
 
     crash = {
@@ -296,12 +326,20 @@ def test_a_stuck_pool_says_why(reconciled: dict[str, Any], own_apiserver: ApiSer
         "decode: pod demo-decode-stuck container engine: CrashLoopBackOff "
         "(restarted 3 times, last exit 2 Error): back-off 40s restarting failed container"
     )
-    wait_for(lambda: degraded() == ("True", "CrashLooping", looping), 30, "Degraded=True CrashLooping")
+    wait_for(
+        lambda: degraded() == ("True", "CrashLooping", looping),
+        timeout=30,
+        interval=0.1,
+        message="Degraded=True CrashLooping",
+    )
 
     status, body = rest.call("DELETE", f"{pods}/demo-decode-stuck?gracePeriodSeconds=0")
     assert status == 200, body
     wait_for(
-        lambda: degraded() == ("False", "AsExpected", "no failures observed"), 30, "Degraded=False again"
+        lambda: degraded() == ("False", "AsExpected", "no failures observed"),
+        timeout=30,
+        interval=0.1,
+        message="Degraded=False again",
     )
 
 
@@ -334,8 +372,9 @@ def test_a_refused_child_degrades_the_resource_once_and_is_retried(
     # the status says so with the API's answer, Ready and Degraded alike.
     degraded = wait_for(
         lambda: (c := conditions()).get("Degraded", ("", "", ""))[1] == "ChildRefused" and c["Degraded"],
-        30,
-        "Degraded=True ChildRefused",
+        timeout=30,
+        interval=0.1,
+        message="Degraded=True ChildRefused",
     )
     status, reason, message = degraded
     assert (status, reason) == ("True", "ChildRefused")
@@ -346,9 +385,12 @@ def test_a_refused_child_degrades_the_resource_once_and_is_retried(
     assert conditions()["Ready"] == ("False", "ChildRefused", message)
     # Retried (every resync: 2 s here), each refusal counted, but one Warning Event in all.
     wait_for(
-        lambda: reconcile_errors(operator, "HTTP422") >= refused_before + 3, 30, "three refused reconciles"
+        lambda: reconcile_errors(operator, "HTTP422") >= refused_before + 3,
+        timeout=30,
+        interval=0.1,
+        message="three refused reconciles",
     )
-    wait_for(lambda: posted("ChildRefused"), 30, "the ChildRefused Event")
+    wait_for(lambda: posted("ChildRefused"), timeout=30, interval=0.1, message="the ChildRefused Event")
     assert posted("ChildRefused") == [message]
     assert posted("SigningKeyCreated") == ["created Secret broken-kv-transfer"]
 
@@ -358,8 +400,9 @@ def test_a_refused_child_degrades_the_resource_once_and_is_retried(
     assert status_code == 200, answer
     wait_for(
         lambda: get_infd(own_kube, "failing", "broken").get("status", {}).get("observedGeneration") == 1,
-        30,
-        "a reconcile to succeed once the foreign Deployment is gone",
+        timeout=30,
+        interval=0.1,
+        message="a reconcile to succeed once the foreign Deployment is gone",
     )
     assert conditions()["Degraded"] == ("False", "AsExpected", "no failures observed")
     assert posted("ChildRefused") == [message]

@@ -22,8 +22,9 @@ import pytest
 import yaml
 
 from baton_dev import spec as cluster_spec
-from baton_dev.demo_manifests import PROCESS_NODES, chart_values
-from baton_dev.testing import DevCluster, condition, is_ready, wait_for
+from baton_dev.demo_manifests import PROCESS_NODES
+from baton_dev.testing import DevCluster, condition, is_ready
+from baton_support.wait import wait_for
 from tests.operator_tests.placement import with_placement
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -32,6 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "baton"
 RELEASE, OPERATOR_NS, OPERATOR_SA = "baton", "baton-system", "baton-operator"
 KWOK_NODES = {cluster_spec.NODE_TYPE_LABEL: "kwok"}
+KWOK_TOLERATIONS = [cluster_spec.KWOK_TOLERATION]
 INSTANCE_TYPE = "node.kubernetes.io/instance-type"  # full.yaml's GPU nodes select mi300x
 # Kinds the operator creates, with their API paths; ReplicaSets and Pods come from the controllers.
 CHILD_KINDS = {
@@ -125,18 +127,20 @@ def describe(cluster: DevCluster, namespace: str) -> str:
 def operator_pod(
     dev_cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
-    """`helm install` of the chart, the operator on the process node; uninstalled afterwards."""
+    """`helm install` of the chart as the docs say (no nodeSelector: only one replica and a short
+    resync differ), which must put the operator on the process node: the kwok nodes, where
+    nothing runs, are tainted for pods that do not opt in. Uninstalled afterwards."""
     values = tmp_path_factory.mktemp("chart") / "values.json"
-    values.write_text(json.dumps({**chart_values(PROCESS_NODES), "resyncSeconds": 5}))
+    values.write_text(json.dumps({"replicaCount": 1, "resyncSeconds": 5}))
     dev_cluster.helm(
         "install", RELEASE, str(CHART), "-n", OPERATOR_NS, "--create-namespace", "-f", str(values)
     )
     try:
         pod = wait_for(
-            "the operator pod to be Ready",
             lambda: next((p for p in dev_cluster.pods(OPERATOR_NS) if is_ready(p)), None),
-            120,
-            0.5,
+            timeout=120,
+            interval=0.5,
+            message="the operator pod to be Ready",
         )
         yield pod
     finally:
@@ -177,13 +181,18 @@ def examples(
     )
     names = {}
     for path in ("minimal.yaml", "full.yaml"):
-        doc = with_placement(load_example(path), KWOK_NODES)
+        doc = with_placement(load_example(path), KWOK_NODES, KWOK_TOLERATIONS)
         out = dev_cluster.kubectl("apply", "-n", restricted_ns, "-f", "-", stdin=json.dumps(doc)).stdout
         assert out.strip() == f"inferencedeployment.baton.dev/{doc['metadata']['name']} created"
         names[path] = doc["metadata"]["name"]
     for name in names.values():
         try:
-            wait_for(f"{name} Ready", lambda n=name: is_ready_infd(dev_cluster, restricted_ns, n), 120, 0.5)
+            wait_for(
+                lambda n=name: is_ready_infd(dev_cluster, restricted_ns, n),
+                timeout=120,
+                interval=0.5,
+                message=f"{name} Ready",
+            )
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{describe(dev_cluster, restricted_ns)}") from None
     return names
@@ -299,7 +308,7 @@ def test_a_pool_the_scheduler_cannot_place_says_so(
 ) -> None:
     """A decode pool asking for more GPUs than any node has: the real scheduler's verdict is the
     reason and message of Ready and Degraded (not 'RollingOut' and 'no failures observed')."""
-    doc = with_placement(load_example("minimal.yaml"), KWOK_NODES)
+    doc = with_placement(load_example("minimal.yaml"), KWOK_NODES, KWOK_TOLERATIONS)
     doc["metadata"]["name"] = "greedy"
     doc["spec"]["decode"] = {**doc["spec"].get("decode", {}), "resources": {"gpus": 64}}
     dev_cluster.apply(doc, restricted_ns)
@@ -309,7 +318,7 @@ def test_a_pool_the_scheduler_cannot_place_says_so(
         return found if found is not None and found["reason"] == "PodsUnschedulable" else None
 
     try:
-        stuck = wait_for("Degraded=True PodsUnschedulable", degraded, 120, 0.5)
+        stuck = wait_for(degraded, timeout=120, interval=0.5, message="Degraded=True PodsUnschedulable")
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{describe(dev_cluster, restricted_ns)}") from None
     (pod,) = dev_cluster.pods(restricted_ns, "baton.dev/deployment=greedy,baton.dev/role=decode")
@@ -331,8 +340,9 @@ def test_router_discovers_operator_pods_and_drops_a_deleted_one(
     """An operator-made router, running on the process node with its own ServiceAccount, watches
     the operator-made engine pods on kwok nodes; a request goes to the pod it discovered (the
     connection is refused there: nothing runs on kwok); once that pod is deleted the router has
-    no decode pod until the ReplicaSet's replacement is Ready, and then routes to that."""
-    doc = with_placement(load_example("minimal.yaml"), KWOK_NODES)
+    no decode pod until the ReplicaSet's replacement is Ready (it holds requests meanwhile), and
+    then routes to that."""
+    doc = with_placement(load_example("minimal.yaml"), KWOK_NODES, KWOK_TOLERATIONS)
     doc["metadata"]["name"] = "routed"
     doc["spec"]["router"]["nodeSelector"] = PROCESS_NODES
     dev_cluster.apply(doc, restricted_ns)
@@ -343,7 +353,7 @@ def test_router_discovers_operator_pods_and_drops_a_deleted_one(
             (p for p in pods if p["status"].get("podIP") and p["status"].get("phase") == "Running"), None
         )
 
-    router = wait_for("the router pod running", running_router, 120, 0.5)
+    router = wait_for(running_router, timeout=120, interval=0.5, message="the router pod running")
     url = f"http://{router['status']['podIP']}:8080/v1/chat/completions"
 
     def decode_pods() -> list[dict[str, Any]]:
@@ -358,25 +368,42 @@ def test_router_discovers_operator_pods_and_drops_a_deleted_one(
             return repr(exc)
         return str(answer.json()["error"]["message"]) if answer.status_code == 503 else answer.text
 
+    def router_metrics() -> str:
+        return httpx.get(url.replace("/v1/chat/completions", "/metrics"), timeout=10).text
+
     def refused_by(pod: dict[str, Any]) -> bool:
         prefix = f"direct leg: no pod accepted the connection (http://{pod['status']['podIP']}:8000: "
         return router_error().startswith(prefix)
 
-    first = wait_for("one Ready decode pod", lambda: [p for p in decode_pods() if is_ready(p)], 60, 0.5)[0]
-    wait_for("the router to try the discovered decode pod", lambda: refused_by(first), 60, 0.5)
+    first = wait_for(
+        lambda: [p for p in decode_pods() if is_ready(p)],
+        timeout=60,
+        interval=0.5,
+        message="one Ready decode pod",
+    )[0]
+    wait_for(
+        lambda: refused_by(first),
+        timeout=60,
+        interval=0.5,
+        message="the router to try the discovered decode pod",
+    )
     # Its replacement must not take its place (kwok reuses the IP): hold it Pending.
     dev_cluster.kubectl("cordon", *gpu_nodes_labelled)
     try:
         dev_cluster.kubectl("delete", "pod", first["metadata"]["name"], "-n", restricted_ns)
+        # With no decode pod the router holds requests (until one is back) rather than failing
+        # them: that it dropped the deleted pod shows in its endpoint count.
         wait_for(
-            "the router to stop routing to the deleted pod",
-            lambda: router_error() == "no decode pod available",
-            60,
-            0.5,
+            lambda: 'baton_router_endpoints{role="decode"} 0.0' in router_metrics().splitlines(),
+            timeout=60,
+            interval=0.5,
+            message="the router to drop the deleted pod",
         )
         # The router drops the pod as soon as it is gone; the ReplicaSet controller creates the
         # replacement on its own schedule.
-        (pending,) = wait_for("the ReplicaSet's replacement decode pod", decode_pods, 60, 0.5)
+        (pending,) = wait_for(
+            decode_pods, timeout=60, interval=0.5, message="the ReplicaSet's replacement decode pod"
+        )
         assert (pending["status"]["phase"], pending["metadata"]["uid"] != first["metadata"]["uid"]) == (
             "Pending",
             True,
@@ -388,10 +415,11 @@ def test_router_discovers_operator_pods_and_drops_a_deleted_one(
         ready = [p for p in decode_pods() if is_ready(p) and p["metadata"]["uid"] != first["metadata"]["uid"]]
         return ready[0] if ready else None
 
-    second = wait_for("the replacement decode pod Ready", replacement, 60, 0.5)
-    wait_for("the router to try the replacement", lambda: refused_by(second), 60, 0.5)
-    metrics = httpx.get(url.replace("/v1/chat/completions", "/metrics"), timeout=10).text
-    assert 'baton_router_endpoints{role="decode"} 1.0' in metrics.splitlines()
+    second = wait_for(replacement, timeout=60, interval=0.5, message="the replacement decode pod Ready")
+    wait_for(
+        lambda: refused_by(second), timeout=60, interval=0.5, message="the router to try the replacement"
+    )
+    assert 'baton_router_endpoints{role="decode"} 1.0' in router_metrics().splitlines()
     dev_cluster.kubectl("delete", "infd", "routed", "-n", restricted_ns)
 
 
@@ -414,7 +442,12 @@ def test_changing_an_engine_setting_rolls_the_pods(
             new = len(pods) == 1 and pods[0]["metadata"]["labels"]["pod-template-hash"] != old_hash[role]
             return pods[0] if new and is_ready(pods[0]) else None
 
-        after = wait_for(f"one Ready {role} pod of a new ReplicaSet, the old pod gone", rolled, 90, 0.5)
+        after = wait_for(
+            rolled,
+            timeout=90,
+            interval=0.5,
+            message=f"one Ready {role} pod of a new ReplicaSet, the old pod gone",
+        )
         args = after["spec"]["containers"][0]["args"]
         assert args[args.index("--max-num-seqs") + 1] == "17"
         replicasets = dev_cluster.admin.get(
@@ -426,13 +459,13 @@ def test_changing_an_engine_setting_rolls_the_pods(
         }
         assert by_hash == {old_hash[role]: 0, after["metadata"]["labels"]["pod-template-hash"]: 1}
     wait_for(
-        "Ready again at generation 2",
         lambda: (
             is_ready_infd(dev_cluster, restricted_ns, name)
             and infd(dev_cluster, restricted_ns, name)["status"]["observedGeneration"] == 2
         ),
-        60,
-        0.5,
+        timeout=60,
+        interval=0.5,
+        message="Ready again at generation 2",
     )
 
 
@@ -454,7 +487,12 @@ def test_deleting_the_resource_removes_every_child(
             present |= {(kind, i["metadata"]["name"]) for i in items}
         return not (remaining & present)
 
-    wait_for("the controller manager's garbage collector to delete every child", gone, 90, 0.5)
+    wait_for(
+        gone,
+        timeout=90,
+        interval=0.5,
+        message="the controller manager's garbage collector to delete every child",
+    )
     # The other example's children are untouched.
     full = infd(dev_cluster, restricted_ns, examples["full.yaml"])
     assert without_controller_made(owned_by(dev_cluster, restricted_ns, {full["metadata"]["uid"]})) == (

@@ -10,8 +10,9 @@ import pytest
 from baton_operator.kube import FIELD_MANAGER
 from baton_support.apiserver import ApiServer, Rest
 from baton_support.operator_process import operator_process
+from baton_support.wait import wait_for
 from tests.operator_tests.cases import VALID_SPEC
-from tests.operator_tests.kube_helpers import create_infd, create_namespace, get_infd, wait_for
+from tests.operator_tests.kube_helpers import create_infd, create_namespace, get_infd
 from tests.operator_tests.test_reconcile_apiserver import EXPECTED, children, managers
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -35,7 +36,15 @@ def test_killed_after_k_writes_then_restarted(
         namespace=namespace,  # other namespaces' resources would be resumed (and count) first
     ) as doomed:
         create_infd(own_kube, namespace, "demo", VALID_SPEC)
-        assert wait_for(lambda: doomed.proc.poll() is not None, 60, "the operator to die") is not None
+        assert (
+            wait_for(
+                lambda: doomed.proc.poll() is not None,
+                timeout=60,
+                interval=0.1,
+                message="the operator to die",
+            )
+            is not None
+        )
         assert doomed.proc.returncode == 137
         assert f"killed before write {k + 1}" in doomed.log_text()
     assert len(children(rest, namespace)) == k
@@ -44,8 +53,9 @@ def test_killed_after_k_writes_then_restarted(
     with operator_process(kubeconfig, own_apiserver.workdir, "--no-peering", namespace=namespace):
         wait_for(
             lambda: get_infd(own_kube, namespace, "demo").get("status", {}).get("observedGeneration") == 1,
-            60,
-            "the restarted operator to finish",
+            timeout=60,
+            interval=0.1,
+            message="the restarted operator to finish",
         )
     found = children(rest, namespace)
     assert set(found) == EXPECTED

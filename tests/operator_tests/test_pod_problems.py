@@ -21,7 +21,7 @@ from baton_operator.pod_problems import (
     pool_problems,
     summary,
 )
-from baton_operator.status import Observed, compute_status
+from baton_operator.resource_status import Observed, compute_status
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
 SCHEDULER = "0/3 nodes are available: 3 Insufficient amd.com/gpu. preemption: 0/3 nodes are available."

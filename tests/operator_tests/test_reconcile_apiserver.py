@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from baton_dev.testing import wait_for
 from baton_operator.events import Event
 from baton_operator.kube import FIELD_MANAGER, Kube, KubeError, collection_path
 from baton_operator.reconcile import Caches, OperatorConfig, reconcile, refresh_status
 from baton_support.apiserver import ApiServer, Rest
+from baton_support.wait import wait_for
 from tests.operator_tests.cases import DEMO_APPLIED_CHILDREN, VALID_SPEC, merged
 from tests.operator_tests.kube_helpers import (
     async_kube,
@@ -308,10 +308,10 @@ async def test_pod_monitor_is_applied_once_its_crd_exists(
         # Deletion is asynchronous: a terminating CRD still "exists" and refuses creates, which
         # would break the next test's reconcile. Wait until it is gone.
         wait_for(
-            "the PodMonitor CRD to be deleted",
             lambda: rest.call("GET", f"{crds}/podmonitors.monitoring.coreos.com")[0] == 404,
-            30,
-            0.1,
+            timeout=30,
+            interval=0.1,
+            message="the PodMonitor CRD to be deleted",
         )
 
 

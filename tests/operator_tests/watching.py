@@ -32,6 +32,7 @@ class Watch:
     path: str
     resource_version: str
     label_selector: str = ""
+    field_selector: str = ""
     _events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     _error: BaseException | None = None
     _closing: threading.Event = field(default_factory=threading.Event)
@@ -66,6 +67,8 @@ class Watch:
                 params = {"watch": "1", "resourceVersion": version, "timeoutSeconds": str(WATCH_SECONDS)}
                 if self.label_selector:
                     params["labelSelector"] = self.label_selector
+                if self.field_selector:
+                    params["fieldSelector"] = self.field_selector
                 try:
                     with self._client.stream("GET", self.path, params=params) as response:
                         if response.status_code != 200:

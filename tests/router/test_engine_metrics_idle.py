@@ -6,7 +6,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton_engine import contract
-from baton_engine.metrics import EngineMetrics
+from baton_engine.server.metrics import EngineMetrics
 
 
 def test_idle_engine_exposes_zero_load_and_counters() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from baton_dev.spec import KWOK_TOLERATION
 from baton_dev.testing import DevCluster
 from baton_engine import contract
 from baton_engine.router.discovery import KubernetesDiscovery, selector_string
@@ -26,6 +27,7 @@ def _pod(name: str, role: str, deployment: str = "demo") -> dict[str, Any]:
         "metadata": {"name": name, "labels": contract.pod_selector(deployment, role)},
         "spec": {
             "nodeSelector": {"type": "kwok"},
+            "tolerations": [KWOK_TOLERATION],
             "containers": [
                 {
                     "name": "engine",

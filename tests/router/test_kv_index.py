@@ -10,14 +10,14 @@ import httpx
 import pytest
 
 from baton_engine import contract
-from baton_engine.kv_events_publisher import KVEventPublisher
-from baton_engine.prefix_hash_vllm import VllmSha256CborHasher
-from baton_engine.router.block_hashes import ChainedBlockHasher, block_hasher
+from baton_engine.prefix.hashing import EventKeyHasher, fast_prefix_hash
+from baton_engine.prefix.publisher import KVEventPublisher
+from baton_engine.prefix.vllm_hash import VllmPrefixHasher, VllmSha256CborHasher
 from baton_engine.router.endpoints import Endpoint, EndpointRegistry
 from baton_engine.router.kv_index import KVEventIndex, zmq_address
 from baton_engine.router.prefix import PrefixScorer
 from baton_support.wait import wait_for
-from tests.kv_events.records import BlocksStored
+from tests.prefix.records import BlocksStored
 
 BLOCK = 16
 PROMPT = list(range(1000, 1000 + 3 * BLOCK + 5))  # three full blocks and a partial one
@@ -32,20 +32,27 @@ def test_block_keys_chain_vllm_digests_and_keep_their_low_64_bits() -> None:
     first = _digest((root, tuple(PROMPT[:BLOCK]), None))
     second = _digest((first, tuple(PROMPT[BLOCK : 2 * BLOCK]), None))
     third = _digest((second, tuple(PROMPT[2 * BLOCK : 3 * BLOCK]), None))
-    hasher = ChainedBlockHasher(VllmSha256CborHasher("7"), BLOCK)
+    hasher = EventKeyHasher(VllmSha256CborHasher("7"), BLOCK)
     assert hasher.block_hashes(PROMPT) == [int.from_bytes(d[-8:], "big") for d in (first, second, third)]
     assert hasher.block_hashes(PROMPT[: BLOCK - 1]) == []
 
 
 def test_block_hasher_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONHASHSEED", "7")
-    assert block_hasher("none", BLOCK) is None
-    vllm = block_hasher("vllm-sha256-cbor", BLOCK)
-    assert vllm is not None and vllm.block_size == BLOCK
+    vllm = EventKeyHasher.named("vllm-sha256-cbor", BLOCK)
+    assert isinstance(vllm.hasher, VllmPrefixHasher) and vllm.block_size == BLOCK
+    assert vllm.block_hashes(PROMPT) == EventKeyHasher(VllmSha256CborHasher("7"), BLOCK).block_hashes(PROMPT)
+    seeded = EventKeyHasher.named("vllm-sha256-cbor", BLOCK, seed="8").block_hashes(PROMPT)
+    assert (
+        seeded
+        == EventKeyHasher(VllmSha256CborHasher("8"), BLOCK).block_hashes(PROMPT)
+        != vllm.block_hashes(PROMPT)
+    )
+    assert EventKeyHasher.named("fast", BLOCK).hasher is fast_prefix_hash
     with pytest.raises(
-        ValueError, match="prefix hash: 'fastest' is not one of none, fast, vllm-sha256, vllm-sha256-cbor"
+        ValueError, match="prefix hash: 'fastest' is not one of fast, vllm-sha256, vllm-sha256-cbor"
     ):
-        block_hasher("fastest", BLOCK)
+        EventKeyHasher.named("fastest", BLOCK)
 
 
 def test_zmq_addresses() -> None:
@@ -104,7 +111,7 @@ def _until(condition: Callable[[], bool], publishers: list[KVEventPublisher], wh
 
 def test_index_follows_pods_and_drops_a_pod_that_goes(publishers) -> None:
     hasher = VllmSha256CborHasher("7")
-    keys = ChainedBlockHasher(hasher, BLOCK).block_hashes(PROMPT)
+    keys = EventKeyHasher(hasher, BLOCK).block_hashes(PROMPT)
     registry = EndpointRegistry()
     index = KVEventIndex()
     try:
@@ -134,14 +141,14 @@ def test_router_prefills_where_the_events_say_the_prefix_is(start_engine, start_
     warm, warm_url = start_engine("warm")
     decode, decode_url = start_engine("d0")
     hasher = VllmSha256CborHasher("7")
-    keys = ChainedBlockHasher(hasher, BLOCK).block_hashes(PROMPT)
+    keys = EventKeyHasher(hasher, BLOCK).block_hashes(PROMPT)
     index = KVEventIndex()
     cold_pod = _endpoint("prefill", cold_url, publishers[0])
     warm_pod = _endpoint("prefill", warm_url, publishers[1])
     router = start_router(
         endpoints=[cold_pod, warm_pod],
         decode=[decode_url],
-        scorer=PrefixScorer(hasher=ChainedBlockHasher(hasher, BLOCK), index=index),
+        scorer=PrefixScorer(hasher=EventKeyHasher(hasher, BLOCK), index=index),
         kv_index=index,
         block_size=BLOCK,
     )

@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 
 from baton_engine import contract
-from baton_engine.router.block_hashes import block_hasher
+from baton_engine.prefix.hashing import EventKeyHasher
 from baton_engine.router.discovery import endpoint_from_pod
 from baton_engine.router.endpoints import Endpoint, EndpointRegistry, static_endpoint
-from baton_engine.router.prefix import PrefixScorer
+from baton_engine.router.prefix import PrefixScorer, block_hasher
 from baton_support.wait import wait_for
 from tests.router.test_discovery import POD, _pod
 from tests.router.test_prefix_routing import DictIndex
@@ -183,8 +183,9 @@ def test_each_pod_is_scored_with_its_own_block_size() -> None:
     """Mid block-size rollout: the same prompt has other block keys on a 4-token pod than on an
     8-token pod; each pod's cached blocks are found with its own keys."""
     prompt = list(range(200, 224))  # 24 tokens: 6 blocks of 4, 3 blocks of 8
-    keys4 = block_hasher("fast", 4).block_hashes(prompt)  # type: ignore[union-attr]
-    keys8 = block_hasher("fast", 8).block_hashes(prompt)  # type: ignore[union-attr]
+    keys4 = EventKeyHasher.named("fast", 4).block_hashes(prompt)
+    keys8 = EventKeyHasher.named("fast", 8).block_hashes(prompt)
+    assert block_hasher("none", 4) is None
     small = Endpoint(role="prefill", url="http://10.0.0.4:8000", block_size=4, prefix_hash="fast")
     large = Endpoint(role="prefill", url="http://10.0.0.8:8000", block_size=8, prefix_hash="fast")
     unhashed = Endpoint(role="prefill", url="http://10.0.0.9:8000", block_size=8, prefix_hash="none")
@@ -196,7 +197,7 @@ def test_each_pod_is_scored_with_its_own_block_size() -> None:
     }
     # Without its own settings a pod is scored with the scorer's default hasher.
     plain = Endpoint(role="prefill", url="http://10.0.0.4:8000")
-    defaulted = PrefixScorer(index=index, hasher=block_hasher("fast", 4), hasher_factory=block_hasher)
+    defaulted = PrefixScorer(index=index, hasher=EventKeyHasher.named("fast", 4), hasher_factory=block_hasher)
     assert defaulted.matched_blocks("completions", {"prompt": prompt}, [plain]) == {plain.key: 5}
 
 

@@ -85,7 +85,7 @@ def test_builtin_model_tokenizer_loads_without_torch() -> None:
     import sys
 
     code = (
-        "import sys; from baton_engine.loader.tokenizer_loading import load_tokenizer; "
+        "import sys; from baton_engine.model.loader.tokenizer_loading import load_tokenizer; "
         "from baton_engine.router.request_tokens import EngineRequestTokenizer; "
         "t = EngineRequestTokenizer(load_tokenizer('builtin:smollm2-135m-instruct')); "
         "ids = t.prompt_token_ids('chat', {'messages': [{'role': 'user', 'content': 'Hi'}]}); "

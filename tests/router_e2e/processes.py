@@ -17,7 +17,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton_engine import contract
-from baton_engine.kv_events_wire import WireBlockStored, decode_batch, encode_sequence, parse_replay_answer
+from baton_engine.prefix.wire import WireBlockStored, decode_batch, encode_sequence, parse_replay_answer
 from baton_support.wait import wait_for
 from tests.server.server_process import (
     LoopbackProcess,

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from baton_engine import contract
-from baton_engine.kv_events_wire import WireBlockStored
-from baton_engine.loader.tokenizer_loading import load_tokenizer
-from baton_engine.router.block_hashes import block_hasher
+from baton_engine.model.loader.tokenizer_loading import load_tokenizer
+from baton_engine.prefix.hashing import EventKeyHasher
+from baton_engine.prefix.wire import WireBlockStored
 from baton_engine.router.request_tokens import EngineRequestTokenizer
 from baton_support.wait import wait_for
 from tests.router_e2e.processes import (
@@ -72,7 +72,7 @@ def test_router_keys_equal_engine_event_keys(
     server, prefix_hash, events = engine
     body = {"messages": MESSAGES}
     token_ids = EngineRequestTokenizer(load_tokenizer(MODEL)).prompt_token_ids("chat", body)
-    hasher = block_hasher(prefix_hash, BLOCK_SIZE)
+    hasher = EventKeyHasher.named(prefix_hash, BLOCK_SIZE)
     assert hasher is not None
     router_keys = hasher.block_hashes(token_ids)
     full_blocks = len(token_ids) // BLOCK_SIZE

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 
 from baton_engine import contract
-from baton_engine.loader.tokenizer_loading import load_tokenizer
-from baton_engine.tokenizer import Tokenizer
+from baton_engine.model.loader.tokenizer_loading import load_tokenizer
+from baton_engine.text.tokenizer import Tokenizer
 from baton_support.wait import wait_for
 from tests.pd_setup import PREFIXED, SHARED_PREFIX, TEXTS, common_prefix_len, pd_environment, serve_args
 from tests.router_e2e.hooked_proxy import hooked_proxy

@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from baton_engine import ipc
-from baton_engine.engine_outputs import RequestOutput
-from baton_engine.sampling_params import SamplingParams
+from baton_engine.core.outputs import RequestOutput
+from baton_engine.core.sampling_params import SamplingParams
+from baton_engine.entrypoints import ipc
 
 
 def test_offline_path_imports_no_server_dependency() -> None:
     code = (
-        "import sys, baton_engine.llm, baton_engine.engine_core, baton_engine.engine_factory;"
+        "import sys, baton_engine.entrypoints.llm, baton_engine.core.engine_core, "
+        "baton_engine.entrypoints.engine_factory;"
         "print(sorted(m for m in ('fastapi', 'uvicorn', 'zmq', 'starlette', 'prometheus_client') "
         "if m in sys.modules))"
     )
@@ -35,7 +36,7 @@ def test_request_output_wire_roundtrip() -> None:
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
-    from baton_engine.llm import LLM
+    from baton_engine.entrypoints.llm import LLM
 
     return LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128, max_model_len=256)
 
@@ -85,7 +86,7 @@ def test_llm_and_sampling_params_are_exported_without_importing_torch() -> None:
     code = (
         "import sys, baton_engine; assert 'torch' not in sys.modules;"
         "from baton_engine import SamplingParams; assert 'torch' not in sys.modules;"
-        "from baton_engine import LLM; import baton_engine.llm as m;"
+        "from baton_engine import LLM; import baton_engine.entrypoints.llm as m;"
         "assert LLM is m.LLM and SamplingParams is m.SamplingParams; print('ok')"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

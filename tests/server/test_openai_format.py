@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from baton_engine.loader.tokenizer_loading import load_tokenizer
+from baton_engine.model.loader.tokenizer_loading import load_tokenizer
 from baton_engine.server.openai_format import TokenText
 
 
@@ -38,7 +38,7 @@ def test_special_tokens_are_their_text(smollm2: TokenText) -> None:
 
 
 def test_tiny_byte_level_tokenizer(tiny_model_dir: Path) -> None:
-    from baton_engine.tokenizer import Tokenizer
+    from baton_engine.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained_dir(tiny_model_dir)
     assert tokenizer is not None

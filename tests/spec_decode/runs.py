@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from baton_engine.engine_stats import EngineStats
-from baton_engine.llm import LLM, GenerationOutput, Prompt
-from baton_engine.sampling_params import SamplingParams
-from baton_engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from baton_engine.core.engine_stats import EngineStats
+from baton_engine.core.sampling_params import SamplingParams
+from baton_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from baton_engine.entrypoints.llm import LLM, GenerationOutput, Prompt
 
 
 @dataclass

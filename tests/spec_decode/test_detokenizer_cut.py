@@ -7,8 +7,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from baton_engine.detokenizer import IncrementalDetokenizer
-from baton_engine.tokenizer import Tokenizer
+from baton_engine.text.detokenizer import IncrementalDetokenizer
+from baton_engine.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

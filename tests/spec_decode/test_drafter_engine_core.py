@@ -9,16 +9,16 @@ import random
 import numpy as np
 import pytest
 
-from baton_engine.engine_core import EngineCore, run_until_idle
-from baton_engine.engine_outputs import RequestOutput
-from baton_engine.sampling_params import SamplingParams
-from baton_engine.scheduler import Scheduler
-from baton_engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from baton_engine.sequence import Sequence, SequenceStatus
+from baton_engine.core.engine_core import EngineCore, run_until_idle
+from baton_engine.core.outputs import RequestOutput
+from baton_engine.core.request import Request, RequestStatus
+from baton_engine.core.sampling_params import SamplingParams
+from baton_engine.core.scheduler import Scheduler
+from baton_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton_engine.spec_decode.drafter import NgramDrafter
 from baton_engine.spec_decode.ngram_proposer import NgramProposer
-from tests.engine_core.helpers import assert_no_leaks, check_step_invariants
-from tests.engine_core.paged_fake_model import PagedFakeModel, reference_next_token
+from tests.core.helpers import assert_no_leaks, check_step_invariants
+from tests.core.paged_fake_model import PagedFakeModel, reference_next_token
 
 VOCAB = 3  # tiny: n-grams recur all the time, and drafts are right about half the time
 EOS = 0
@@ -152,7 +152,7 @@ def test_drafts_never_exceed_what_the_request_may_still_get() -> None:
         (1, 0, 100, []),
     ]
     for max_tokens, produced, max_model_len, expected in cases:
-        seq = Sequence(1, tokens[: len(tokens) - produced], SamplingParams(max_tokens=max_tokens))
+        seq = Request(1, tokens[: len(tokens) - produced], SamplingParams(max_tokens=max_tokens))
         seq.token_ids[:] = tokens
         drafter.propose([seq], max_model_len)
         assert seq.draft_token_ids == expected, (max_tokens, produced, max_model_len)
@@ -160,8 +160,8 @@ def test_drafts_never_exceed_what_the_request_may_still_get() -> None:
 
 def test_token_buffers_follow_the_decoding_sequences() -> None:
     drafter = NgramDrafter(NgramProposer(2, 1, 2))
-    a = Sequence(1, [1, 2, 1], SamplingParams(max_tokens=9))
-    b = Sequence(2, [3, 3], SamplingParams(max_tokens=9))
+    a = Request(1, [1, 2, 1], SamplingParams(max_tokens=9))
+    b = Request(2, [3, 3], SamplingParams(max_tokens=9))
     drafter.propose([a, b], 100)
     assert (a.draft_token_ids, b.draft_token_ids) == ([2, 1], [3, 3])
     a.token_ids.append(5)
@@ -189,8 +189,8 @@ def test_a_pd_consumer_speculates_on_pulled_kv() -> None:
     core = EngineCore(scheduler, runner, drafter=NgramDrafter(NgramProposer(k, 1, 3)))
     prompt = [1, 2, 1, 1, 2, 2, 1, 2, 1, 1, 2]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    seq = Sequence(0, prompt, params)
-    seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+    seq = Request(0, prompt, params)
+    seq.status = RequestStatus.WAITING_FOR_REMOTE_KV
     scheduler.add(seq)
     assert scheduler.schedule().num_rows == 0  # reserves the blocks
     (reserved,) = scheduler.take_remote_kv_reservations()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from baton_engine.sampling_params import SamplingParams
+from baton_engine.core.sampling_params import SamplingParams
 from baton_support.tiny_models import with_eos
 from tests.spec_decode.conftest import TINY_VOCAB as VOCAB
 from tests.spec_decode.runs import first_occurrence_inside_accepted_run, generate, make_llm

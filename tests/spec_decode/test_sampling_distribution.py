@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from baton_engine.sampling_params import SamplingParams
+from baton_engine.core.sampling_params import SamplingParams
 from baton_support.tiny_models import TinyModel
 from tests.spec_decode.runs import Run, generate, make_llm
 

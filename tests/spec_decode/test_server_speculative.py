@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from baton_engine import contract
-from baton_engine.sampling_params import SamplingParams
+from baton_engine.core.sampling_params import SamplingParams
 from bench.speculative import INSTRUCTIONS, PARAGRAPHS
 from tests.server.server_process import ServerProcess
 from tests.spec_decode.runs import generate, make_llm

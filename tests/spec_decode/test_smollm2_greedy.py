@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from baton_engine.sampling_params import SamplingParams
+from baton_engine.core.sampling_params import SamplingParams
 from bench.speculative import INSTRUCTIONS, PARAGRAPHS
 from tests.spec_decode.runs import generate, make_llm
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from baton_engine.scheduler_stats import SpecDecodeStats
+from baton_engine.core.scheduler_stats import SpecDecodeStats
 from baton_engine.spec_decode.stats_log import SpecDecodeLogger, format_spec_stats
 
 

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from baton_engine.attention.triton_multi_query import multi_query_workspace
 from baton_engine.config import EngineConfig
-from baton_engine.fused_decoder import FusedDecoder, VerifyMeta
-from baton_engine.loader import LoadedModel
-from baton_engine.model_runner import ModelRunner
-from baton_engine.sampling_params import SamplingParams
-from baton_engine.scheduler_output import SchedulerOutput
-from baton_engine.verify_batch import is_verify_step, plan_verify, smallest_fit, verify_query_lens
+from baton_engine.core.sampling_params import SamplingParams
+from baton_engine.core.scheduler_output import SchedulerOutput
+from baton_engine.model.kernels.triton_multi_query import multi_query_workspace
+from baton_engine.model.loader.model_loading import LoadedModel
+from baton_engine.worker.gpu.fused_decoder import FusedDecoder, VerifyMeta
+from baton_engine.worker.gpu.verify_batch import is_verify_step, plan_verify, smallest_fit, verify_query_lens
+from baton_engine.worker.model_runner import ModelRunner
 from tests.spec_decode.conftest import TINY_VOCAB
 from tests.spec_decode.runs import generate, make_llm
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from baton_engine.loader.tokenizer_loading import load_tokenizer
+from baton_engine.model.loader.tokenizer_loading import load_tokenizer
 from baton_engine.structured.bitmask import apply_bitmask, bitmask_to_allowed
 from baton_engine.structured.grammar import (
     StructuredOutputError,
@@ -21,7 +21,7 @@ from baton_engine.structured.grammar import (
     tool_call_grammar,
 )
 from baton_engine.structured.matcher import GrammarMatcher, allowed, bitmask_words, grammar_tokenizer
-from baton_engine.tokenizer import Tokenizer
+from baton_engine.text.tokenizer import Tokenizer
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

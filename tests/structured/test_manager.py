@@ -11,11 +11,11 @@ import jsonschema
 import pytest
 import torch
 
-from baton_engine.loader.tokenizer_loading import load_tokenizer
+from baton_engine.model.loader.tokenizer_loading import load_tokenizer
 from baton_engine.structured.bitmask import apply_bitmask
 from baton_engine.structured.grammar import StructuredOutputError, response_format_grammar
 from baton_engine.structured.manager import SampledRow, StructuredOutputManager
-from baton_engine.tokenizer import Tokenizer
+from baton_engine.text.tokenizer import Tokenizer
 
 PERSON: dict[str, Any] = {
     "type": "object",

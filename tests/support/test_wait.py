@@ -17,12 +17,18 @@ def test_returns_the_first_truthy_value() -> None:
 
 
 def test_timeout_names_what_was_awaited_and_the_last_value() -> None:
-    running = iter(range(3, -1, -1))
+    seen: list[int] = []
+
+    def running_requests() -> list[int]:
+        seen.append(len(seen))
+        return []  # falsy: still waiting
+
     with pytest.raises(WaitTimeout) as caught:
-        wait_for(lambda: [] if next(running, 0) == 0 else None, timeout=0.05, message="the engine to idle")
+        wait_for(running_requests, timeout=0.05, interval=0.01, message="the engine to idle")
     assert str(caught.value) == "timed out after 0.05 s waiting for the engine to idle; last value: []"
     assert isinstance(caught.value, AssertionError)
     assert (caught.value.message, caught.value.last_value) == ("the engine to idle", [])
+    assert len(seen) >= 2  # polled until the deadline, and once after it
 
 
 def test_a_condition_that_raises_ends_the_wait_with_its_error() -> None:

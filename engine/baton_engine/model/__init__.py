@@ -1,12 +1,7 @@
-"""The Llama-family decoder over a paged KV cache, and its attention backends."""
+"""The Llama-family decoder over a paged KV cache (`llama`, `config`, `layers`, `rope`,
+`weights`), its attention interface and reference backend (`attention`), the Triton kernels of
+the GPU path (`kernels`) and checkpoint loading (`loader`).
 
-from baton_engine.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedArchitectureError
-from baton_engine.model.llama import CausalLM, build_model
-
-__all__ = [
-    "SUPPORTED_ARCHITECTURES",
-    "CausalLM",
-    "ModelConfig",
-    "UnsupportedArchitectureError",
-    "build_model",
-]
+Kept free of imports: `config` and the torch-free parts of `loader` (model references, GGUF
+metadata, tokenizer loading) are imported by the router, which never loads torch.
+"""

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton_engine.model.attention_backend import AttentionBackend
-from baton_engine.model.attention_batch import AttentionBatch
+from baton_engine.model.attention.backend import AttentionBackend
+from baton_engine.model.attention.batch import AttentionBatch
 from baton_engine.model.config import ModelConfig
 from baton_engine.model.layers import Embedding, GatedMLP, Linear, RMSNorm
 from baton_engine.model.rope import RotaryTable, apply_rotary

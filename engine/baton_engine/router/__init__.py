@@ -2,7 +2,8 @@
 prefill pod and a decode pod (or to one pod of an aggregated pool).
 
 Torch-free: besides its own modules it imports only torch-free parts of ``baton_engine``
-(``contract``, and the KV-event subscriber/wire/hash modules for prefix routing).
+(``contract``, ``prefix`` — block keys, the KV-event subscriber and index — and the tokenizer
+loading of ``text`` and ``model.loader``), as import-linter checks.
 
 Modules:
     cli           flags -> settings, discovery, prefix scoring; runs uvicorn
@@ -15,9 +16,9 @@ Modules:
     endpoints     Endpoint and the registry discovery keeps current (added/removed events)
     discovery     static URL lists; Kubernetes Pod watch (pod -> endpoint extraction is pure)
     load          /metrics scraper (queue depth, running, KV usage)
-    prefix        seams: RequestTokenizer, BlockHasher, PrefixIndex; PrefixScorer combines them
-    block_hashes  BlockHasher on the engines' chained hash (vllm-sha256-cbor today)
-    kv_index      PrefixIndex fed by the pods' KV events (subscriber follows the registry)
+    prefix        seams: RequestTokenizer, BlockHasher, PrefixMatcher; PrefixScorer combines them
+                  (block keys: ``prefix.hashing.EventKeyHasher``)
+    kv_index      PrefixMatcher fed by the pods' KV events (subscriber follows the registry)
     metrics       baton_router_* Prometheus metrics (names in contract's router section)
     errors        OpenAI-shaped error bodies
 """

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from baton_engine import contract
-from baton_engine.router.block_hashes import PREFIX_HASH_NONE, PREFIX_HASHES
 from baton_engine.router.discovery import (
     KubernetesDiscovery,
     default_namespace,
@@ -19,6 +18,7 @@ from baton_engine.router.discovery import (
 )
 from baton_engine.router.endpoints import EndpointRegistry
 from baton_engine.router.policy import ROUTINGS, PrefillWeights
+from baton_engine.router.prefix import PREFIX_HASH_NONE, PREFIX_HASHES, block_hasher
 from baton_engine.router.settings import MODES, RouterSettings
 
 if TYPE_CHECKING:
@@ -235,7 +235,7 @@ def _request_tokenizer(reference: str | None, p: argparse.ArgumentParser) -> Eng
     """The engines' tokenizer and chat template (torch-free); None routes text prompts by load."""
     if reference is None:
         return None
-    from baton_engine.loader.tokenizer_loading import load_tokenizer
+    from baton_engine.model.loader.tokenizer_loading import load_tokenizer
     from baton_engine.router.request_tokens import EngineRequestTokenizer
 
     try:
@@ -281,7 +281,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn  # imported after the flags are checked: a typo fails fast
 
     from baton_engine.router.app import create_app
-    from baton_engine.router.block_hashes import block_hasher
     from baton_engine.router.kv_index import KVEventIndex
     from baton_engine.router.prefix import PrefixScorer
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from baton_engine import contract
-from baton_engine.router.block_hashes import PREFIX_HASHES
 from baton_engine.router.endpoints import Endpoint, EndpointRegistry, static_endpoint
+from baton_engine.router.prefix import PREFIX_HASHES
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The KV-event index of the discovered pods: subscribe when a pod appears, drop it when it goes.
 
-Wraps ``baton_engine.kv_events_subscriber.KVEventSubscriber`` (its own thread and ZMQ sockets),
+Wraps ``baton_engine.prefix.subscriber.KVEventSubscriber`` (its own thread and ZMQ sockets),
 keyed by ``Endpoint.key``, so a restarted pod (new uid or IP, hence a new key) starts from an
 empty index and its predecessor's entries go with it.
 """
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from baton_engine import contract
-from baton_engine.kv_events_subscriber import KVEventSubscriber, PodStreamStats
+from baton_engine.prefix.subscriber import KVEventSubscriber, PodStreamStats
 from baton_engine.router.endpoints import Endpoint, EndpointRegistry, EventKind
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ def zmq_address(endpoint: Endpoint, port_name: str) -> str:
 
 
 class KVEventIndex:
-    """A ``prefix.PrefixIndex`` fed by every engine pod's KV events."""
+    """A `router.prefix.PrefixMatcher` fed by every engine pod's KV events."""
 
     def __init__(self, subscriber: KVEventSubscriber | None = None) -> None:
         self.subscriber = subscriber or KVEventSubscriber()

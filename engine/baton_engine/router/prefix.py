@@ -13,11 +13,26 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
+from baton_engine import contract
+from baton_engine.prefix.hashing import EventKeyHasher
 from baton_engine.router.endpoints import Endpoint
 
 log = logging.getLogger(__name__)
 
 Api = Literal["completions", "chat"]
+
+PREFIX_HASH_NONE = "none"
+"""``--prefix-hash none``: compute no block keys, route by load only."""
+PREFIX_HASHES: tuple[str, ...] = (PREFIX_HASH_NONE, *contract.PREFIX_HASHES)
+"""What the router's ``--prefix-hash`` (and a pod's hashing annotation) may name."""
+
+
+def block_hasher(prefix_hash: str, block_size: int, seed: str | None = None) -> EventKeyHasher | None:
+    """The event keys of a pod hashing with `prefix_hash` (and `seed`, for the vllm-* ones); None
+    for ``none`` (that pod is routed by load only)."""
+    if prefix_hash == PREFIX_HASH_NONE:
+        return None
+    return EventKeyHasher.named(prefix_hash, block_size, seed)
 
 
 class RequestTokenizer(Protocol):
@@ -32,8 +47,8 @@ class BlockHasher(Protocol):
     def block_hashes(self, token_ids: Sequence[int]) -> list[int]: ...
 
 
-class PrefixIndex(Protocol):
-    """The KV-event subscriber's view: pod -> number of leading ``block_hashes`` it caches."""
+class PrefixMatcher(Protocol):
+    """The KV-event index's view: pod -> number of leading ``block_hashes`` it caches."""
 
     def longest_prefix_match(self, block_hashes: Sequence[int]) -> Mapping[str, int]: ...
 
@@ -64,7 +79,7 @@ class PrefixScorer:
         *,
         tokenizer: RequestTokenizer | None = None,
         hasher: BlockHasher | None = None,
-        index: PrefixIndex | None = None,
+        index: PrefixMatcher | None = None,
         hasher_factory: HasherFactory | None = None,
         default_prefix_hash: str = "none",
         default_block_size: int = 16,

@@ -1,4 +1,4 @@
-"""A ``prefix.RequestTokenizer`` over the engine's tokenizer (``baton_engine.tokenizer.Tokenizer``,
+"""A ``prefix.RequestTokenizer`` over the engine's tokenizer (``baton_engine.text.tokenizer.Tokenizer``,
 torch-free), typed structurally so this module needs no import of it.
 
 Prompts become token ids as the engine's server makes them: a completions prompt given as text is

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baton_engine import contract
-from baton_engine.sampling_params import SamplingParams
+from baton_engine.core.sampling_params import SamplingParams
 from baton_engine.server import errors
 from baton_engine.server.engine_client import EngineDeadError
 from baton_engine.server.errors import APIError, bad_request

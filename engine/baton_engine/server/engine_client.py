@@ -2,7 +2,7 @@
 
 Runs inside the server's asyncio loop. Requests go out on a PUSH socket; a reader task
 dispatches each step's outputs to the per-request queues (`add` registers one). The core is a
-child process (``python -m baton_engine.core_process``); it exits on ``shutdown`` or when this
+child process (``python -m baton_engine.entrypoints.core_process``); it exits on ``shutdown`` or when this
 process dies. If it dies first, every open request fails with `EngineDeadError`.
 """
 
@@ -23,11 +23,11 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from baton_engine import ipc
 from baton_engine.config import EngineConfig
-from baton_engine.engine_outputs import RequestOutput
-from baton_engine.engine_stats import EngineStats
-from baton_engine.sampling_params import SamplingParams
+from baton_engine.core.engine_stats import EngineStats
+from baton_engine.core.outputs import RequestOutput
+from baton_engine.core.sampling_params import SamplingParams
+from baton_engine.entrypoints import ipc
 
 log = logging.getLogger("baton_engine.server")
 LOAD_REPORT_SECONDS = 15.0
@@ -83,7 +83,7 @@ class EngineClient:
             [
                 sys.executable,
                 "-m",
-                "baton_engine.core_process",
+                "baton_engine.entrypoints.core_process",
                 "--config-json",
                 self.config.model_dump_json(),
                 "--input",

@@ -15,12 +15,12 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from baton_engine.detokenizer import IncrementalDetokenizer
-from baton_engine.engine_outputs import RequestOutput, TokenLogprobs
-from baton_engine.metrics import EngineMetrics
-from baton_engine.sampling_params import SamplingParams
+from baton_engine.core.outputs import RequestOutput, TokenLogprobs
+from baton_engine.core.sampling_params import SamplingParams
 from baton_engine.server.engine_client import EngineClient, EngineDeadError
-from baton_engine.tokenizer import Tokenizer
+from baton_engine.server.metrics import EngineMetrics
+from baton_engine.text.detokenizer import IncrementalDetokenizer
+from baton_engine.text.tokenizer import Tokenizer
 
 _engine_ids = itertools.count()
 

@@ -8,8 +8,8 @@ import time
 from functools import cache
 from typing import Any
 
-from baton_engine.engine_outputs import TokenLogprobs
-from baton_engine.tokenizer import Tokenizer
+from baton_engine.core.outputs import TokenLogprobs
+from baton_engine.text.tokenizer import Tokenizer
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _METASPACE = "\u2581"

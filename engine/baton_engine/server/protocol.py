@@ -3,7 +3,7 @@
 Models are strict (no string-to-number coercion, no NaN or infinity) and ignore unknown fields,
 as OpenAI's own API does for fields it does not know; OpenAI fields that would change the answer
 and that Baton does not implement are refused by name. Every number is bounded by what the
-engine can represent (`baton_engine.sampling_params`). Semantic checks that pydantic cannot
+engine can represent (`baton_engine.core.sampling_params`). Semantic checks that pydantic cannot
 express (limits, unsupported features) raise `APIError` with ``param`` set.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from baton_engine.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_N
+from baton_engine.core.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_N
 from baton_engine.server.errors import APIError, bad_request
 from baton_engine.structured.grammar import StructuredOutputError, parse_tools, response_format_grammar
 

@@ -19,10 +19,10 @@ from typing import Any
 import uvicorn
 
 from baton_engine.config import EngineConfig
-from baton_engine.loader.tokenizer_loading import NoTokenizerError, load_tokenizer
-from baton_engine.metrics import EngineMetrics
+from baton_engine.model.loader.tokenizer_loading import NoTokenizerError, load_tokenizer
 from baton_engine.server.app import build_app
 from baton_engine.server.engine_client import EngineClient
+from baton_engine.server.metrics import EngineMetrics
 from baton_engine.server.state import ServerState, max_token_chars
 
 log = logging.getLogger("baton_engine.server")

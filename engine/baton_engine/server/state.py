@@ -6,9 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from baton_engine.config import EngineConfig
-from baton_engine.metrics import EngineMetrics
 from baton_engine.server.engine_client import EngineClient
-from baton_engine.tokenizer import Tokenizer
+from baton_engine.server.metrics import EngineMetrics
+from baton_engine.text.tokenizer import Tokenizer
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Proposes n-gram drafts for the decoding sequences before each `Scheduler.schedule()`.
 
-The scheduler reads ``Sequence.draft_token_ids`` when it plans a step (K+1 query tokens per
+The scheduler reads ``Request.draft_token_ids`` when it plans a step (K+1 query tokens per
 speculating row, within the token budget and the KV pool) and clears them after the step, so
 the engine core calls `NgramDrafter.before_schedule` every step. Drafts are capped so a step
 can never produce more tokens than the request may still get (max_tokens, max_model_len): a
@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from baton_engine.scheduler import Scheduler
-from baton_engine.sequence import Sequence
+from baton_engine.core.request import Request
+from baton_engine.core.scheduler import Scheduler
 from baton_engine.spec_decode.ngram_proposer import NgramProposer
 from baton_engine.spec_decode.stats_log import SpecDecodeLogger
 from baton_engine.spec_decode.token_buffer import TokenBuffer
@@ -38,7 +38,7 @@ class NgramDrafter:
         if self.logger is not None:
             self.logger.maybe_log(scheduler.spec_stats, self.clock())
 
-    def propose(self, seqs: list[Sequence], max_model_len: int) -> None:
+    def propose(self, seqs: list[Request], max_model_len: int) -> None:
         """Set ``draft_token_ids`` of every sequence in `seqs` (all decoding)."""
         buffers: dict[int, TokenBuffer] = {}
         previous = self._buffers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from baton_engine.scheduler_stats import SpecDecodeStats
+from baton_engine.core.scheduler_stats import SpecDecodeStats
 
 log = logging.getLogger("baton_engine.spec_decode")
 

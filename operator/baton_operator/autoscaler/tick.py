@@ -26,7 +26,7 @@ from .policy import decide
 from .policy_types import Decision, History, PodSample
 from .settle import Settled, WriteFailure, resized, settle
 from .spec_adapter import policy_from_spec
-from .status import history_from_dict, history_to_dict, rfc3339, status_summary
+from .status_record import history_from_dict, history_to_dict, material_change, rfc3339, status_summary
 
 FIELD_MANAGER = "baton-autoscaler"
 #: History older than the longest window plus this margin is dropped before it is stored.
@@ -42,6 +42,8 @@ class TickResult:
     status: dict[str, Any] = field(default_factory=dict)
     #: What was not done (refused pool writes, status not saved), for the caller to raise.
     failures: list[str] = field(default_factory=list)
+    #: Why status.autoscaling was written (None: nothing new, not written).
+    status_change: str | None = None
 
 
 def stored_history(body: Mapping[str, Any]) -> History:
@@ -176,8 +178,12 @@ async def autoscale_once(
         "scrapedAt": rfc3339(max(scraped)) if scraped else None,
         "history": json.dumps(history_to_dict(result.history), separators=(",", ":")),
     }
+    stored = (body.get("status") or {}).get("autoscaling") or {}
+    result.status_change = material_change(stored, result.status, now)
+    if result.status_change is None:
+        return result  # nothing new to say: the resource is not rewritten
     # A merge patch merges maps: metrics no longer reported are nulled, not left stale.
-    previous = ((body.get("status") or {}).get("autoscaling") or {}).get("metrics") or {}
+    previous = stored.get("metrics") or {}
     metrics_patch: dict[str, Any] = {key: None for key in previous}
     metrics_patch.update(result.status["metrics"])
     guard()

@@ -7,7 +7,7 @@ out like its own, and the router hashes prompts with the engines' block size.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 from pydantic import Field, field_validator, model_validator
 
@@ -19,7 +19,7 @@ DEFAULT_ENGINE_IMAGE = "ghcr.io/baton-llm/baton-engine:0.1.0"
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 Device = Literal["cuda", "cpu"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
-PrefixHash = Literal["fast", "vllm-sha256", "vllm-sha256-cbor"]
+PrefixHash: TypeAlias = contract.PrefixHashName
 
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 #: An image reference: no whitespace (the API server refuses leading and trailing whitespace).

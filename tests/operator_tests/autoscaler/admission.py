@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from baton_support.apiserver import Rest
-from tests.operator_tests.kube_helpers import wait_for
+from baton_support.wait import wait_for
 
 ADMISSION = "/apis/admissionregistration.k8s.io/v1"
 
@@ -93,11 +93,21 @@ def refused(rest: Rest, refusal: Refusal) -> Iterator[None]:
             assert status == 201, answer
             made.append(f"{ADMISSION}/{plural}/{refusal.name}")
 
-        wait_for(lambda: probe() == 422, 30, f"the API server to enforce {refusal.name}")
+        wait_for(
+            lambda: probe() == 422,
+            timeout=30,
+            interval=0.1,
+            message=f"the API server to enforce {refusal.name}",
+        )
         yield
     finally:
         for path in reversed(made):
             status, answer = rest.call("DELETE", path)
             assert status == 200, answer
         if made:
-            wait_for(lambda: probe() == 200, 30, f"the API server to drop {refusal.name}")
+            wait_for(
+                lambda: probe() == 200,
+                timeout=30,
+                interval=0.1,
+                message=f"the API server to drop {refusal.name}",
+            )

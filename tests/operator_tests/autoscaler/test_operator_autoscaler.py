@@ -28,8 +28,10 @@ from baton_support.fake_engines import (
     replicas,
 )
 from baton_support.operator_process import OperatorProcess, operator_process
+from baton_support.wait import wait_for
 from tests.operator_tests.autoscaler.admission import Refusal, refused, replicas_cap
-from tests.operator_tests.kube_helpers import create_infd, create_namespace, get_infd, wait_for
+from tests.operator_tests.kube_helpers import create_infd, create_namespace, get_infd
+from tests.operator_tests.watching import Watch
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -61,7 +63,10 @@ def test_builtin_scales_up_then_down_one_step_per_window(
     kube = own_kube
     create_infd(kube, NS, "grow", SPEC)
     wait_for(
-        lambda: rest.call("GET", deployment_path(NS, "grow-decode"))[0] == 200, 30, "the role Deployments"
+        lambda: rest.call("GET", deployment_path(NS, "grow-decode"))[0] == 200,
+        timeout=30,
+        interval=0.1,
+        message="the role Deployments",
     )
     for role, load in loads.items():
         add_ready_pod(rest, NS, "grow", role, load.port)
@@ -71,7 +76,7 @@ def test_builtin_scales_up_then_down_one_step_per_window(
         auto = get_infd(kube, NS, "grow").get("status", {}).get("autoscaling") or {}
         return auto if auto.get("action") == "hold" and auto.get("scrapedAt") else None
 
-    status = wait_for(held, 30, "a first 'hold' decision in status.autoscaling")
+    status = wait_for(held, timeout=30, interval=0.1, message="a first 'hold' decision in status.autoscaling")
     assert status["lastDecision"] == {"prefill": 1, "decode": 1}
     assert status["currentReplicas"] == {"prefill": 1, "decode": 1}
 
@@ -82,14 +87,21 @@ def test_builtin_scales_up_then_down_one_step_per_window(
         return auto if auto["lastDecision"]["prefill"] == prefill else None
 
     loads["prefill"].waiting = 6  # 6 waiting / target 2 -> 3 prefill pods
-    wait_for(lambda: replicas(rest, NS, "grow-prefill") == 3, 30, "prefill scaled to 3")
+    wait_for(
+        lambda: replicas(rest, NS, "grow-prefill") == 3,
+        timeout=30,
+        interval=0.1,
+        message="prefill scaled to 3",
+    )
     deployment = rest.get(deployment_path(NS, "grow-prefill"))
     owners = {
         m["manager"]: json.dumps(m.get("fieldsV1", {})) for m in deployment["metadata"]["managedFields"]
     }
     assert '"f:replicas"' in owners[AUTOSCALER_MANAGER]
     assert '"f:replicas"' not in owners[FIELD_MANAGER]
-    auto = wait_for(lambda: decided(3), 30, "status.autoscaling to record the scale-up to 3")
+    auto = wait_for(
+        lambda: decided(3), timeout=30, interval=0.1, message="status.autoscaling to record the scale-up to 3"
+    )
     assert auto["metrics"]["prefill.waitingRequests"] == 6.0
     assert "scale up 1 -> 3" in auto["reason"]
 
@@ -101,12 +113,19 @@ def test_builtin_scales_up_then_down_one_step_per_window(
         return float(found.group(1)) if found else 0.0
 
     start = timer_reconciles()
-    wait_for(lambda: timer_reconciles() >= start + 3, 30, "three more timer reconciles")
+    wait_for(
+        lambda: timer_reconciles() >= start + 3,
+        timeout=30,
+        interval=0.1,
+        message="three more timer reconciles",
+    )
     assert replicas(rest, NS, "grow-prefill") == 3
 
     # Load stops: one step down per window, to the minimum.
     loads["prefill"].waiting = 0
-    wait_for(lambda: replicas(rest, NS, "grow-prefill") == 1, 60, "prefill back to 1")
+    wait_for(
+        lambda: replicas(rest, NS, "grow-prefill") == 1, timeout=60, interval=0.1, message="prefill back to 1"
+    )
     assert replicas(rest, NS, "grow-decode") == 1
 
     def prefill_steps() -> list[tuple[str, str, str]]:
@@ -122,14 +141,24 @@ def test_builtin_scales_up_then_down_one_step_per_window(
         steps = [re.search(r"prefill: scale (up|down) (\d+) -> (\d+)", e["message"]) for e in scaled]
         return [(m.group(1), m.group(2), m.group(3)) for m in steps if m]
 
-    steps = wait_for(lambda: (s := prefill_steps()) and len(s) >= 3 and s, 30, "the scale-down Events")
+    steps = wait_for(
+        lambda: (s := prefill_steps()) and len(s) >= 3 and s,
+        timeout=30,
+        interval=0.1,
+        message="the scale-down Events",
+    )
     assert steps == [
         ("up", "1", "3"),
         ("down", "3", "2"),
         ("down", "2", "1"),
     ]
     # At most one scale-down per window: the status history keeps the last one's time.
-    auto = wait_for(lambda: decided(1), 30, "status.autoscaling to record the scale-down to 1")
+    auto = wait_for(
+        lambda: decided(1),
+        timeout=30,
+        interval=0.1,
+        message="status.autoscaling to record the scale-down to 1",
+    )
     last_down = [a for a in json.loads(auto["history"])["actions"] if a[1] == "prefill"]
     assert [a[2:] for a in last_down][-1:] == [[2, 1]]
 
@@ -140,7 +169,12 @@ def test_builtin_scales_up_then_down_one_step_per_window(
         down = counter(text, series, deployment="grow", role="prefill", direction="down")
         return up, down
 
-    wait_for(lambda: actions() == (1.0, 2.0), 30, "one scale-up and two scale-downs counted")
+    wait_for(
+        lambda: actions() == (1.0, 2.0),
+        timeout=30,
+        interval=0.1,
+        message="one scale-up and two scale-downs counted",
+    )
 
 
 def test_external_mode_never_writes_replicas(
@@ -151,7 +185,10 @@ def test_external_mode_never_writes_replicas(
     spec = {**SPEC, "autoscaling": {**SPEC["autoscaling"], "mode": "external"}}
     create_infd(kube, NS, "ext", spec)
     wait_for(
-        lambda: rest.call("GET", deployment_path(NS, "ext-prefill"))[0] == 200, 30, "the role Deployments"
+        lambda: rest.call("GET", deployment_path(NS, "ext-prefill"))[0] == 200,
+        timeout=30,
+        interval=0.1,
+        message="the role Deployments",
     )
     patch = {"spec": {"replicas": 4}}
     status, body = rest.call(
@@ -170,13 +207,56 @@ def test_external_mode_never_writes_replicas(
 
     # Every resource is resynced each second; wait for several periods of both resources.
     start = timer_reconciles()
-    wait_for(lambda: timer_reconciles() >= start + 8, 40, "eight more timer reconciles")
+    wait_for(
+        lambda: timer_reconciles() >= start + 8,
+        timeout=40,
+        interval=0.1,
+        message="eight more timer reconciles",
+    )
     assert replicas(rest, NS, "ext-prefill") == 4
     managers = {
         m["manager"] for m in rest.get(deployment_path(NS, "ext-prefill"))["metadata"]["managedFields"]
     }
     assert AUTOSCALER_MANAGER not in managers
     assert "autoscaling" not in (get_infd(kube, NS, "ext").get("status") or {})
+
+
+def test_a_steady_load_does_not_rewrite_the_resource(
+    own_apiserver: ApiServer, own_kube: Any, operator: OperatorProcess, loads: dict[str, Load]
+) -> None:
+    """Builtin mode at a steady load: after the first decision is written, five more decisions
+    (and the resyncs between them) leave the resource untouched: no watch event, no new
+    resourceVersion for GitOps tools to see."""
+    rest = Rest(own_apiserver)
+    create_infd(own_kube, NS, "steady", SPEC)
+    wait_for(
+        lambda: rest.call("GET", deployment_path(NS, "steady-decode"))[0] == 200,
+        timeout=30,
+        interval=0.1,
+        message="the role Deployments",
+    )
+    for role, load in loads.items():
+        add_ready_pod(rest, NS, "steady", role, load.port)
+
+    def held() -> dict[str, Any] | None:
+        body = get_infd(own_kube, NS, "steady")
+        status = body.get("status") or {}
+        auto = status.get("autoscaling") or {}
+        ready = any(c["type"] == "Ready" for c in status.get("conditions", []))
+        return body if auto.get("action") == "hold" and auto.get("scrapedAt") and ready else None
+
+    body = wait_for(held, timeout=30, interval=0.1, message="a first 'hold' decision in status.autoscaling")
+
+    def decisions() -> float:
+        return counter(operator.metrics(), "baton_autoscaler_decisions_total", deployment="steady")
+
+    infds = f"/apis/baton.dev/v1alpha1/namespaces/{NS}/inferencedeployments"
+    with Watch(
+        own_apiserver, infds, body["metadata"]["resourceVersion"], field_selector="metadata.name=steady"
+    ) as w:
+        start = decisions()
+        wait_for(lambda: decisions() >= start + 5, timeout=60, interval=0.1, message="five more decisions")
+    assert [(kind, obj["metadata"]["resourceVersion"]) for kind, obj in w.events()] == []
 
 
 #: A down-window longer than the test: a second prefill action inside it would be the bug.
@@ -200,7 +280,10 @@ def start_capped(rest: Rest, kube: Any, loads: dict[str, Load], name: str, cappe
     """InferenceDeployment `name` with its engine pods; the cap on `capped_role` (at most 1) to enter."""
     create_infd(kube, NS, name, CAPPED_SPEC)
     wait_for(
-        lambda: rest.call("GET", deployment_path(NS, f"{name}-decode"))[0] == 200, 30, "the role Deployments"
+        lambda: rest.call("GET", deployment_path(NS, f"{name}-decode"))[0] == 200,
+        timeout=30,
+        interval=0.1,
+        message="the role Deployments",
     )
     for role, load in loads.items():
         add_ready_pod(rest, NS, name, role, load.port)
@@ -223,8 +306,18 @@ def test_a_refused_pool_write_keeps_the_other_pools_action_recorded_once(
     with refused(rest, cap):
         # Both pools want to grow: prefill to 3, decode to 2, which the cap refuses every tick.
         loads["prefill"].waiting, loads["decode"].kv = 6, 0.9
-        wait_for(lambda: replicas(rest, NS, "capped-prefill") == 3, 30, "prefill scaled to 3")
-        wait_for(lambda: actions(), 30, "the prefill scale-up in status.autoscaling.history")
+        wait_for(
+            lambda: replicas(rest, NS, "capped-prefill") == 3,
+            timeout=30,
+            interval=0.1,
+            message="prefill scaled to 3",
+        )
+        wait_for(
+            lambda: actions(),
+            timeout=30,
+            interval=0.1,
+            message="the prefill scale-up in status.autoscaling.history",
+        )
 
         # Prefill's load goes; decode's writes keep failing. Prefill holds for the down-window:
         # the recommendations of the failed ticks are in the history too.
@@ -233,16 +326,26 @@ def test_a_refused_pool_write_keeps_the_other_pools_action_recorded_once(
             "prefill: hold at 3: recommend 1 (queue depth 0 / target 2 -> 0, raised to minReplicas 1); "
             f"highest in the last {CAPPED_WINDOW_S}s: 3"
         )
-        wait_for(lambda: holding in autoscaling().get("reason", ""), 30, "prefill holding at 3 with no load")
+        wait_for(
+            lambda: holding in autoscaling().get("reason", ""),
+            timeout=30,
+            interval=0.1,
+            message="prefill holding at 3 with no load",
+        )
         seen = len(posted(rest, "capped", "ScaleFailed"))
         wait_for(
-            lambda: len(posted(rest, "capped", "ScaleFailed")) >= seen + 3, 30, "3 more refused decode writes"
+            lambda: len(posted(rest, "capped", "ScaleFailed")) >= seen + 3,
+            timeout=30,
+            interval=0.1,
+            message="3 more refused decode writes",
         )
 
         assert (replicas(rest, NS, "capped-prefill"), replicas(rest, NS, "capped-decode")) == (3, 1)
         assert [a[1:] for a in actions()] == [["prefill", 1, 3]]
         # Events are sent from Kopf's queue, the failure count after the tick's status write.
-        wait_for(lambda: posted(rest, "capped", "ScaledUp"), 30, "the ScaledUp Event")
+        wait_for(
+            lambda: posted(rest, "capped", "ScaledUp"), timeout=30, interval=0.1, message="the ScaledUp Event"
+        )
         assert posted(rest, "capped", "ScaledUp") == [
             "prefill: scale up 1 -> 3: recommend 3 (queue depth 6 / target 2 -> 3)"
         ]
@@ -259,8 +362,9 @@ def test_a_refused_pool_write_keeps_the_other_pools_action_recorded_once(
                 and counter(t, failed, deployment="capped", role="decode") >= seen + 3
                 and t
             ),
-            30,
-            "3 more refused decode writes counted",
+            timeout=30,
+            interval=0.1,
+            message="3 more refused decode writes counted",
         )
     action = "baton_autoscaler_scale_actions_total"
     assert counter(text, action, deployment="capped", role="prefill", direction="up") == 1.0
@@ -270,7 +374,10 @@ def test_a_refused_pool_write_keeps_the_other_pools_action_recorded_once(
     )
     # Kopf logs each failed tick and runs the daemon again (no AutoscalerFailed: nothing else failed).
     wait_for(
-        lambda: "replicas not written: decode: Invalid (HTTP 422)" in operator.log_text(), 30, "Kopf's log"
+        lambda: "replicas not written: decode: Invalid (HTTP 422)" in operator.log_text(),
+        timeout=30,
+        interval=0.1,
+        message="Kopf's log",
     )
     assert posted(rest, "capped", "AutoscalerFailed") == []
 
@@ -282,10 +389,22 @@ def test_a_refused_first_write_does_not_stop_the_second_pools(
     cap = start_capped(rest, own_kube, loads, "first", "prefill")  # prefill is written first
     with refused(rest, cap):
         loads["prefill"].waiting, loads["decode"].kv = 6, 0.9
-        wait_for(lambda: replicas(rest, NS, "first-decode") == 2, 30, "decode scaled to 2")
-        wait_for(lambda: len(posted(rest, "first", "ScaleFailed")) >= 2, 30, "2 refused prefill writes")
+        wait_for(
+            lambda: replicas(rest, NS, "first-decode") == 2,
+            timeout=30,
+            interval=0.1,
+            message="decode scaled to 2",
+        )
+        wait_for(
+            lambda: len(posted(rest, "first", "ScaleFailed")) >= 2,
+            timeout=30,
+            interval=0.1,
+            message="2 refused prefill writes",
+        )
         assert replicas(rest, NS, "first-prefill") == 1
-        wait_for(lambda: posted(rest, "first", "ScaledUp"), 30, "the ScaledUp Event")
+        wait_for(
+            lambda: posted(rest, "first", "ScaledUp"), timeout=30, interval=0.1, message="the ScaledUp Event"
+        )
         assert posted(rest, "first", "ScaledUp") == [
             "decode: scale up 1 -> 2: recommend 2 (KV usage 0.90 x 1 pod / target 0.50 -> 2)"
         ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from baton_operator.autoscaler.policy_types import History, Recommendation, ScaleAction
-from baton_operator.autoscaler.status import history_to_dict
+from baton_operator.autoscaler.status_record import history_to_dict
 from baton_operator.autoscaler.tick import stored_history
 
 

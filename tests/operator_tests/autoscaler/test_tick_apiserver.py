@@ -100,3 +100,51 @@ async def test_a_status_not_saved_keeps_the_written_action_in_the_returned_histo
     )
     saved = json.loads(get_infd(kube, NS, NAME)["status"]["autoscaling"]["history"])
     assert saved["actions"] == [[round(first.decision.at, 3), "prefill", 1, 3]]
+
+
+async def test_a_steady_load_leaves_the_status_unwritten(
+    apiserver: ApiServer, kube: Any, akube: Kube, loads: dict[str, Load]
+) -> None:
+    """Same decision, metrics within their noise: nothing is written (the resource's
+    resourceVersion stays); a load that moves materially is written at once."""
+    rest = Rest(apiserver)
+    namespace, name = "tick-steady", "steady"
+    create_namespace(kube, namespace)
+    create_infd(kube, namespace, name, SPEC)
+    for role, load in loads.items():
+        deployment = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": f"{name}-{role}"},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": {"app": role}},
+                "template": {
+                    "metadata": {"labels": {"app": role}},
+                    "spec": {"containers": [{"name": "engine", "image": "baton"}]},
+                },
+            },
+        }
+        status, answer = rest.call("POST", collection_path("apps/v1", "Deployment", namespace), deployment)
+        assert status == 201, answer
+        add_ready_pod(rest, namespace, name, role, load.port)
+    loads["decode"].kv = 0.30
+    async with httpx.AsyncClient(timeout=30) as client:
+        first = await autoscale_once(akube, get_infd(kube, namespace, name), History(), client=client)
+        assert first is not None and first.status_change == "first decision"
+        version = get_infd(kube, namespace, name)["metadata"]["resourceVersion"]
+        history = first.history
+        for kv in (0.31, 0.33, 0.29):  # KV usage wandering by a few hundredths
+            loads["decode"].kv = kv
+            tick = await autoscale_once(akube, get_infd(kube, namespace, name), history, client=client)
+            assert tick is not None and (tick.decision.action, tick.status_change) == ("hold", None)
+            history = tick.history
+        assert get_infd(kube, namespace, name)["metadata"]["resourceVersion"] == version
+        loads["prefill"].waiting = 1  # a request waiting: material (and still a hold)
+        moved = await autoscale_once(akube, get_infd(kube, namespace, name), history, client=client)
+    assert moved is not None and moved.status_change == "metrics prefill.waitingRequests"
+    stored = get_infd(kube, namespace, name)
+    assert stored["metadata"]["resourceVersion"] != version
+    assert stored["status"]["autoscaling"]["metrics"]["prefill.waitingRequests"] == 1.0
+    managers = {m["manager"] for m in stored["metadata"]["managedFields"] if m.get("subresource") == "status"}
+    assert managers == {"baton-autoscaler"}

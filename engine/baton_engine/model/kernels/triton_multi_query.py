@@ -1,0 +1,123 @@
+"""Multi-query paged decode attention in Triton: a fixed number of query tokens per row.
+
+A speculative verify step feeds each row its last real token plus K drafts. Laid out with a
+fixed query length Q per row (token ``row * Q + j``), the step has static shapes and runs inside
+a captured graph like a plain decode step. Row ``row`` has ``query_lens[row] <= Q`` real tokens
+at positions ``seq_len - query_len .. seq_len - 1``; each attends causally to the cache up to its
+own position (its own K/V and the earlier drafts' were written before attention). Slots
+``j >= query_len`` are padding: they see no key and yield zeros, as do rows with seq_len 0.
+
+One program handles one (row, kv head, split of the key axis) and all ``Q * GROUP`` query heads
+that share the kv head, so each K/V tile is loaded once for the whole verify window. Split-K
+partial results are combined by the decode path's reduce kernel (per token and head).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from baton_engine.model.kernels.triton_attention import DecodeWorkspace, launch_split_k
+from baton_engine.model.kernels.triton_tiles import (
+    attend_paged_keys,
+    packed_output,
+    split_k_program,
+    store_attention_rows,
+)
+
+
+@triton.jit
+def _multi_query_split_kernel(
+    q_ptr,  # [B * Q, H, D]
+    cache_ptr,  # [2, NB, BS, KVH, D]
+    block_table_ptr,  # [B, MAXB] int32
+    v_offset,  # elements between the K and the V half of the cache
+    stride_bt,
+    stride_qt,
+    scale_log2,
+    seq_lens_ptr,  # [B] int32
+    out_ptr,  # [B * Q, H, D] (NUM_SPLITS == 1) or partial [B * Q, H, S, D] fp32
+    lse_ptr,  # [B * Q, H, S] fp32
+    query_lens_ptr,  # [B] int32, each <= Q
+    QUERY_LEN: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KVH: tl.constexpr,
+    GROUP: tl.constexpr,
+    M_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    row, kvh, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N)
+    H: tl.constexpr = KVH * GROUP
+    query_len = tl.load(query_lens_ptr + row)
+    context = seq_len - query_len
+
+    # Tile rows: m = j * GROUP + g is query token j of the row, head g of this kv head's group.
+    m = tl.arange(0, M_PAD)
+    j = m // GROUP
+    g = m % GROUP
+    in_window = m < QUERY_LEN * GROUP
+    real = in_window & (j < query_len)
+    token = row * QUERY_LEN + j
+    heads = kvh * GROUP + g
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + heads[:, None] * HEAD_DIM + d[None, :],
+        mask=real[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    m_i, l_i, acc = attend_paged_keys(
+        q, context + j, real, start, end,
+        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2,
+        BLOCK_SIZE=BLOCK_SIZE, KVH=KVH, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL=True, PRECISION=PRECISION,
+    )  # fmt: skip
+    store_attention_rows(
+        out_ptr, lse_ptr, m_i, l_i, acc, token * H + heads, in_window, split, NUM_SPLITS, HEAD_DIM
+    )
+
+
+def multi_query_workspace(
+    batch: int, query_len: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
+) -> DecodeWorkspace:
+    """Split-K scratch for `batch` rows of `query_len` tokens (one graph's worth)."""
+    return DecodeWorkspace(batch * query_len, num_heads, head_dim, num_splits, device)
+
+
+def paged_multi_query_attention(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    query_len: int,
+    scale: float,
+    workspace: DecodeWorkspace,
+    out: torch.Tensor | None = None,
+    block_n: int = 64,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """q: [B * query_len, H, D], row-major by (row, token); query_lens: [B] int32 (<= query_len).
+
+    Returns [B * query_len, H, D]; padding tokens (j >= query_lens[row]) and rows with seq_len 0
+    get zeros.
+    """
+    tokens, num_heads, _ = q.shape
+    num_kv_heads = layer_cache.shape[3]
+    if query_len < 1 or tokens % query_len:
+        raise ValueError(f"{tokens} query tokens do not split into rows of query_len={query_len}")
+    batch = tokens // query_len
+    out = packed_output(q, out)
+    if batch == 0:
+        return out
+    launch_split_k(
+        _multi_query_split_kernel, batch, out, workspace, q, layer_cache, block_tables, seq_lens, scale,
+        block_n, num_warps, num_stages, (4, 2), (8, 3), (query_lens,), QUERY_LEN=query_len,
+        M_PAD=max(16, triton.next_power_of_2(query_len * (num_heads // num_kv_heads))),
+    )  # fmt: skip
+    return out

@@ -1,0 +1,1 @@
+"""Text, torch-free: the tokenizer, chat templates and incremental detokenizing."""

@@ -1,0 +1,102 @@
+"""Decode-ahead: run step n+1 of a greedy decode batch while the scheduler is still planning it.
+
+After a plain greedy decode step the runner knows everything step n+1 will most likely be: the
+same rows, each fed the token it just sampled, one position further, writing the next slot of
+the block it already owns. It launches that step on the device right away, so the device works
+while the host runs postprocess and the next `schedule()` (the host time per step is otherwise
+added to every decode step). When the real step arrives, `match_rows` checks it field by field
+against the prediction; only an exact match (rows may have left the batch) takes the precomputed
+tokens, anything else runs normally.
+
+A prediction is made only when every row's next position lies inside the last block it owns
+(not at a block boundary, where the scheduler may allocate a new block), so the step writes
+nothing outside blocks that row holds at launch time; a block freed later is rewritten by its
+next owner after this step in stream order. Pure numpy: the predicate is tested on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from baton_engine.core.scheduler_output import SchedulerOutput
+
+
+@dataclass
+class AheadPlan:
+    """The predicted next decode step, in the row order of the step it was derived from."""
+
+    seq_ids: npt.NDArray[np.int64]
+    input_ids: npt.NDArray[np.int64]
+    positions: npt.NDArray[np.int64]
+    slots: npt.NDArray[np.int64]
+    seq_lens: npt.NDArray[np.int64]
+    block_tables: npt.NDArray[np.int64]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seq_ids)
+
+
+def is_decode_only(step: SchedulerOutput) -> bool:
+    """One query token per row, no prefill rows."""
+    return step.num_rows > 0 and step.num_decode_rows == step.num_rows and step.num_tokens == step.num_rows
+
+
+def plan_next_decode(
+    step: SchedulerOutput, sampled: npt.NDArray[np.int64], block_size: int, max_model_len: int
+) -> AheadPlan | None:
+    """The step after decode-only `step` whose rows sampled `sampled`; None when any row would
+    cross into a block it does not own yet or reach `max_model_len`."""
+    seq_lens = np.asarray(step.seq_lens, dtype=np.int64)
+    tables = np.asarray(step.block_tables, dtype=np.int64)
+    nxt = seq_lens  # the next position of every row is its current length
+    col = nxt // block_size
+    if bool((nxt % block_size == 0).any()) or bool((nxt >= max_model_len).any()):
+        return None
+    if bool((col >= tables.shape[1]).any()):
+        return None
+    rows = np.arange(len(nxt))
+    slots = tables[rows, col] * block_size + nxt % block_size
+    return AheadPlan(
+        seq_ids=np.asarray(step.seq_ids, dtype=np.int64),
+        input_ids=np.asarray(sampled, dtype=np.int64),
+        positions=nxt.copy(),
+        slots=slots,
+        seq_lens=seq_lens + 1,
+        block_tables=tables.copy(),
+    )
+
+
+def match_rows(plan: AheadPlan, step: SchedulerOutput, block_size: int) -> npt.NDArray[np.int64] | None:
+    """For each row of `step`, its row in `plan` — when `step` is exactly the predicted step
+    restricted to some of its rows (others finished or were preempted); else None."""
+    if not is_decode_only(step):
+        return None
+    where = {int(s): j for j, s in enumerate(plan.seq_ids.tolist())}
+    try:
+        index = np.array([where[int(s)] for s in step.seq_ids], dtype=np.int64)
+    except KeyError:
+        return None
+    if len(set(index.tolist())) != len(index):
+        return None
+    seq_lens = np.asarray(step.seq_lens, dtype=np.int64)
+    if not (
+        np.array_equal(np.asarray(step.input_ids, dtype=np.int64), plan.input_ids[index])
+        and np.array_equal(np.asarray(step.positions, dtype=np.int64), plan.positions[index])
+        and np.array_equal(np.asarray(step.slot_mapping, dtype=np.int64), plan.slots[index])
+        and np.array_equal(seq_lens, plan.seq_lens[index])
+    ):
+        return None
+    # Attention read the blocks of the plan's table: they must be the ones the step names.
+    tables = np.asarray(step.block_tables, dtype=np.int64)
+    used = -(-seq_lens // block_size)
+    width = int(used.max())
+    if width > tables.shape[1] or width > plan.block_tables.shape[1]:
+        return None
+    in_use = np.arange(width)[None, :] < used[:, None]
+    if not np.array_equal(tables[:, :width][in_use], plan.block_tables[index, :width][in_use]):
+        return None
+    return index

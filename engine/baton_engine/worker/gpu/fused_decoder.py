@@ -1,0 +1,177 @@
+"""The decoder's GPU forward: the `CausalLM`'s weights driven through Triton kernels.
+
+The model already fuses q/k/v and gate/up into single projections; this forward adds the fused
+element-wise kernels, so a layer is 9 launches: add+norm, qkv, rotary+cache write, attention,
+o_proj, add+norm, gate_up, silu*mul, down. It holds no weights of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton_engine.model.kernels.triton_attention import (
+    DecodeWorkspace,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+from baton_engine.model.kernels.triton_fused import (
+    fused_add_rms_norm,
+    rms_norm,
+    rotary_cache_write,
+    silu_and_mul,
+)
+from baton_engine.model.kernels.triton_multi_query import paged_multi_query_attention
+from baton_engine.model.llama import CausalLM
+
+
+@dataclass
+class DecodeMeta:
+    """One query token per row (graph-capturable: device tensors only)."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    workspace: DecodeWorkspace
+
+
+@dataclass
+class VerifyMeta:
+    """A fixed number of query tokens per row (speculative verify; graph-capturable)."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_lens: torch.Tensor  # [B] int32, real tokens of each row (<= query_len)
+    query_len: int  # token slots per row: the step's tokens are [B * query_len]
+    workspace: DecodeWorkspace
+
+
+@dataclass
+class PrefillMeta:
+    """Any query length per row (prefill chunks, mixed steps, speculative rows)."""
+
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor
+    tile_rows: torch.Tensor  # [tiles] int32
+    tile_starts: torch.Tensor
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: nn.Linear
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_proj: nn.Linear
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+
+
+class FusedDecoder:
+    def __init__(self, model: CausalLM) -> None:
+        config = model.config
+        self.config = config
+        self.eps = config.rms_norm_eps
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.q_size = config.num_heads * config.head_dim
+        self.embed = model.model.embed_tokens.weight
+        self.final_norm = model.model.norm.weight
+        self.lm_weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        self.cos = model.rotary.cos
+        self.sin = model.rotary.sin
+        self.layers: list[_Layer] = []
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            mlp = layer.mlp
+            self.layers.append(
+                _Layer(
+                    input_norm=layer.input_layernorm.weight,
+                    qkv_weight=attn.qkv_proj.weight,
+                    qkv_bias=attn.qkv_proj.bias,
+                    o_proj=attn.o_proj,
+                    post_norm=layer.post_attention_layernorm.weight,
+                    gate_up_weight=mlp.gate_up_proj.weight,
+                    gate_up_bias=mlp.gate_up_proj.bias,
+                    down_proj=mlp.down_proj,
+                    q_norm=attn.q_norm,
+                    k_norm=attn.k_norm,
+                )
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: DecodeMeta | VerifyMeta | PrefillMeta,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
+        tokens = input_ids.shape[0]
+        residual = F.embedding(input_ids, self.embed)
+        mlp_out: torch.Tensor | None = None
+        h, d = self.num_heads, self.head_dim
+        for index, layer in enumerate(self.layers):
+            if mlp_out is None:
+                normed = rms_norm(residual, layer.input_norm, self.eps)
+            else:
+                normed = fused_add_rms_norm(mlp_out, residual, layer.input_norm, self.eps)
+            qkv = F.linear(normed, layer.qkv_weight, layer.qkv_bias)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                kv_size = self.num_kv_heads * d
+                q_view = qkv[:, : self.q_size].view(tokens, h, d)
+                k_view = qkv[:, self.q_size : self.q_size + kv_size].view(tokens, self.num_kv_heads, d)
+                q_view.copy_(layer.q_norm(q_view))
+                k_view.copy_(layer.k_norm(k_view))
+            layer_cache = kv_cache[index]
+            rotary_cache_write(
+                qkv, positions, self.cos, self.sin, slot_mapping, layer_cache, h, self.num_kv_heads, d
+            )
+            q = qkv[:, : self.q_size].view(tokens, h, d)
+            if isinstance(meta, DecodeMeta):
+                attn = paged_decode_attention(
+                    q, layer_cache, meta.block_tables, meta.seq_lens, self.scale, meta.workspace
+                )
+            elif isinstance(meta, VerifyMeta):
+                attn = paged_multi_query_attention(
+                    q,
+                    layer_cache,
+                    meta.block_tables,
+                    meta.seq_lens,
+                    meta.query_lens,
+                    meta.query_len,
+                    self.scale,
+                    meta.workspace,
+                )
+            else:
+                attn = paged_prefill_attention(
+                    q,
+                    layer_cache,
+                    meta.block_tables,
+                    meta.query_start_loc,
+                    meta.seq_lens,
+                    meta.tile_rows,
+                    meta.tile_starts,
+                    self.scale,
+                )
+            attn_out = layer.o_proj(attn.view(tokens, self.q_size))
+            normed = fused_add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
+            gate_up = F.linear(normed, layer.gate_up_weight, layer.gate_up_bias)
+            mlp_out = layer.down_proj(silu_and_mul(gate_up))
+        assert mlp_out is not None
+        return fused_add_rms_norm(mlp_out, residual, self.final_norm, self.eps)
+
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, vocab]; into `out` (contiguous [T, vocab]) when given, so graphs can share it."""
+        if out is None:
+            return F.linear(hidden, self.lm_weight)
+        return torch.mm(hidden, self.lm_weight.t(), out=out)

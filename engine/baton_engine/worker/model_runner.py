@@ -1,0 +1,156 @@
+"""The model runner: owns the model and the KV cache; turns a `SchedulerOutput` into tokens.
+
+Usage: ``runner = ModelRunner(EngineConfig(...))``; each step ``runner.execute(scheduler_output)``
+returns a `ModelRunnerOutput`. The KV cache is one tensor laid out as `contract.KV_LAYOUT`;
+`read_blocks` / `write_blocks` move whole blocks for KV transfer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from baton_engine.config import EngineConfig
+from baton_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from baton_engine.model.attention.backend import get_attention_backend
+from baton_engine.model.attention.batch import AttentionBatch
+from baton_engine.model.loader.model_loading import LoadedModel, load_model
+from baton_engine.text.tokenizer import Tokenizer
+from baton_engine.worker.kv_cache import allocate_kv_cache, default_num_blocks
+from baton_engine.worker.sampler import Sampler, SamplingParamsBatch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`EngineConfig.dtype` as a torch dtype; auto = float32 on CPU, bfloat16 elsewhere."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (choose one of: auto, {', '.join(_DTYPES)})")
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel | None = None, attention_backend: str = "torch"
+    ) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.loaded = loaded if loaded is not None else load_model(config.model, self.device, self.dtype)
+        self.model = self.loaded.model
+        weight = self.model.model.embed_tokens.weight
+        if weight.dtype != self.dtype or weight.device.type != self.device.type:
+            raise ValueError(
+                f"the preloaded model is {weight.dtype} on {weight.device}, but the engine is configured "
+                f"for {self.dtype} on {self.device}"
+            )
+        self.model_config = self.loaded.config
+        self.block_size = config.block_size
+        self.num_blocks = config.num_kv_blocks or default_num_blocks(
+            self.model_config, self.block_size, self.dtype, self.device, config.gpu_memory_utilization
+        )
+        self.kv_cache = allocate_kv_cache(
+            self.model_config, self.num_blocks, self.block_size, self.dtype, self.device
+        )
+        self.backend = get_attention_backend(attention_backend, self.device)
+        self.sampler = Sampler(config.seed, self.device)
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.loaded.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence the model supports (the scheduler caps `max_model_len` by it)."""
+        return self.model_config.max_position_embeddings
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        return tuple(dict.fromkeys(self.model_config.eos_token_ids + tokenizer_eos))
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the given blocks: [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return self.kv_cache.index_select(2, index)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Overwrite the given blocks with `data`, shaped as `read_blocks` returns it."""
+        expected = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
+        if tuple(data.shape) != expected:
+            raise ValueError(f"KV block data has shape {tuple(data.shape)}, expected {expected}")
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        self.kv_cache.index_copy_(2, index, data.to(device=self.device, dtype=self.kv_cache.dtype))
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        if step.num_tokens == 0:
+            return ModelRunnerOutput(step_id=step.step_id, sampled_token_ids=[])
+        logits = self.compute_logits(step)
+        if len(step.sample_rows) == 0:
+            return ModelRunnerOutput(step_id=step.step_id, sampled_token_ids=[])
+        params, spans = self._expand_sampling(step)
+        result = self.sampler.sample(logits, params)
+        return self._accept(step, spans, result.token_ids, result.logprobs)
+
+    def compute_logits(self, step: SchedulerOutput) -> torch.Tensor:
+        """Run the forward for `step`, writing its KV; logits at `logits_indices` ([N, vocab])."""
+        input_ids = torch.from_numpy(np.ascontiguousarray(step.input_ids, dtype=np.int64)).to(self.device)
+        batch = AttentionBatch.from_scheduler_output(step, self.block_size, self.device)
+        hidden = self.model(input_ids, self.kv_cache, self.backend, batch)
+        indices = torch.from_numpy(np.ascontiguousarray(step.logits_indices, dtype=np.int64)).to(self.device)
+        return self.model.compute_logits(hidden[indices])
+
+    @staticmethod
+    def _expand_sampling(step: SchedulerOutput) -> tuple[SamplingParamsBatch, list[tuple[int, int]]]:
+        """Per-row parameters -> per-logits-position; spans[i] = (first position, count) of sample row i."""
+        rows = np.asarray(step.sample_rows, dtype=np.int64)
+        counts = 1 + np.asarray(step.num_draft_tokens, dtype=np.int64)[rows]
+        repeat_rows = np.repeat(rows, counts)
+        offsets = np.arange(len(repeat_rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        s = step.sampling
+        params = SamplingParamsBatch(
+            temperature=np.asarray(s.temperature, dtype=np.float32)[repeat_rows],
+            top_p=np.asarray(s.top_p, dtype=np.float32)[repeat_rows],
+            top_k=np.asarray(s.top_k, dtype=np.int32)[repeat_rows],
+            seeds=np.asarray(s.seeds, dtype=np.int64)[repeat_rows],
+            output_positions=np.asarray(s.output_positions, dtype=np.int64)[repeat_rows] + offsets,
+            num_logprobs=np.asarray(s.num_logprobs, dtype=np.int32)[repeat_rows],
+        )
+        starts = np.cumsum(counts) - counts
+        return params, [(int(a), int(c)) for a, c in zip(starts, counts, strict=True)]
+
+    @staticmethod
+    def _accept(
+        step: SchedulerOutput,
+        spans: list[tuple[int, int]],
+        tokens: list[int],
+        logprobs: list[list[tuple[int, float]]] | None,
+    ) -> ModelRunnerOutput:
+        # A speculating row's drafts are accepted while they equal what the target samples at
+        # the same output position (with the same position-keyed randomness); the first
+        # mismatch is replaced by the target's token. This keeps outputs exactly those of
+        # non-speculative decoding.
+        sampled: list[list[int]] = []
+        row_logprobs: list[list[list[tuple[int, float]]]] = []
+        for row, (first, count) in zip(step.sample_rows.tolist(), spans, strict=True):
+            end = int(step.query_start_loc[row + 1])
+            drafts = step.input_ids[end - count + 1 : end].tolist() if count > 1 else []
+            accepted = 1
+            while accepted < count and tokens[first + accepted - 1] == drafts[accepted - 1]:
+                accepted += 1
+            sampled.append(tokens[first : first + accepted])
+            if logprobs is not None:
+                row_logprobs.append(logprobs[first : first + accepted])
+        return ModelRunnerOutput(
+            step_id=step.step_id,
+            sampled_token_ids=sampled,
+            logprobs=row_logprobs if logprobs is not None else None,
+        )
