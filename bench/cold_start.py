@@ -141,7 +141,7 @@ class ZeroDeployment:
             return found[0] if len(found) == 1 and is_ready(found[0]) else None
 
         return http_url(
-            wait_for("the router Ready", ready, timeout_s=timeout_s, interval_s=1), "/v1/completions"
+            wait_for(ready, timeout=timeout_s, interval=1, message="the router Ready"), "/v1/completions"
         )
 
 
@@ -166,9 +166,16 @@ def cold_start(res: ZeroDeployment, url: str) -> ColdStart:
     with ThreadPoolExecutor(1) as pool:
         sent = time.monotonic()
         answer = pool.submit(post, url)
-        wait_for("the wake-up", lambda: len(res.events("ScaledUp")) >= woken_before + 2, 120, 0.2)
+        wait_for(
+            lambda: len(res.events("ScaledUp")) >= woken_before + 2,
+            timeout=120,
+            interval=0.2,
+            message="the wake-up",
+        )
         woken = time.monotonic() - sent
-        wait_for("both pools Ready", lambda: res.serving() or answer.done(), 900, 0.2)
+        wait_for(
+            lambda: res.serving() or answer.done(), timeout=900, interval=0.2, message="both pools Ready"
+        )
         ready = time.monotonic() - sent
         response = answer.result()
     answered = time.monotonic() - sent
@@ -204,7 +211,7 @@ def engine_floor() -> float:
                     return client.get(f"http://127.0.0.1:{port}{contract.PATH_READY}").status_code == 200
                 return False
 
-            wait_for("the standalone engine Ready", ready, timeout_s=600, interval_s=0.1)
+            wait_for(ready, timeout=600, interval=0.1, message="the standalone engine Ready")
         return time.monotonic() - started
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -249,7 +256,7 @@ def run(config: Config, cluster_dir: Path | None) -> dict[str, Any]:
             url = res.router_url()
             starts = []
             for i in range(config.runs):
-                wait_for("every pool at zero", res.at_zero, timeout_s=900, interval_s=1)
+                wait_for(res.at_zero, timeout=900, interval=1, message="every pool at zero")
                 result = cold_start(res, url)
                 if result.status != 200:
                     raise RuntimeError(f"run {i}: HTTP {result.status}: {result.text}")

@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 KWOK = {cluster_spec.NODE_TYPE_LABEL: "kwok"}
+ON_KWOK = {"nodeSelector": KWOK, "tolerations": [cluster_spec.KWOK_TOLERATION]}  # kwok nodes are tainted
 CPU_POD = {"gpus": 0, "cpu": "100m", "memory": "256Mi"}
 
 
@@ -39,9 +40,9 @@ def spec(prefill: int, decode: int, mode: str = "off", **engine: Any) -> dict[st
     return {
         "model": {"name": "smollm2", "source": "builtin:smollm2-135m-instruct"},
         "engine": {"device": "cpu", "dtype": "float32", **engine},
-        "prefill": {"replicas": prefill, "resources": CPU_POD, "nodeSelector": KWOK},
-        "decode": {"replicas": decode, "resources": CPU_POD, "nodeSelector": KWOK},
-        "router": {"nodeSelector": KWOK},
+        "prefill": {"replicas": prefill, "resources": CPU_POD, **ON_KWOK},
+        "decode": {"replicas": decode, "resources": CPU_POD, **ON_KWOK},
+        "router": ON_KWOK,
         "kvEvents": {"enabled": False},
         "autoscaling": {
             "mode": mode,
@@ -65,7 +66,7 @@ def operator(dev_cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) 
         conditions = dev_cluster.admin.get(crd).get("status", {}).get("conditions") or []
         return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
-    wait_for("the CRD to be Established", established, timeout_s=60)
+    wait_for(established, timeout=60, message="the CRD to be Established")
     with operator_process(
         dev_cluster.state.admin_kubeconfig, tmp_path_factory.mktemp("operator"), "--no-peering"
     ) as proc:
@@ -134,7 +135,7 @@ def test_key_change_rolls_decode_first_in_two_generations_then_a_plain_change_ro
     body = spec(1, 2)
     res.create(body)
     old_key, counts = key_of(body), {"prefill": 1, "decode": 2}
-    wait_for("the pools Ready", lambda: res.settled(old_key, counts), timeout_s=120, interval_s=0.5)
+    wait_for(lambda: res.settled(old_key, counts), timeout=120, interval=0.5, message="the pools Ready")
     uids = {role: res.deployment(role)["metadata"]["uid"] for role in counts}
     access = ApiAccess.from_kubeconfig(dev_cluster.state.admin_kubeconfig)
     pods_path = f"/api/v1/namespaces/{k8s_namespace}/pods"
@@ -147,7 +148,10 @@ def test_key_change_rolls_decode_first_in_two_generations_then_a_plain_change_ro
     with Timeline(access, pods_path) as pods, Timeline(access, rs_path) as replica_sets:
         res.patch({"engine": {"blockSize": 32}})
         wait_for(
-            "the new generation alone", lambda: res.settled(new_key, counts), timeout_s=180, interval_s=0.5
+            lambda: res.settled(new_key, counts),
+            timeout=180,
+            interval=0.5,
+            message="the new generation alone",
         )
     states = rollout_invariants(pods, counts, new_key)
     assert states >= 10  # every pod of both generations went through several states
@@ -169,7 +173,7 @@ def test_key_change_rolls_decode_first_in_two_generations_then_a_plain_change_ro
             counts[role],
             0,
         )
-    wait_for("the rollout's Events", lambda: res.events("RolloutComplete"), timeout_s=30)
+    wait_for(lambda: res.events("RolloutComplete"), timeout=30, message="the rollout's Events")
     [started] = res.events("RollingOut")
     assert started.startswith(f"KV-compatibility key {old_key} -> {new_key}: releasing the old generation")
 
@@ -188,7 +192,7 @@ def test_key_change_rolls_decode_first_in_two_generations_then_a_plain_change_ro
                     return False
             return res.settled(new_key, counts)
 
-        wait_for("the plain change rolled out", rolled, timeout_s=180, interval_s=0.5)
+        wait_for(rolled, timeout=180, interval=0.5, message="the plain change rolled out")
     assert not [rs for rs in replica_sets.ever() if LABEL_RETIRING in (rs["metadata"].get("labels") or {})]
     assert {key_of_pod(p) for p in pods.ever() if role_of(p) in counts} == {new_key}
     assert len(res.events("RollingOut")) == 1
@@ -207,7 +211,12 @@ def test_builtin_mode_keeps_the_autoscalers_replicas_through_a_rollout(
     res = Resource(dev_cluster, k8s_namespace, "auto")
     body = spec(1, 1, mode="builtin")
     res.create(body)
-    wait_for("the pools Ready", lambda: res.settled(key_of(body), {"prefill": 1, "decode": 1}), 120, 0.5)
+    wait_for(
+        lambda: res.settled(key_of(body), {"prefill": 1, "decode": 1}),
+        timeout=120,
+        interval=0.5,
+        message="the pools Ready",
+    )
     path = f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/auto-decode"
     claim = {
         "apiVersion": "apps/v1",
@@ -223,7 +232,7 @@ def test_builtin_mode_keeps_the_autoscalers_replicas_through_a_rollout(
         params={"fieldManager": "baton-autoscaler"},
     )
     counts = {"prefill": 1, "decode": 2}
-    wait_for("decode at 2", lambda: res.settled(key_of(body), counts), timeout_s=120, interval_s=0.5)
+    wait_for(lambda: res.settled(key_of(body), counts), timeout=120, interval=0.5, message="decode at 2")
     changed = copy.deepcopy(body)
     changed["engine"]["dtype"] = "bfloat16"
     new_key = key_of(changed)
@@ -231,7 +240,10 @@ def test_builtin_mode_keeps_the_autoscalers_replicas_through_a_rollout(
     with Timeline(access, f"/api/v1/namespaces/{k8s_namespace}/pods") as pods:
         res.patch({"engine": {"dtype": "bfloat16"}})
         wait_for(
-            "the new generation alone", lambda: res.settled(new_key, counts), timeout_s=180, interval_s=0.5
+            lambda: res.settled(new_key, counts),
+            timeout=180,
+            interval=0.5,
+            message="the new generation alone",
         )
     rollout_invariants(pods, counts, new_key)
     for role, count in counts.items():
@@ -253,14 +265,22 @@ def test_external_mode_rolls_decode_first_each_pool_with_its_own_strategy(
     res = Resource(dev_cluster, k8s_namespace, "ext")
     body = spec(1, 1, mode="external")
     res.create(body)
-    wait_for("the pools Ready", lambda: res.settled(key_of(body), {"prefill": 1, "decode": 1}), 120, 0.5)
+    wait_for(
+        lambda: res.settled(key_of(body), {"prefill": 1, "decode": 1}),
+        timeout=120,
+        interval=0.5,
+        message="the pools Ready",
+    )
     scale = f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/ext-decode/scale"
     merge = "application/merge-patch+json"
     hpa = {"fieldManager": "hpa"}
     dev_cluster.admin.request("PATCH", scale, {"spec": {"replicas": 2}}, content_type=merge, params=hpa)
     counts = {"prefill": 1, "decode": 2}
     wait_for(
-        "decode at 2 (the HPA's)", lambda: res.settled(key_of(body), counts), timeout_s=120, interval_s=0.5
+        lambda: res.settled(key_of(body), counts),
+        timeout=120,
+        interval=0.5,
+        message="decode at 2 (the HPA's)",
     )
     access = ApiAccess.from_kubeconfig(dev_cluster.state.admin_kubeconfig)
     changed = copy.deepcopy(body)
@@ -274,7 +294,10 @@ def test_external_mode_rolls_decode_first_each_pool_with_its_own_strategy(
     ):
         res.patch({"engine": {"blockSize": 8}})
         wait_for(
-            "the new generation alone", lambda: res.settled(new_key, counts), timeout_s=180, interval_s=0.5
+            lambda: res.settled(new_key, counts),
+            timeout=180,
+            interval=0.5,
+            message="the new generation alone",
         )
     assert not [rs for rs in replica_sets.ever() if LABEL_RETIRING in (rs["metadata"].get("labels") or {})]
     # Prefill's first new pod came once no old decode pod was left.
@@ -301,7 +324,7 @@ def test_a_stuck_rollout_is_rolled_forward_and_a_deleted_resource_takes_every_ge
     body = spec(1, 1)
     res.create(body)
     counts = {"prefill": 1, "decode": 1}
-    wait_for("the pools Ready", lambda: res.settled(key_of(body), counts), timeout_s=120, interval_s=0.5)
+    wait_for(lambda: res.settled(key_of(body), counts), timeout=120, interval=0.5, message="the pools Ready")
     nowhere = {cluster_spec.NODE_TYPE_LABEL: "no-such-node"}
     res.patch({"engine": {"blockSize": 32}, "decode": {"nodeSelector": nowhere}})
 
@@ -309,7 +332,7 @@ def test_a_stuck_rollout_is_rolled_forward_and_a_deleted_resource_takes_every_ge
         pending = [p for p in res.pods("decode") if p["status"].get("phase") == "Pending"]
         return len(pending) == 1 and len(_released(res)) == 2
 
-    wait_for("the first step stuck on an unschedulable pod", stuck, timeout_s=120, interval_s=0.5)
+    wait_for(stuck, timeout=120, interval=0.5, message="the first step stuck on an unschedulable pod")
     assert [is_ready(p) for p in res.pods("prefill")] == [True]  # the old generation serves on
     progressing = condition(res.get(), "Progressing")
     assert progressing is not None and progressing["reason"] == "RollingOut"
@@ -319,22 +342,22 @@ def test_a_stuck_rollout_is_rolled_forward_and_a_deleted_resource_takes_every_ge
     forward["engine"]["blockSize"] = 64
     res.patch({"engine": {"blockSize": 64}, "decode": {"nodeSelector": KWOK}})
     wait_for(
-        "rolled forward to the newest key",
         lambda: res.settled(key_of(forward), counts),
-        timeout_s=180,
-        interval_s=0.5,
+        timeout=180,
+        interval=0.5,
+        message="rolled forward to the newest key",
     )
 
     res.patch({"engine": {"blockSize": 16}, "decode": {"nodeSelector": nowhere}})
-    wait_for("stuck again", stuck, timeout_s=120, interval_s=0.5)
+    wait_for(stuck, timeout=120, interval=0.5, message="stuck again")
     uid = res.get()["metadata"]["uid"]
     for rs in _released(res):  # the resource owns them now, the Deployment no longer does
         refs = rs["metadata"]["ownerReferences"]
         assert [(r["kind"], r["uid"], r["controller"]) for r in refs] == [("InferenceDeployment", uid, False)]
     dev_cluster.admin.delete(res.path)
     wait_for(
-        "garbage collection of every generation",
         lambda: not res.replica_sets() and not res.pods("prefill") and not res.pods("decode"),
-        timeout_s=120,
-        interval_s=0.5,
+        timeout=120,
+        interval=0.5,
+        message="garbage collection of every generation",
     )

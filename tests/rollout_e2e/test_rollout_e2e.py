@@ -84,7 +84,7 @@ def operator(dev_cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) 
         conditions = dev_cluster.admin.get(crd).get("status", {}).get("conditions") or []
         return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
-    wait_for("the CRD to be Established", established, timeout_s=60)
+    wait_for(established, timeout=60, message="the CRD to be Established")
     with operator_process(
         dev_cluster.state.admin_kubeconfig, tmp_path_factory.mktemp("operator"), "--no-peering"
     ) as proc:
@@ -125,14 +125,17 @@ def test_key_change_then_plain_change_under_load(
     dev_cluster.apply(with_node_selector(doc, PROCESS_NODES), ns)
     old_key = key_of(SPEC)
     wait_for(
-        "the first generation Ready", lambda: settled(dev_cluster, ns, old_key), timeout_s=900, interval_s=1
+        lambda: settled(dev_cluster, ns, old_key),
+        timeout=900,
+        interval=1,
+        message="the first generation Ready",
     )
 
     def router_ready() -> dict[str, Any] | None:
         found = pods(dev_cluster, ns, "router")
         return found[0] if len(found) == 1 and is_ready(found[0]) else None
 
-    router = wait_for("the router Ready", router_ready, timeout_s=300, interval_s=1)
+    router = wait_for(router_ready, timeout=300, interval=1, message="the router Ready")
     path = f"/apis/{models.API_VERSION}/namespaces/{ns}/{models.PLURAL}/{NAME}"
     changed = copy.deepcopy(SPEC)
     changed["engine"]["blockSize"] = 32
@@ -143,20 +146,43 @@ def test_key_change_then_plain_change_under_load(
     load = LoadGenerator(http_url(router, "/v1/completions"), BODY, timeout_s=300).start(concurrency=2)
     try:
         with EngineSampler(dev_cluster, ns, NAME) as sampler:
-            wait_for("requests served before the rollout", lambda: load.snapshot()[0] >= 5, 300, 0.5)
+            wait_for(
+                lambda: load.snapshot()[0] >= 5,
+                timeout=300,
+                interval=0.5,
+                message="requests served before the rollout",
+            )
             with Timeline(access, f"/api/v1/namespaces/{ns}/pods") as key_change:
                 dev_cluster.admin.patch(path, {"spec": {"engine": {"blockSize": 32}}})
-                wait_for("the new generation alone", lambda: settled(dev_cluster, ns, new_key), 1200, 1)
+                wait_for(
+                    lambda: settled(dev_cluster, ns, new_key),
+                    timeout=1200,
+                    interval=1,
+                    message="the new generation alone",
+                )
                 served = load.snapshot()[0]
-                wait_for("the new generation serving", lambda: load.snapshot()[0] >= served + 5, 300, 0.5)
+                wait_for(
+                    lambda: load.snapshot()[0] >= served + 5,
+                    timeout=300,
+                    interval=0.5,
+                    message="the new generation serving",
+                )
             with Timeline(access, f"/api/v1/namespaces/{ns}/pods") as plain_change:
                 env = {"engine": {"env": [{"name": "PLAIN_CHANGE", "value": "1"}]}}
                 dev_cluster.admin.patch(path, {"spec": env})
                 wait_for(
-                    "the plain change rolled out", lambda: settled(dev_cluster, ns, new_key, has_env), 1200, 1
+                    lambda: settled(dev_cluster, ns, new_key, has_env),
+                    timeout=1200,
+                    interval=1,
+                    message="the plain change rolled out",
                 )
                 served = load.snapshot()[0]
-                wait_for("requests served after it", lambda: load.snapshot()[0] >= served + 5, 300, 0.5)
+                wait_for(
+                    lambda: load.snapshot()[0] >= served + 5,
+                    timeout=300,
+                    interval=0.5,
+                    message="requests served after it",
+                )
     finally:
         stats = load.stop()
 

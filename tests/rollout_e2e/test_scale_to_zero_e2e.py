@@ -39,7 +39,7 @@ def operator(dev_cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) 
         conditions = dev_cluster.admin.get(crd).get("status", {}).get("conditions") or []
         return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
-    wait_for("the CRD to be Established", established, timeout_s=60)
+    wait_for(established, timeout=60, message="the CRD to be Established")
     with operator_process(
         dev_cluster.state.admin_kubeconfig, tmp_path_factory.mktemp("operator"), "--no-peering"
     ) as proc:
@@ -54,10 +54,10 @@ def test_idle_to_zero_a_request_wakes_both_pools_and_a_burst_beyond_the_queue_ge
     url = res.router_url()
 
     # 1. Idle: both pools to zero, the router stays up.
-    wait_for("both pools at zero pods", res.at_zero, timeout_s=900, interval_s=1)
+    wait_for(res.at_zero, timeout=900, interval=1, message="both pools at zero pods")
     scaled = f"scaled to zero (idle {QUICK.idle_s} s)"
     wait_for(
-        "the ScaledDown Events", lambda: len(res.events("ScaledDown")) >= 2, timeout_s=60, interval_s=0.5
+        lambda: len(res.events("ScaledDown")) >= 2, timeout=60, interval=0.5, message="the ScaledDown Events"
     )
     assert res.events("ScaledDown") == [
         f"decode: scale down 1 -> 0: {scaled}",
@@ -80,7 +80,7 @@ def test_idle_to_zero_a_request_wakes_both_pools_and_a_burst_beyond_the_queue_ge
     print(json.dumps(asdict(result)))
 
     # 3. Idle again, then a burst of twice the hold queue.
-    wait_for("both pools at zero pods again", res.at_zero, timeout_s=300, interval_s=1)
+    wait_for(res.at_zero, timeout=300, interval=1, message="both pools at zero pods again")
     with ThreadPoolExecutor(2 * QUICK.hold_queue) as pool:
         answers = list(pool.map(lambda _: post(url), range(2 * QUICK.hold_queue)))
     refused = [a for a in answers if a.status_code == 503]

@@ -17,7 +17,7 @@ from baton_operator.autoscaler.policy_types import (
     ScaleToZero,
     StepPolicy,
 )
-from baton_operator.autoscaler.status import history_from_dict, history_to_dict
+from baton_operator.autoscaler.status_record import history_from_dict, history_to_dict
 
 from .factories import NOW, decode_pool, prefill_pool, sample
 
