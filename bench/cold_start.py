@@ -4,9 +4,10 @@ process node, the operator as a process; the router holds the request, the autos
 and wakes the pools, their pods start, load the model and pass their readiness probe, the router
 discovers them and sends the request through.
 
-Reference, in the same run: the floor a pod start cannot beat, a standalone `baton-engine serve`
-with the pods' flags, from process start to `/ready` (importing, loading the model), and what is
-left, the orchestration: the autoscaler's wake-up, scheduling, probes, discovery.
+Reference, in the same run (next to each cold start: a shared machine's load changes by the
+minute): the floor a pod start cannot beat, a standalone `baton-engine serve` with the pods'
+flags, from process start to `/ready` (importing, loading the model), and what is left, the
+orchestration: the autoscaler's wake-up, scheduling, probes, discovery.
 
     python -m bench.cold_start --json [--runs 3] [--cluster-dir DIR] [--quick]
 
@@ -244,7 +245,7 @@ def cluster_at(cluster_dir: Path | None) -> Iterator[DevCluster]:
 
 
 def run(config: Config, cluster_dir: Path | None) -> dict[str, Any]:
-    floor = engine_floor()
+    floors: list[float] = []
     with cluster_at(cluster_dir) as cluster, tempfile.TemporaryDirectory(prefix="baton-bench-op-") as work:
         cluster.kubectl("apply", "-f", str(REPO / "crds"))
         with (
@@ -257,11 +258,13 @@ def run(config: Config, cluster_dir: Path | None) -> dict[str, Any]:
             starts = []
             for i in range(config.runs):
                 wait_for(res.at_zero, timeout=900, interval=1, message="every pool at zero")
+                # The floor next to each cold start: a shared machine's load changes by the minute.
+                floors.append(engine_floor())
                 result = cold_start(res, url)
                 if result.status != 200:
                     raise RuntimeError(f"run {i}: HTTP {result.status}: {result.text}")
                 starts.append(result)
-                print(f"run {i + 1}/{config.runs}: {result}", file=sys.stderr)
+                print(f"run {i + 1}/{config.runs}: {result}, floor {floors[-1]:.2f} s", file=sys.stderr)
             cluster.admin.delete(res.path)
     answered = [s.answered_after_s for s in starts]
     cold = statistics.median(answered)
@@ -271,8 +274,10 @@ def run(config: Config, cluster_dir: Path | None) -> dict[str, Any]:
         "cold_start_runs_s": [round(a, 2) for a in answered],
         "woken_after_s": round(statistics.median(s.woken_after_s for s in starts), 2),
         "ready_after_s": round(statistics.median(s.ready_after_s for s in starts), 2),
-        "engine_floor_s": round(floor, 2),
-        "orchestration_s": round(cold - floor, 2),
+        "engine_floor_s": round(statistics.median(floors), 2),
+        "engine_floor_runs_s": [round(f, 2) for f in floors],
+        "orchestration_s": round(statistics.median(a - f for a, f in zip(answered, floors, strict=True)), 2),
+        "orchestration_runs_s": [round(a - f, 2) for a, f in zip(answered, floors, strict=True)],
         "config": asdict(config),
         "machine": f"{os.cpu_count()} CPUs",
     }
