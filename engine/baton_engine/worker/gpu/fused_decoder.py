@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton_engine.model.kernels.launch_table import launch_table_for
 from baton_engine.model.kernels.triton_attention import (
     DecodeWorkspace,
     paged_decode_attention,
@@ -87,6 +88,8 @@ class FusedDecoder:
         self.final_norm = model.model.norm.weight
         self.lm_weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         self.cos = model.rotary.cos
+        # Launch parameters of the device the weights live on (AMD and NVIDIA differ).
+        self.launch = launch_table_for(self.embed.device)
         self.sin = model.rotary.sin
         self.layers: list[_Layer] = []
         for layer in model.model.layers:
@@ -120,11 +123,12 @@ class FusedDecoder:
         residual = F.embedding(input_ids, self.embed)
         mlp_out: torch.Tensor | None = None
         h, d = self.num_heads, self.head_dim
+        launch = self.launch
         for index, layer in enumerate(self.layers):
             if mlp_out is None:
-                normed = rms_norm(residual, layer.input_norm, self.eps)
+                normed = rms_norm(residual, layer.input_norm, self.eps, launch=launch)
             else:
-                normed = fused_add_rms_norm(mlp_out, residual, layer.input_norm, self.eps)
+                normed = fused_add_rms_norm(mlp_out, residual, layer.input_norm, self.eps, launch=launch)
             qkv = F.linear(normed, layer.qkv_weight, layer.qkv_bias)
             if layer.q_norm is not None and layer.k_norm is not None:
                 kv_size = self.num_kv_heads * d
@@ -134,12 +138,18 @@ class FusedDecoder:
                 k_view.copy_(layer.k_norm(k_view))
             layer_cache = kv_cache[index]
             rotary_cache_write(
-                qkv, positions, self.cos, self.sin, slot_mapping, layer_cache, h, self.num_kv_heads, d
+                qkv, positions, self.cos, self.sin, slot_mapping, layer_cache, h, self.num_kv_heads, d, launch
             )
             q = qkv[:, : self.q_size].view(tokens, h, d)
             if isinstance(meta, DecodeMeta):
                 attn = paged_decode_attention(
-                    q, layer_cache, meta.block_tables, meta.seq_lens, self.scale, meta.workspace
+                    q,
+                    layer_cache,
+                    meta.block_tables,
+                    meta.seq_lens,
+                    self.scale,
+                    meta.workspace,
+                    launch=launch,
                 )
             elif isinstance(meta, VerifyMeta):
                 attn = paged_multi_query_attention(
@@ -151,6 +161,7 @@ class FusedDecoder:
                     meta.query_len,
                     self.scale,
                     meta.workspace,
+                    launch=launch,
                 )
             else:
                 attn = paged_prefill_attention(
@@ -162,13 +173,14 @@ class FusedDecoder:
                     meta.tile_rows,
                     meta.tile_starts,
                     self.scale,
+                    launch=launch,
                 )
             attn_out = layer.o_proj(attn.view(tokens, self.q_size))
-            normed = fused_add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
+            normed = fused_add_rms_norm(attn_out, residual, layer.post_norm, self.eps, launch=launch)
             gate_up = F.linear(normed, layer.gate_up_weight, layer.gate_up_bias)
-            mlp_out = layer.down_proj(silu_and_mul(gate_up))
+            mlp_out = layer.down_proj(silu_and_mul(gate_up, launch=launch))
         assert mlp_out is not None
-        return fused_add_rms_norm(mlp_out, residual, self.final_norm, self.eps)
+        return fused_add_rms_norm(mlp_out, residual, self.final_norm, self.eps, launch=launch)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, vocab]; into `out` (contiguous [T, vocab]) when given, so graphs can share it."""

@@ -13,6 +13,10 @@
   `sync_debug=True` runs each device step under ``torch.cuda.set_sync_debug_mode("error")``.
 * Plain greedy steps take the argmax on the device; after a greedy decode step the predicted
   next step is launched at once (`decode_ahead`), so the device works while the scheduler plans.
+* Structured output: a step's grammar bitmasks go through pinned buffers to the device and are
+  applied to the logits with tensor ops after the forward (a graph replay included), before
+  the sampler or the argmax. A step with a grammar is never run ahead: its successor's masks
+  depend on the tokens it samples.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from baton_engine.worker.gpu.verify_batch import (
     verify_query_lens,
 )
 from baton_engine.worker.model_runner import ModelRunner
+from baton_engine.worker.token_bitmask import apply_token_bitmask
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +91,22 @@ def _put_into(host: torch.Tensor, values: np.ndarray, device: torch.Tensor) -> N
     n = len(values)
     host.numpy()[:n] = values
     device[:n].copy_(host[:n], non_blocking=True)
+
+
+class _GrammarStaging:
+    """Pinned host buffers and device twins for one step's grammar bitmask and its rows."""
+
+    def __init__(self, max_positions: int, words: int, device: torch.device) -> None:
+        self.bitmask = (
+            torch.zeros((max_positions, words), dtype=torch.int32, pin_memory=True),
+            torch.zeros((max_positions, words), dtype=torch.int32, device=device),
+        )
+        self.rows = (
+            torch.zeros(max_positions, dtype=torch.int64, pin_memory=True),
+            torch.zeros(max_positions, dtype=torch.int64, device=device),
+        )
+        self.done = torch.cuda.Event()
+        self.done.record()
 
 
 @dataclass
@@ -148,6 +169,9 @@ class GpuModelRunner(ModelRunner):
             _Staging(self.max_tokens, self.max_rows, self.max_blocks, self.device) for _ in range(2)
         ]
         self._turn = 0
+        # Allocated on the first step with a grammar (most engines never see one).
+        self._grammar_staging: list[_GrammarStaging] = []
+        self._grammar_turn = 0
         sizes = DEFAULT_GRAPH_BATCH_SIZES if graph_batch_sizes is None else graph_batch_sizes
         self.graph_sizes = sorted(s for s in sizes if s <= self.max_rows)
         self._graphs: dict[int, _Graph] = {}
@@ -183,7 +207,9 @@ class GpuModelRunner(ModelRunner):
     # -- graphs ---------------------------------------------------------------------------
     def _decode_meta(self, batch: int) -> DecodeMeta:
         mc = self.model_config
-        splits = decode_num_splits(batch, mc.num_kv_heads, self.config.max_model_len)
+        splits = decode_num_splits(
+            batch, mc.num_kv_heads, self.config.max_model_len, self.fused.launch.decode_split.block_n or 64
+        )
         return DecodeMeta(
             block_tables=self._g_tables[:batch],
             seq_lens=self._g_seq_lens[:batch],
@@ -200,7 +226,9 @@ class GpuModelRunner(ModelRunner):
         mc = self.model_config
         # The split count of a plain decode step of `batch` rows: each program's tile holds all
         # query_len tokens of its row, so the programs per split are the same.
-        splits = decode_num_splits(batch, mc.num_kv_heads, self.config.max_model_len)
+        splits = decode_num_splits(
+            batch, mc.num_kv_heads, self.config.max_model_len, self.fused.launch.verify_split.block_n or 64
+        )
         return VerifyMeta(
             block_tables=self._v_tables[:batch],
             seq_lens=self._v_seq_lens[:batch],
@@ -276,11 +304,14 @@ class GpuModelRunner(ModelRunner):
             return super().execute(step)
         if np.any(np.asarray(step.num_draft_tokens) > 0):
             # Greedy verify: argmax on the device (the sampler's greedy tokens), acceptance on the host.
-            verified = self.compute_logits(step).argmax(dim=-1).tolist()
+            logits = self.compute_logits(step)
+            self.apply_grammar(logits, step)
+            verified = logits.argmax(dim=-1).tolist()
             _, spans = self._expand_sampling(step)
             return self._accept(step, spans, verified, None)
         tokens: list[int] | None = None
-        if ahead is not None:
+        constrained = step.grammar_bitmask is not None
+        if ahead is not None and not constrained:
             index = match_rows(ahead.plan, step, self.block_size)
             if index is not None:
                 ahead.done.synchronize()  # the sampled tokens of the step run ahead
@@ -289,8 +320,10 @@ class GpuModelRunner(ModelRunner):
             else:
                 self.ahead_misses += 1
         if tokens is None:
-            tokens = self.compute_logits(step).argmax(dim=-1).tolist()
-        if self.decode_ahead and is_decode_only(step):
+            logits = self.compute_logits(step)
+            self.apply_grammar(logits, step)
+            tokens = logits.argmax(dim=-1).tolist()
+        if self.decode_ahead and is_decode_only(step) and not constrained:
             self._launch_ahead(step, np.asarray(tokens, dtype=np.int64))
         return ModelRunnerOutput(step_id=step.step_id, sampled_token_ids=[[int(t)] for t in tokens])
 
@@ -318,6 +351,30 @@ class GpuModelRunner(ModelRunner):
             done.record()
             staging.done.record()
         self._ahead = _Ahead(plan, tokens_host, done)
+
+    def apply_grammar(self, logits: torch.Tensor, step: SchedulerOutput) -> None:
+        """The step's grammar bitmasks -> pinned buffer -> device (non-blocking), applied to
+        `logits` in place with tensor ops: no host sync."""
+        bitmask = step.grammar_bitmask
+        if bitmask is None:
+            return
+        count, words = bitmask.shape
+        if not self._grammar_staging:
+            max_positions = self.max_rows * (1 + self.config.num_speculative_tokens)
+            self._grammar_staging = [_GrammarStaging(max_positions, words, self.device) for _ in range(2)]
+        staging = self._grammar_staging[self._grammar_turn]
+        self._grammar_turn ^= 1
+        staging.done.synchronize()  # the copy of two constrained steps ago
+        with self._sync_guard():
+            host, device = staging.bitmask
+            host.numpy()[:count] = bitmask
+            device[:count].copy_(host[:count], non_blocking=True)
+            rows = step.grammar_rows
+            index = None
+            if rows is not None and count != logits.shape[0]:
+                index = _put(staging.rows, np.asarray(rows, np.int64))
+            apply_token_bitmask(logits, device[:count], index)
+            staging.done.record()
 
     @contextlib.contextmanager
     def _sync_guard(self) -> Iterator[None]:
