@@ -8,12 +8,14 @@ on a process node, the router (which stays up), the operator as a process; the s
    request") past a scale-up window far longer than the hold timeout, and the request is
    answered; the timings are printed (recorded by bench.cold_start, never asserted).
 3. Idle again, then a burst of twice the router's hold queue: exactly the queue's worth is held
-   and answered, the rest get 503 with Retry-After at once; no accepted request is lost.
+   and answered, the rest get 503 with Retry-After at once; no accepted request is lost; one
+   wake-up for the burst.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -81,6 +83,7 @@ def test_idle_to_zero_a_request_wakes_both_pools_and_a_burst_beyond_the_queue_ge
 
     # 3. Idle again, then a burst of twice the hold queue.
     wait_for(res.at_zero, timeout=300, interval=1, message="both pools at zero pods again")
+    woken_before = Counter(m for m in res.events("ScaledUp") if "woken" in m)
     with ThreadPoolExecutor(2 * QUICK.hold_queue) as pool:
         answers = list(pool.map(lambda _: post(url), range(2 * QUICK.hold_queue)))
     refused = [a for a in answers if a.status_code == 503]
@@ -95,7 +98,15 @@ def test_idle_to_zero_a_request_wakes_both_pools_and_a_burst_beyond_the_queue_ge
             f"(the router holds at most {QUICK.hold_queue})"
         )
     assert all(a.json()["choices"][0]["text"] for a in served)
-    assert [m for m in res.events("ScaledUp") if f"woken by {QUICK.hold_queue} waiting requests" in m] == [
-        f"decode: scale up 0 -> 1: woken by {QUICK.hold_queue} waiting requests",
-        f"prefill: scale up 0 -> 1: woken by {QUICK.hold_queue} waiting requests",
+    # One wake-up for the burst, both pools in the same decision. How many requests it saw
+    # waiting depends on when the once-a-second autoscaler read the router while the burst
+    # arrived: 1 to the queue's size.
+    woken = sorted((Counter(m for m in res.events("ScaledUp") if "woken" in m) - woken_before).elements())
+    assert len(woken) == 2, woken
+    waiting = int(woken[0].split("woken by ")[1].split()[0])
+    assert 1 <= waiting <= QUICK.hold_queue, woken
+    plural = "s" if waiting != 1 else ""
+    assert woken == [
+        f"decode: scale up 0 -> 1: woken by {waiting} waiting request{plural}",
+        f"prefill: scale up 0 -> 1: woken by {waiting} waiting request{plural}",
     ]
