@@ -331,6 +331,8 @@ def test_router_discovery_flags_and_rbac() -> None:
         "--tokenizer", "builtin:smollm2-135m-instruct",
         "--host", "$(BATON_POD_IP)",
         "--port", "9000",
+        "--hold-queue", "64",
+        "--hold-timeout", "120",
         "--kv-events",
     ]  # fmt: skip
     pod = by_kind(children, "Deployment")["demo-router"]["spec"]["template"]["spec"]
