@@ -66,6 +66,7 @@ def _calibrate(
                 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
                 hidden = kwargs.get("hidden_states", args[0] if args else None)
+                assert hidden is not None
                 shape = (*hidden.shape[:-1], -1, mod.head_dim)
                 k = mod.k_proj(hidden).view(shape)
                 if getattr(mod, "k_norm", None) is not None:

@@ -115,9 +115,8 @@ class TinyModel:
                 **common, head_dim=32, tie_word_embeddings=True, rope_parameters={"rope_theta": 1000.0}
             )
         if self.family == "qwen3_moe":
-            return Qwen3MoeConfig(
+            moe = Qwen3MoeConfig(
                 **common,
-                head_dim=32,
                 tie_word_embeddings=False,
                 rope_parameters={"rope_theta": 1000.0},
                 num_experts=8,
@@ -127,6 +126,8 @@ class TinyModel:
                 decoder_sparse_step=1,
                 mlp_only_layers=[1] if self.num_layers > 1 else [],
             )
+            moe.head_dim = 32  # a config attribute its typed signature does not list
+            return moe
         if self.family == "mixtral":
             return MixtralConfig(
                 **common, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2

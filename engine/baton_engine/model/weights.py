@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 from torch import nn
 
@@ -60,7 +60,7 @@ def _targets(model: nn.Module) -> dict[str, _Target]:
         if isinstance(module, CheckpointModule):
             self_loading.append(name)
             for full, key in module.checkpoint_names().items():
-                targets[full] = _Target(module, "", None, required=False, key=key)
+                targets[full] = _Target(cast(nn.Module, module), "", None, required=False, key=key)
         elif isinstance(module, ParallelLinear):
             parent = name.rpartition(".")[0]
             for param, sharding in module.shardings.items():
@@ -106,12 +106,12 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, WeightSource]
             param.data.copy_(source.read())
         loaded.add(name)
     missing = sorted(name for name, target in targets.items() if target.required and name not in loaded)
-    for module, keys in self_loaded.items():
-        missing += module.missing_checkpoint_names(keys)
+    for owner, keys in self_loaded.items():
+        missing += owner.missing_checkpoint_names(keys)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weights the model needs, e.g. {missing[:3]}")
     for module in model.modules():
         if isinstance(module, ParallelLinear):
             module.process_weights_after_loading()
-        elif isinstance(module, CheckpointModule):
-            module.process_weights_after_loading()
+    for self_loading_module in self_loaded:
+        self_loading_module.process_weights_after_loading()

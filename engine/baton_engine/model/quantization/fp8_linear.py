@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import nn
@@ -126,7 +126,7 @@ class Fp8LinearMethod:
             _replace(layer, "weight", weight)
             _replace(layer, "weight_scale", scale)
             return
-        raw_scale: torch.Tensor = layer.weight_scale.data
+        raw_scale = cast(torch.Tensor, layer.weight_scale).data
         if self.scheme.weight_strategy == "tensor":
             scale = fp8.channel_scales(list(raw_scale), list(layer.output_sizes_per_rank))
         else:
@@ -134,7 +134,7 @@ class Fp8LinearMethod:
         weight = layer.weight.data
         input_scale: torch.Tensor | None = None
         if self.scheme.activation == "static":
-            input_scale = layer.input_scale.data.max()
+            input_scale = cast(torch.Tensor, layer.input_scale).data.max()
         if self.fp8_dtype == torch.float8_e4m3fnuz:
             weight, scale = fp8.to_fnuz(weight, scale)
             if input_scale is not None:
@@ -146,8 +146,8 @@ class Fp8LinearMethod:
 
     # -- running ----------------------------------------------------------------------------
     def apply(self, layer: ParallelLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        weight: torch.Tensor = layer.weight
-        scale: torch.Tensor = layer.weight_scale
+        weight = layer.weight
+        scale = cast(torch.Tensor, layer.weight_scale)
         input_scale: torch.Tensor | None = getattr(layer, "input_scale", None)
         activation = self.scheme.activation
         if x.device.type != "cuda":
