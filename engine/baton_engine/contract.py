@@ -93,6 +93,8 @@ LABEL_KV_COMPAT: Final = "baton.dev/kv-compat"
 #: during a block-size rollout the two generations of pods hash differently.
 ANNOTATION_BLOCK_SIZE: Final = "baton.dev/block-size"
 ANNOTATION_PREFIX_HASH: Final = "baton.dev/prefix-hash"
+#: ... and the root seed of its vllm-* hashes (absent: vLLM's default root).
+ANNOTATION_PREFIX_HASH_SEED: Final = "baton.dev/prefix-hash-seed"
 
 
 def engine_pods_selector(deployment: str) -> dict[str, str]:
