@@ -111,7 +111,7 @@ def test_engine_args_flags_and_kv_roles() -> None:
         "--kv-lease-seconds", "30",
         "--kv-transfer-on-failure", "recompute",
         "--kv-events",
-        "--kv-compat-key", "a2cd80ac3dae1fc6",
+        "--kv-compat-key", "aecfc482d86753bf",
         "--kv-events-port", "5557",
         "--kv-events-replay-port", "5558",
         "--kv-events-buffer-steps", "10000",
@@ -123,6 +123,19 @@ def test_engine_args_flags_and_kv_roles() -> None:
     ]  # fmt: skip
     # A consumer serves no pulls.
     assert [p["name"] for p in decode["ports"]] == ["http", "kv-events", "kv-replay"]
+
+
+def test_fp8_weights_and_kv_cache_become_flags_every_engine_accepts() -> None:
+    from baton_engine.cli import build_parser, config_from_args
+
+    default = container(by_kind(build({}), "Deployment")["demo-prefill"])["args"]
+    assert "--quantization" not in default and "--kv-cache-dtype" not in default
+    patch = {"engine": {"quantization": "fp8", "kvCacheDtype": "fp8"}}
+    for role in ("prefill", "decode"):
+        args = container(by_kind(build(patch), "Deployment")[f"demo-{role}"])["args"]
+        assert (flag(args, "--quantization"), flag(args, "--kv-cache-dtype")) == ("fp8", "fp8")
+        config = config_from_args(build_parser().parse_args(["serve", *args]))
+        assert (config.quantization, config.kv_cache_dtype) == ("fp8", "fp8")
 
 
 def test_kv_events_off_drops_flags_and_ports() -> None:
@@ -318,6 +331,8 @@ def test_router_discovery_flags_and_rbac() -> None:
         "--tokenizer", "builtin:smollm2-135m-instruct",
         "--host", "$(BATON_POD_IP)",
         "--port", "9000",
+        "--hold-queue", "64",
+        "--hold-timeout", "120",
         "--kv-events",
     ]  # fmt: skip
     pod = by_kind(children, "Deployment")["demo-router"]["spec"]["template"]["spec"]
