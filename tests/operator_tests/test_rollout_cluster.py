@@ -363,15 +363,16 @@ def test_a_stuck_rollout_is_rolled_forward_and_a_deleted_resource_takes_every_ge
     )
 
 
+@pytest.mark.parametrize("mode", ["off", "builtin"])
 def test_a_rollback_mid_rollout_returns_to_the_old_key_within_the_bounds(
-    dev_cluster: DevCluster, k8s_namespace: str, operator: OperatorProcess
+    dev_cluster: DevCluster, k8s_namespace: str, operator: OperatorProcess, mode: str
 ) -> None:
     """The user reverts a key change while it rolls (its new decode pod cannot be scheduled):
     the released old generation is taken back by the Deployments (its pods serve on, none is
     replaced), within the bounds on every recorded state; the generation rolled back from is
     released and removed, and no pod of it ever served."""
-    res = Resource(dev_cluster, k8s_namespace, "back")
-    body = spec(1, 1)
+    res = Resource(dev_cluster, k8s_namespace, f"back-{mode}")
+    body = spec(1, 1, mode=mode)
     res.create(body)
     old_key, counts = key_of(body), {"prefill": 1, "decode": 1}
     wait_for(lambda: res.settled(old_key, counts), timeout=120, interval=0.5, message="the pools Ready")
