@@ -125,6 +125,7 @@ FLAG_HOST: Final = "--host"
 FLAG_PORT: Final = "--port"
 FLAG_DEVICE: Final = "--device"
 FLAG_DTYPE: Final = "--dtype"
+FLAG_TENSOR_PARALLEL_SIZE: Final = "--tensor-parallel-size"
 FLAG_BLOCK_SIZE: Final = "--block-size"
 FLAG_MAX_NUM_SEQS: Final = "--max-num-seqs"
 FLAG_MAX_NUM_BATCHED_TOKENS: Final = "--max-num-batched-tokens"
@@ -363,15 +364,15 @@ class KVTransferParams:
     block_ids: list[int]  # producer block ids holding the prompt's KV, in order
     num_tokens: int  # prompt tokens whose KV the blocks hold
     first_token: int  # token the producer sampled after the prompt
-    block_size: int
+    block_size: int  # tokens per block (must equal the consumer's)
     dtype: str  # torch dtype name of the KV cache, e.g. "float32", "bfloat16"
-    layout: str = KV_LAYOUT
+    layout: str = KV_LAYOUT  # the KV cache tensor's dimension order (KV_LAYOUT)
     model: str = ""  # served model name
     lease_expires_at: float = 0.0  # producer wall-clock (unix seconds)
-    version: int = KV_TRANSFER_SCHEMA_VERSION
+    version: int = KV_TRANSFER_SCHEMA_VERSION  # this schema's version (KV_TRANSFER_SCHEMA_VERSION)
     #: The producer's KV-compatibility key (LABEL_KV_COMPAT); "" when it was started without one.
     kv_key: str = ""
-    signature: str = field(default="", compare=False)
+    signature: str = field(default="", compare=False)  # HMAC-SHA256 hex over the other fields
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

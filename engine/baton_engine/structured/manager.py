@@ -21,6 +21,7 @@ as it is; a failed forward (``discard_step``) accepted nothing, so there is noth
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,12 @@ import llguidance
 import numpy as np
 
 from baton_engine.structured.matcher import Bitmask, GrammarMatcher, bitmask_words, grammar_tokenizer
+
+COMPILED_GRAMMARS_KEPT = 8
+"""How many compiled grammars (fresh matchers) `StructuredOutputManager` keeps to copy from: the
+n samples of one request and clients that send one schema over and over compile it once. A
+grammar at llguidance's size limit compiles in ~0.3 s on the step loop and holds ~17 MiB; its
+copies share that compiled form."""
 
 
 class GrammarRefusedToken(ValueError):
@@ -40,7 +47,7 @@ class SampledRow:
     step's logits rows, and the drafts it verifies (empty for a plain decode or a prompt's
     last chunk)."""
 
-    seq_id: int
+    req_id: int
     logits_row: int
     drafts: tuple[int, ...] = ()
 
@@ -66,27 +73,42 @@ class StructuredOutputManager:
         self._words = bitmask_words(vocab_size)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._matchers: dict[int, GrammarMatcher] = {}
+        self._compiled: OrderedDict[str, GrammarMatcher] = OrderedDict()
+        """Grammar text -> a matcher that never advanced, least recently used first."""
 
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._matchers
+    def __contains__(self, req_id: int) -> bool:
+        return req_id in self._matchers
 
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def add(self, seq_id: int, grammar: str) -> None:
-        """Follow `seq_id`'s output with `grammar`; raises `StructuredOutputError`."""
-        if seq_id in self._matchers:
-            raise ValueError(f"sequence {seq_id} already has a grammar")
+    def add(self, req_id: int, grammar: str) -> None:
+        """Follow `req_id`'s output with `grammar`; raises `StructuredOutputError`."""
+        if req_id in self._matchers:
+            raise ValueError(f"request {req_id} already has a grammar")
         if self._tokenizer is None:
             self._tokenizer = grammar_tokenizer(self._tokenizer_json(), self.vocab_size, self.eos_token_ids)
-        self._matchers[seq_id] = GrammarMatcher(self._tokenizer, grammar)
+        fresh = self._compiled.get(grammar)
+        if fresh is None:
+            fresh = GrammarMatcher(self._tokenizer, grammar)  # raises before anything is kept
+            self._compiled[grammar] = fresh
+            if len(self._compiled) > COMPILED_GRAMMARS_KEPT:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        self._matchers[req_id] = fresh.copy()
 
-    def remove(self, seq_id: int) -> None:
-        self._matchers.pop(seq_id, None)
+    @property
+    def num_compiled(self) -> int:
+        """Compiled grammars kept to copy from (at most `COMPILED_GRAMMARS_KEPT`)."""
+        return len(self._compiled)
 
-    def cut_drafts(self, seq_id: int, drafts: list[int]) -> list[int]:
+    def remove(self, req_id: int) -> None:
+        self._matchers.pop(req_id, None)
+
+    def cut_drafts(self, req_id: int, drafts: list[int]) -> list[int]:
         """The leading `drafts` the grammar can take from the request's current state."""
-        matcher = self._matchers.get(seq_id)
+        matcher = self._matchers.get(req_id)
         if matcher is None or not drafts:
             return drafts
         return drafts[: matcher.valid_prefix(drafts)]
@@ -98,16 +120,16 @@ class StructuredOutputManager:
         logits_rows: list[int] = []
         at = 0
         for row in rows:
-            self._matchers[row.seq_id].fill_draft_bitmasks(list(row.drafts), bitmask, at)
+            self._matchers[row.req_id].fill_draft_bitmasks(list(row.drafts), bitmask, at)
             logits_rows.extend(range(row.logits_row, row.logits_row + 1 + len(row.drafts)))
             at += 1 + len(row.drafts)
         return StepBitmask(bitmask, logits_rows)
 
-    def accept(self, seq_id: int, tokens: list[int]) -> bool:
+    def accept(self, req_id: int, tokens: list[int]) -> bool:
         """Advance by the tokens the request kept; True once the grammar is complete (it allows
         nothing but EOS: a final EOS is taken as that end). Raises `GrammarRefusedToken` for a
         token the grammar does not allow (the state then holds the tokens before it)."""
-        matcher = self._matchers[seq_id]
+        matcher = self._matchers[req_id]
         taken = matcher.accept(tokens)
         rest = tokens[taken:]
         if rest and not (len(rest) == 1 and rest[0] in self.eos_token_ids and matcher.accepting):

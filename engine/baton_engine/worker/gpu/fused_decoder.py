@@ -1,8 +1,9 @@
 """The decoder's GPU forward: the `CausalLM`'s weights driven through Triton kernels.
 
-The model already fuses q/k/v and gate/up into single projections; this forward adds the fused
+The model already merges q/k/v and gate/up into single projections; this forward adds the fused
 element-wise kernels, so a layer is 9 launches: add+norm, qkv, rotary+cache write, attention,
-o_proj, add+norm, gate_up, silu*mul, down. It holds no weights of its own.
+o_proj, add+norm, gate_up, silu*mul, down. It holds no weights of its own: the projections are
+the model's layers, applied through their quantization methods.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from baton_engine.model.kernels.triton_fused import (
     silu_and_mul,
 )
 from baton_engine.model.kernels.triton_multi_query import paged_multi_query_attention
+from baton_engine.model.linear import ParallelLinear
 from baton_engine.model.llama import CausalLM
 
 
@@ -63,47 +65,47 @@ class PrefillMeta:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_proj: nn.Linear
+    qkv_proj: ParallelLinear
+    o_proj: ParallelLinear
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down_proj: nn.Linear
+    gate_up_proj: ParallelLinear
+    down_proj: ParallelLinear
     q_norm: nn.Module | None
     k_norm: nn.Module | None
 
 
 class FusedDecoder:
+    """This rank's forward: its heads and MLP shard; the row-parallel projections all-reduce
+    (inside captured graphs too) and the LM head all-gathers the vocabulary."""
+
     def __init__(self, model: CausalLM) -> None:
         config = model.config
         self.config = config
         self.eps = config.rms_norm_eps
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = model.num_local_heads
+        self.num_kv_heads = model.num_local_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        self.q_size = config.num_heads * config.head_dim
-        self.embed = model.model.embed_tokens.weight
+        self.q_size = self.num_heads * config.head_dim
+        self.embed = model.model.embed_tokens
         self.final_norm = model.model.norm.weight
-        self.lm_weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        self.lm_head = model.lm_head_layer
+        self.vocab_size = config.vocab_size
         self.cos = model.rotary.cos
         # Launch parameters of the device the weights live on (AMD and NVIDIA differ).
-        self.launch = launch_table_for(self.embed.device)
+        self.launch = launch_table_for(self.embed.weight.device)
         self.sin = model.rotary.sin
         self.layers: list[_Layer] = []
-        for layer in model.model.layers:
+        for layer in model.model.decoder_layers():
             attn = layer.self_attn
             mlp = layer.mlp
             self.layers.append(
                 _Layer(
                     input_norm=layer.input_layernorm.weight,
-                    qkv_weight=attn.qkv_proj.weight,
-                    qkv_bias=attn.qkv_proj.bias,
+                    qkv_proj=attn.qkv_proj,
                     o_proj=attn.o_proj,
                     post_norm=layer.post_attention_layernorm.weight,
-                    gate_up_weight=mlp.gate_up_proj.weight,
-                    gate_up_bias=mlp.gate_up_proj.bias,
+                    gate_up_proj=mlp.gate_up_proj,
                     down_proj=mlp.down_proj,
                     q_norm=attn.q_norm,
                     k_norm=attn.k_norm,
@@ -120,7 +122,7 @@ class FusedDecoder:
     ) -> torch.Tensor:
         """Final-norm hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
         tokens = input_ids.shape[0]
-        residual = F.embedding(input_ids, self.embed)
+        residual = self.embed(input_ids)
         mlp_out: torch.Tensor | None = None
         h, d = self.num_heads, self.head_dim
         launch = self.launch
@@ -129,7 +131,7 @@ class FusedDecoder:
                 normed = rms_norm(residual, layer.input_norm, self.eps, launch=launch)
             else:
                 normed = fused_add_rms_norm(mlp_out, residual, layer.input_norm, self.eps, launch=launch)
-            qkv = F.linear(normed, layer.qkv_weight, layer.qkv_bias)
+            qkv = layer.qkv_proj(normed)
             if layer.q_norm is not None and layer.k_norm is not None:
                 kv_size = self.num_kv_heads * d
                 q_view = qkv[:, : self.q_size].view(tokens, h, d)
@@ -177,13 +179,22 @@ class FusedDecoder:
                 )
             attn_out = layer.o_proj(attn.view(tokens, self.q_size))
             normed = fused_add_rms_norm(attn_out, residual, layer.post_norm, self.eps, launch=launch)
-            gate_up = F.linear(normed, layer.gate_up_weight, layer.gate_up_bias)
+            gate_up = layer.gate_up_proj(normed)
             mlp_out = layer.down_proj(silu_and_mul(gate_up, launch=launch))
         assert mlp_out is not None
         return fused_add_rms_norm(mlp_out, residual, self.final_norm, self.eps, launch=launch)
 
+    @property
+    def lm_weight(self) -> torch.Tensor:
+        """This rank's LM-head rows (the whole ``[vocab, hidden]`` matrix on one rank)."""
+        return self.lm_head.weight
+
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, vocab]; into `out` (contiguous [T, vocab]) when given, so graphs can share it."""
+        head = self.lm_head
+        if head.parallel.is_parallel:
+            logits = head.logits(hidden)
+            return logits if out is None else out.copy_(logits)
         if out is None:
-            return F.linear(hidden, self.lm_weight)
-        return torch.mm(hidden, self.lm_weight.t(), out=out)
+            return F.linear(hidden, head.weight)
+        return torch.mm(hidden, head.weight.t(), out=out)

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from baton_engine.config import EngineConfig
@@ -35,6 +36,7 @@ from baton_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutpu
 from baton_engine.model.kernels.triton_attention import PREFILL_BLOCK_M, DecodeWorkspace, decode_num_splits
 from baton_engine.model.kernels.triton_multi_query import multi_query_workspace
 from baton_engine.model.loader.model_loading import LoadedModel
+from baton_engine.model.parallel import SINGLE, TensorParallel
 from baton_engine.worker.gpu.decode_ahead import AheadPlan, is_decode_only, match_rows, plan_next_decode
 from baton_engine.worker.gpu.fused_decoder import DecodeMeta, FusedDecoder, PrefillMeta, VerifyMeta
 from baton_engine.worker.gpu.verify_batch import (
@@ -73,7 +75,7 @@ class _Staging:
         self.block_tables = pair((max_rows, max_blocks), torch.int32)
         self.tile_rows = pair((max_tiles,), torch.int32)
         self.tile_starts = pair((max_tiles,), torch.int32)
-        self.done = torch.cuda.Event()
+        self.done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         self.done.record()
 
 
@@ -105,7 +107,7 @@ class _GrammarStaging:
             torch.zeros(max_positions, dtype=torch.int64, pin_memory=True),
             torch.zeros(max_positions, dtype=torch.int64, device=device),
         )
-        self.done = torch.cuda.Event()
+        self.done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         self.done.record()
 
 
@@ -135,8 +137,9 @@ class GpuModelRunner(ModelRunner):
         sync_debug: bool = False,
         decode_ahead: bool = True,
         verify_graphs: bool = True,
+        parallel: TensorParallel = SINGLE,
     ) -> None:
-        super().__init__(config, loaded)
+        super().__init__(config, loaded, parallel=parallel)
         if self.device.type != "cuda":
             raise ValueError(f"GpuModelRunner needs a cuda device, got {self.device}")
         log.info(
@@ -147,19 +150,23 @@ class GpuModelRunner(ModelRunner):
             self.device,
         )
         self.sync_debug = sync_debug
-        self.decode_ahead = decode_ahead
+        # Decode-ahead launches a step before the scheduler sent it; the other ranks could not
+        # follow (their collectives would wait for a step they never got).
+        self.decode_ahead = decode_ahead and not parallel.is_parallel
         self._max_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.ahead_hits = 0
         self.ahead_misses = 0
         self._ahead: _Ahead | None = None
         # Two pinned token buffers: the one being read and the one the next ahead step fills.
         self._ahead_slots = [
-            (torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            (
+                torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=True),
+                torch.cuda.Event(),  # type: ignore[no-untyped-call]
+            )
             for _ in range(2)
         ]
         self._ahead_turn = 0
         self.fused = FusedDecoder(self.model)
-        mc = self.model_config
         self.max_tokens = max(
             config.max_num_batched_tokens, config.max_num_seqs * (1 + config.num_speculative_tokens)
         )
@@ -183,7 +190,7 @@ class GpuModelRunner(ModelRunner):
         self._g_slots = torch.full((g,), -1, dtype=torch.int64, device=dev)
         self._g_seq_lens = torch.zeros(g, dtype=torch.int32, device=dev)
         self._g_tables = torch.zeros((g, self.max_blocks), dtype=torch.int32, device=dev)
-        self.num_heads = mc.num_heads
+        self.num_heads = self.fused.num_heads  # this rank's
         # Verify graphs: one per (query length Q, batch size); static inputs sized for the largest.
         k = config.num_speculative_tokens if config.speculative != "none" else 0
         self.verify_query_lens = verify_query_lens(k) if verify_graphs and self.graph_sizes else ()
@@ -198,7 +205,7 @@ class GpuModelRunner(ModelRunner):
         self._v_tables = torch.zeros((g if vq else 0, self.max_blocks), dtype=torch.int32, device=dev)
         # One logits buffer for all verify graphs (a step reads it before the next replays):
         # per-graph outputs would cost sum(batch sizes) x sum(query lengths) x vocab.
-        self._v_logits = torch.empty((g * vq, self.fused.lm_weight.shape[0]), dtype=self.dtype, device=dev)
+        self._v_logits = torch.empty((g * vq, self.fused.vocab_size), dtype=self.dtype, device=dev)
         self.capture_seconds = 0.0
         self.capture_bytes = 0  # device memory the captured graphs reserved
         if self.graph_sizes:
@@ -207,13 +214,12 @@ class GpuModelRunner(ModelRunner):
     # -- graphs ---------------------------------------------------------------------------
     def _decode_meta(self, batch: int) -> DecodeMeta:
         mc = self.model_config
-        splits = decode_num_splits(
-            batch, mc.num_kv_heads, self.config.max_model_len, self.fused.launch.decode_split.block_n or 64
-        )
+        block_n = self.fused.launch.decode_split.block_n or 64
+        splits = decode_num_splits(batch, self.fused.num_kv_heads, self.config.max_model_len, block_n)
         return DecodeMeta(
             block_tables=self._g_tables[:batch],
             seq_lens=self._g_seq_lens[:batch],
-            workspace=DecodeWorkspace(batch, mc.num_heads, mc.head_dim, splits, self.device),
+            workspace=DecodeWorkspace(batch, self.fused.num_heads, mc.head_dim, splits, self.device),
         )
 
     def _decode_forward(self, batch: int, meta: DecodeMeta) -> torch.Tensor:
@@ -226,15 +232,16 @@ class GpuModelRunner(ModelRunner):
         mc = self.model_config
         # The split count of a plain decode step of `batch` rows: each program's tile holds all
         # query_len tokens of its row, so the programs per split are the same.
-        splits = decode_num_splits(
-            batch, mc.num_kv_heads, self.config.max_model_len, self.fused.launch.verify_split.block_n or 64
-        )
+        block_n = self.fused.launch.verify_split.block_n or 64
+        splits = decode_num_splits(batch, self.fused.num_kv_heads, self.config.max_model_len, block_n)
         return VerifyMeta(
             block_tables=self._v_tables[:batch],
             seq_lens=self._v_seq_lens[:batch],
             query_lens=self._v_query_lens[:batch],
             query_len=query_len,
-            workspace=multi_query_workspace(batch, query_len, mc.num_heads, mc.head_dim, splits, self.device),
+            workspace=multi_query_workspace(
+                batch, query_len, self.fused.num_heads, mc.head_dim, splits, self.device
+            ),
         )
 
     def _verify_forward(self, batch: int, query_len: int, meta: VerifyMeta) -> torch.Tensor:
@@ -251,7 +258,7 @@ class GpuModelRunner(ModelRunner):
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for batch in reversed(self.graph_sizes):
@@ -309,23 +316,23 @@ class GpuModelRunner(ModelRunner):
             verified = logits.argmax(dim=-1).tolist()
             _, spans = self._expand_sampling(step)
             return self._accept(step, spans, verified, None)
-        tokens: list[int] | None = None
+        tokens: npt.NDArray[np.int64] | None = None
         constrained = step.grammar_bitmask is not None
         if ahead is not None and not constrained:
             index = match_rows(ahead.plan, step, self.block_size)
             if index is not None:
                 ahead.done.synchronize()  # the sampled tokens of the step run ahead
-                tokens = ahead.tokens_host.numpy()[: ahead.plan.num_rows][index].tolist()
+                tokens = ahead.tokens_host.numpy()[: ahead.plan.num_rows][index].astype(np.int64, copy=False)
                 self.ahead_hits += 1
             else:
                 self.ahead_misses += 1
         if tokens is None:
             logits = self.compute_logits(step)
             self.apply_grammar(logits, step)
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = logits.argmax(dim=-1).cpu().numpy().astype(np.int64, copy=False)
         if self.decode_ahead and is_decode_only(step) and not constrained:
-            self._launch_ahead(step, np.asarray(tokens, dtype=np.int64))
-        return ModelRunnerOutput(step_id=step.step_id, sampled_token_ids=[[int(t)] for t in tokens])
+            self._launch_ahead(step, tokens)
+        return ModelRunnerOutput(step_id=step.step_id, sampled_token_array=tokens)
 
     def _launch_ahead(self, step: SchedulerOutput, sampled: np.ndarray) -> None:
         graph = self._graph_for(step.num_rows)
@@ -447,10 +454,10 @@ class GpuModelRunner(ModelRunner):
             query_len, batch = verify
             inputs = plan_verify(step, query_len, batch, self.max_blocks)
             index = self._stage_verify(st, inputs)
-            graph = self._verify_graphs[verify]
-            graph.graph.replay()
+            verify_graph = self._verify_graphs[verify]
+            verify_graph.graph.replay()
             self.verify_graph_steps += 1
-            return graph.logits[index]
+            return verify_graph.logits[index]
         rows = step.num_rows
         tokens = step.num_tokens
         query_lens = np.asarray(step.query_lens)
