@@ -45,8 +45,9 @@ def _decode_split_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
 ):
-    row, kvh, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N)
+    row, kvh, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N, HEAD_MAJOR)
     H: tl.constexpr = KVH * GROUP
 
     g = tl.arange(0, GROUP_PAD)
@@ -140,9 +141,11 @@ def launch_split_k(
     tuned_unsplit: tuple[int, int],
     tuned_split: tuple[int, int],
     extra_args: tuple[Any, ...] = (),
+    head_major: bool = False,
     **kernel_constants: Any,
 ) -> None:
-    """Run a split-K paged kernel over (row, kv head, split) and merge its splits into `out`.
+    """Run a split-K paged kernel over (row, kv head, split) — (kv head, row, split) with
+    `head_major` — and merge its splits into `out`.
 
     Without splits the kernel writes `out` directly; otherwise fp32 partials and their log2-sum-exp
     go to `workspace` and the reduce kernel combines them. Unset warps and stages come from the
@@ -151,7 +154,8 @@ def launch_split_k(
     splits = workspace.num_splits
     warps, stages = tuned_unsplit if splits == 1 else tuned_split
     constants = paged_kernel_constants(q, layer_cache, block_n)
-    kernel[(rows, layer_cache.shape[3], splits)](
+    grid = (layer_cache.shape[3], rows, splits) if head_major else (rows, layer_cache.shape[3], splits)
+    kernel[grid](
         *paged_kernel_args(q, layer_cache, block_tables, scale),
         seq_lens,
         out if splits == 1 else workspace.partial,
@@ -189,10 +193,12 @@ def paged_decode_attention(
     block_n: int = 64,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    head_major: bool = False,
 ) -> torch.Tensor:
     """One query token per row. q: [B, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32.
 
-    A row with seq_len 0 (graph padding) yields zeros.
+    A row with seq_len 0 (graph padding) yields zeros. `head_major`: launch a row's kv heads
+    together (`split_k_program`).
     """
     batch, num_heads, _ = q.shape
     num_kv_heads = layer_cache.shape[3]
@@ -201,7 +207,7 @@ def paged_decode_attention(
     # each program walks a whole row (large batch); 8 warps and 4 stages for short split-K slices.
     launch_split_k(
         _decode_split_kernel, batch, out, workspace, q, layer_cache, block_tables, seq_lens, scale, block_n,
-        num_warps, num_stages, (2, 2), (8, 4),
+        num_warps, num_stages, (2, 2), (8, 4), head_major=head_major, HEAD_MAJOR=head_major,
         GROUP_PAD=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
     )  # fmt: skip
     return out

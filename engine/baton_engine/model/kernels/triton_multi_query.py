@@ -51,7 +51,7 @@ def _multi_query_split_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    row, kvh, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N)
+    row, kvh, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N, False)
     H: tl.constexpr = KVH * GROUP
     query_len = tl.load(query_lens_ptr + row)
     context = seq_len - query_len

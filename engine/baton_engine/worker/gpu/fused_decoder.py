@@ -1,8 +1,12 @@
 """The decoder's GPU forward: the `CausalLM`'s weights driven through Triton kernels.
 
-The model already fuses q/k/v and gate/up into single projections; this forward adds the fused
-element-wise kernels, so a layer is 9 launches: add+norm, qkv, rotary+cache write, attention,
-o_proj, add+norm, gate_up, silu*mul, down. It holds no weights of its own.
+The model already fuses q/k/v and gate/up into single projections. Steps of more than
+`GEMV_MAX_TOKENS` tokens run torch's matmul with the fused element-wise kernels between them,
+9 launches a layer: add+norm, qkv, rotary+cache write, attention, o_proj, add+norm, gate_up,
+silu*mul, down. Decode steps of a few tokens are weight sweeps: they run the decode products
+of `triton_gemv` with the element-wise work folded in, 5 launches a layer besides attention
+(norm+qkv+rotary+cache write, attention, o_proj+residual, norm+gate_up+silu*mul,
+down+residual). It holds no weights of its own.
 """
 
 from __future__ import annotations
@@ -23,6 +27,17 @@ from baton_engine.model.kernels.triton_fused import (
     rms_norm,
     rotary_cache_write,
     silu_and_mul,
+)
+from baton_engine.model.kernels.triton_gemv import (
+    GEMV_MAX_TOKENS,
+    GemvTable,
+    default_gemv_table,
+    gemv,
+    gemv_qkv_rope,
+    gemv_residual,
+    gemv_silu,
+    residual_programs,
+    sum_squares,
 )
 from baton_engine.model.kernels.triton_multi_query import paged_multi_query_attention
 from baton_engine.model.llama import CausalLM
@@ -74,7 +89,11 @@ class _Layer:
 
 
 class FusedDecoder:
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(
+        self, model: CausalLM, gemv_table: GemvTable | None = None, decode_gemv: bool = True
+    ) -> None:
+        """`decode_gemv`: steps of at most `GEMV_MAX_TOKENS` tokens take the decode products
+        (not for models with q/k norms, whose per-head norm needs a head's whole row)."""
         config = model.config
         self.config = config
         self.eps = config.rms_norm_eps
@@ -88,6 +107,9 @@ class FusedDecoder:
         self.lm_weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         self.cos = model.rotary.cos
         self.sin = model.rotary.sin
+        device = self.embed.device
+        self.gemv_table = default_gemv_table(device) if gemv_table is None else gemv_table
+        self.gemv_max_tokens = GEMV_MAX_TOKENS if decode_gemv and not config.qk_norm else 0
         self.layers: list[_Layer] = []
         for layer in model.model.layers:
             attn = layer.self_attn
@@ -117,6 +139,8 @@ class FusedDecoder:
     ) -> torch.Tensor:
         """Final-norm hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
         tokens = input_ids.shape[0]
+        if 0 < tokens <= self.gemv_max_tokens:
+            return self._forward_few(input_ids, positions, slot_mapping, kv_cache, meta)
         residual = F.embedding(input_ids, self.embed)
         mlp_out: torch.Tensor | None = None
         h, d = self.num_heads, self.head_dim
@@ -136,33 +160,7 @@ class FusedDecoder:
             rotary_cache_write(
                 qkv, positions, self.cos, self.sin, slot_mapping, layer_cache, h, self.num_kv_heads, d
             )
-            q = qkv[:, : self.q_size].view(tokens, h, d)
-            if isinstance(meta, DecodeMeta):
-                attn = paged_decode_attention(
-                    q, layer_cache, meta.block_tables, meta.seq_lens, self.scale, meta.workspace
-                )
-            elif isinstance(meta, VerifyMeta):
-                attn = paged_multi_query_attention(
-                    q,
-                    layer_cache,
-                    meta.block_tables,
-                    meta.seq_lens,
-                    meta.query_lens,
-                    meta.query_len,
-                    self.scale,
-                    meta.workspace,
-                )
-            else:
-                attn = paged_prefill_attention(
-                    q,
-                    layer_cache,
-                    meta.block_tables,
-                    meta.query_start_loc,
-                    meta.seq_lens,
-                    meta.tile_rows,
-                    meta.tile_starts,
-                    self.scale,
-                )
+            attn = self._attention(qkv[:, : self.q_size].view(tokens, h, d), layer_cache, meta)
             attn_out = layer.o_proj(attn.view(tokens, self.q_size))
             normed = fused_add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
             gate_up = F.linear(normed, layer.gate_up_weight, layer.gate_up_bias)
@@ -170,8 +168,71 @@ class FusedDecoder:
         assert mlp_out is not None
         return fused_add_rms_norm(mlp_out, residual, self.final_norm, self.eps)
 
+    def _forward_few(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: DecodeMeta | VerifyMeta | PrefillMeta,
+    ) -> torch.Tensor:
+        """`forward` for a few tokens: the residual is updated in place by the o_proj and down
+        products, which leave per-program sums of squares for the next product's RMSNorm."""
+        tokens = input_ids.shape[0]
+        table = self.gemv_table
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        residual = F.embedding(input_ids, self.embed)
+        hidden_size = residual.shape[1]
+        widest = max(
+            residual_programs(hidden_size, table.launch("o", tokens)),
+            residual_programs(hidden_size, table.launch("down", tokens)),
+        )
+        squares = torch.empty((tokens, widest), dtype=torch.float32, device=residual.device)
+        partials = sum_squares(residual, squares)
+        for index, layer in enumerate(self.layers):
+            layer_cache = kv_cache[index]
+            q_flat = gemv_qkv_rope(
+                residual, squares, partials, layer.input_norm, self.eps, layer.qkv_weight,
+                positions, self.cos, self.sin, slot_mapping, layer_cache, h, kvh, d,
+                table.launch("qkv", tokens), bias=layer.qkv_bias,
+            )  # fmt: skip
+            attn = self._attention(q_flat.view(tokens, h, d), layer_cache, meta)
+            partials = gemv_residual(
+                attn.view(tokens, self.q_size), layer.o_proj.weight, residual, squares,
+                table.launch("o", tokens), bias=layer.o_proj.bias,
+            )  # fmt: skip
+            act = gemv_silu(
+                residual, squares, partials, layer.post_norm, self.eps, layer.gate_up_weight,
+                table.launch("gate_up", tokens), bias=layer.gate_up_bias,
+            )  # fmt: skip
+            partials = gemv_residual(
+                act, layer.down_proj.weight, residual, squares, table.launch("down", tokens),
+                bias=layer.down_proj.bias,
+            )  # fmt: skip
+        return rms_norm(residual, self.final_norm, self.eps)
+
+    def _attention(
+        self, q: torch.Tensor, layer_cache: torch.Tensor, meta: DecodeMeta | VerifyMeta | PrefillMeta
+    ) -> torch.Tensor:
+        if isinstance(meta, DecodeMeta):
+            return paged_decode_attention(
+                q, layer_cache, meta.block_tables, meta.seq_lens, self.scale, meta.workspace
+            )
+        if isinstance(meta, VerifyMeta):
+            return paged_multi_query_attention(
+                q, layer_cache, meta.block_tables, meta.seq_lens, meta.query_lens, meta.query_len,
+                self.scale, meta.workspace,
+            )  # fmt: skip
+        return paged_prefill_attention(
+            q, layer_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.tile_rows,
+            meta.tile_starts, self.scale,
+        )  # fmt: skip
+
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, vocab]; into `out` (contiguous [T, vocab]) when given, so graphs can share it."""
+        tokens = hidden.shape[0]
+        if 0 < tokens <= self.gemv_max_tokens:
+            return gemv(hidden, self.lm_weight, self.gemv_table.launch("lm_head", tokens), out=out)
         if out is None:
             return F.linear(hidden, self.lm_weight)
         return torch.mm(hidden, self.lm_weight.t(), out=out)
