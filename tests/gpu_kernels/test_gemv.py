@@ -2,8 +2,8 @@
 
 Every output is poisoned (NaN) before the launch, so an unwritten element fails. float32 runs
 everywhere; bfloat16 only on a GPU (Triton's interpreter truncates float32 -> bfloat16 instead of
-rounding, and its bfloat16 dot is wrong), where the kernel's error against the exact result must
-stay within that of torch's own bfloat16 path, plus rounding slack.
+rounding, and its bfloat16 dot is wrong), where the error against the exact result may be a few
+bfloat16 roundings (2^-9 each): 1e-2 for a product, 3e-2 after the norm/silu/rotary roundings.
 """
 
 from __future__ import annotations
@@ -53,14 +53,18 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _cases(device: torch.device) -> list[tuple[torch.dtype, GemvLaunch, int]]:
-    cases = [(torch.float32, launch, t) for launch in (FMA, DOT) for t in (1, 3, GEMV_MAX_TOKENS)]
+    """One token (always the FMA loop), 3 through the dot, 8 through the FMA loop (float32); on
+    a GPU also bfloat16 at 1 and 5 tokens."""
+    cases = [(torch.float32, FMA, 1), (torch.float32, DOT, 3), (torch.float32, FMA, GEMV_MAX_TOKENS)]
     if device.type == "cuda":
-        cases += [(torch.bfloat16, launch, t) for launch in (FMA, DOT) for t in (1, 5)]
+        cases += [(torch.bfloat16, FMA, 1), (torch.bfloat16, DOT, 5)]
     return cases
 
 
-def _bound(dtype: torch.dtype) -> float:
-    return 2e-6 if dtype == torch.float32 else 2e-2
+def _bound(dtype: torch.dtype, chain: bool = False) -> float:
+    if dtype == torch.float32:
+        return 2e-5 if chain else 2e-6
+    return 3e-2 if chain else 1e-2
 
 
 def test_plain_product_with_scale_and_bias(kernel_device: torch.device) -> None:
@@ -129,7 +133,7 @@ def test_norm_gate_up_silu(kernel_device: torch.device) -> None:
         )
         gate_up = _rms(x.to(dtype).double(), norm.to(dtype).double()) @ w.to(dtype).double().T
         gate, up = gate_up.chunk(2, dim=-1)
-        assert _rel(out, torch.nn.functional.silu(gate) * up) < 10 * _bound(dtype), (dtype, launch, tokens)
+        assert _rel(out, torch.nn.functional.silu(gate) * up) < _bound(dtype, chain=True), (dtype, launch, tokens)
 
 
 def test_norm_qkv_rotary_and_cache_write(kernel_device: torch.device) -> None:
@@ -162,10 +166,10 @@ def test_norm_qkv_rotary_and_cache_write(kernel_device: torch.device) -> None:
         real = slots >= 0
         ref_cache[0].view(-1, KVH, D)[slots[real]] = k_ref[real]
         ref_cache[1].view(-1, KVH, D)[slots[real]] = qkv[:, (H + KVH) * D :].view(tokens, KVH, D)[real]
-        assert _rel(q, q_ref) < 10 * _bound(dtype), (dtype, launch, tokens)
+        assert _rel(q, q_ref) < _bound(dtype, chain=True), (dtype, launch, tokens)
         written = ~torch.isnan(ref_cache)
         assert torch.equal(~torch.isnan(cache.cpu()), written)  # exactly the real rows' slots
-        assert _rel(cache.cpu()[written], ref_cache[written]) < 10 * _bound(dtype)
+        assert _rel(cache.cpu()[written], ref_cache[written]) < _bound(dtype, chain=True)
 
 
 def test_sum_squares_seeds_the_first_norm(kernel_device: torch.device) -> None:
