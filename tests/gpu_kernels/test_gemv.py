@@ -133,7 +133,8 @@ def test_norm_gate_up_silu(kernel_device: torch.device) -> None:
         )
         gate_up = _rms(x.to(dtype).double(), norm.to(dtype).double()) @ w.to(dtype).double().T
         gate, up = gate_up.chunk(2, dim=-1)
-        assert _rel(out, torch.nn.functional.silu(gate) * up) < _bound(dtype, chain=True), (dtype, launch, tokens)
+        expected = torch.nn.functional.silu(gate) * up
+        assert _rel(out, expected) < _bound(dtype, chain=True), (dtype, launch, tokens)
 
 
 def test_norm_qkv_rotary_and_cache_write(kernel_device: torch.device) -> None:
