@@ -83,11 +83,11 @@ def measure(interval_s: int = 1, trials: int = 6, poll_s: float = 0.01) -> list[
                 reactions = []
                 for _ in range(trials):
                     loads["prefill"].waiting = 0
-                    wait_for(lambda: prefill() == 1, 30, 0.05, "prefill back at 1")
+                    wait_for(lambda: prefill() == 1, 30, interval=0.05, message="prefill back at 1")
                     time.sleep(rng.uniform(0.0, interval_s))  # a random phase of the interval
                     loads["prefill"].waiting = 12  # 12 waiting / target 4 -> 3 pods
                     crossed = time.monotonic()
-                    wait_for(lambda: prefill() > 1, 30, poll_s, "prefill scaled up")
+                    wait_for(lambda: prefill() > 1, 30, interval=poll_s, message="prefill scaled up")
                     reactions.append(time.monotonic() - crossed)
                 return reactions
     finally:

@@ -9,10 +9,17 @@ per step (all 64 rows) and per row-token:
 - ``mask_us_per_step``: llguidance (sequential, and parallel with its executor) and xgrammar
   (its batch matcher), computing the 64 bitmasks into one pinned int32 buffer;
 - ``consume_us_per_step``: advancing the 64 matchers by their token;
-- ``apply_us_per_step``: the bitmask applied to [64, vocab] float32 logits with torch ops
-  (``bitmask_to_bool`` + ``masked_fill_``, what the sampler runs, on the device, without a host
-  sync), beside the two references that bound it: the sampler's own greedy pick (argmax) over
-  the same logits, and a plain copy of the bitmask (the physical floor: 64 x 6 KiB).
+- ``apply_us_per_step``: the bitmask applied to [64, vocab] float32 logits, as the runners do it
+  (`baton_engine.worker.token_bitmask`): on the CPU runner numpy unpacks the bits and torch
+  does one ``masked_fill_`` (``host``); a device runs tensor ops only, no host sync (``tensor_ops``,
+  timed here on the CPU for comparison; on a GPU both are element-wise passes over 3 M logits),
+  beside the two references that bound it: the sampler's own greedy pick (argmax) over the same
+  logits, and a plain copy of the bitmask (the physical floor: 64 x 6 KiB);
+- ``engine_step``: the same 64 documents through the engine's own scheduler
+  (`StructuredOutputManager` in ``schedule()`` and ``postprocess()``) and the CPU runner's
+  mask application, per decode step, against the same 64 rows without a grammar (a stand-in
+  model output, so no forward is timed): ``overhead_us_per_row_token`` is what structured
+  output adds to each generated token at batch 64.
 
 Run: ``python -m bench.grammar_mask --json`` (one JSON object on the last line).
 """
@@ -156,17 +163,22 @@ def bench_xgrammar(vocab: list[bytes], eos: int, vocab_size: int, rows: list[lis
 
 
 def bench_apply(vocab_size: int, repeats: int) -> dict[str, Any]:
-    from baton_engine.structured.bitmask import apply_bitmask
+    from baton_engine.worker.token_bitmask import apply_token_bitmask, apply_token_bitmask_host
 
     words = (vocab_size + 31) // 32
     logits = torch.randn(BATCH, vocab_size)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (BATCH, words), dtype=torch.int32)
+    bitmask_np = bitmask.numpy()
     work = logits.clone()
     copy_target = torch.empty_like(bitmask)
 
-    def apply() -> None:
+    def host() -> None:
         work.copy_(logits)
-        apply_bitmask(work, bitmask)
+        apply_token_bitmask_host(work, bitmask_np)
+
+    def tensor_ops() -> None:
+        work.copy_(logits)
+        apply_token_bitmask(work, bitmask)
 
     def copy_only() -> None:
         work.copy_(logits)
@@ -174,19 +186,119 @@ def bench_apply(vocab_size: int, repeats: int) -> dict[str, Any]:
     def argmax() -> None:
         logits.argmax(dim=-1)
 
-    for fn in (apply, copy_only, argmax):
+    for fn in (host, tensor_ops, copy_only, argmax):
         fn()  # warm-up
-    apply_times = [_timed(apply) for _ in range(repeats)]
-    logits_copy = [_timed(copy_only) for _ in range(repeats)]
-    mask_copy = [_timed(lambda: copy_target.copy_(bitmask)) for _ in range(repeats)]
-    argmax_times = [_timed(argmax) for _ in range(repeats)]
-    apply_net = [max(a - c, 0.0) for a, c in zip(apply_times, logits_copy, strict=True)]
+    # interleaved, so that a burst of load on the shared machine hits every variant alike
+    times: dict[str, list[float]] = {"host": [], "tensor_ops": [], "copy": [], "argmax": [], "mask_copy": []}
+    for _ in range(repeats):
+        times["host"].append(_timed(host))
+        times["tensor_ops"].append(_timed(tensor_ops))
+        times["copy"].append(_timed(copy_only))
+        times["argmax"].append(_timed(argmax))
+        times["mask_copy"].append(_timed(lambda: copy_target.copy_(bitmask)))
+
+    def net(name: str) -> list[float]:
+        return [max(a - c, 0.0) for a, c in zip(times[name], times["copy"], strict=True)]
+
     return {
-        "apply_us_per_step": _us(apply_net),
-        "reference_argmax_us_per_step": _us(argmax_times),
-        "floor_bitmask_copy_us_per_step": _us(mask_copy),
+        "apply_us_per_step": {"host": _us(net("host")), "tensor_ops": _us(net("tensor_ops"))},
+        "reference_argmax_us_per_step": _us(times["argmax"]),
+        "floor_bitmask_copy_us_per_step": _us(times["mask_copy"]),
         "device": "cpu",
+        "torch_threads": torch.get_num_threads(),
     }
+
+
+def bench_engine_step(tokenizer: Any, batch: int, seed: int) -> dict[str, Any]:
+    """The scheduler's structured-output work per decode step (masks in ``schedule()``, accepting
+    in ``postprocess()``) plus the CPU runner's mask application, with and without grammars."""
+    import numpy as np
+
+    from baton_engine.core.request import Request
+    from baton_engine.core.sampling_params import SamplingParams
+    from baton_engine.core.scheduler import Scheduler
+    from baton_engine.core.scheduler_output import ModelRunnerOutput
+    from baton_engine.structured.grammar import response_format_grammar
+    from baton_engine.structured.manager import StructuredOutputManager
+    from baton_engine.worker.token_bitmask import apply_token_bitmask_host
+
+    vocab_size = tokenizer.vocab_size
+    eos = tokenizer.eos_token_ids[0]
+    grammar = response_format_grammar(
+        {"type": "json_schema", "json_schema": {"name": "doc", "schema": SCHEMA}}
+    )
+    # The engine's canonical spacing (", " and ": "), which its JSON grammars enforce.
+    docs = [json.dumps(json.loads(doc), ensure_ascii=False) for doc in documents(batch, seed)]
+    rows = [tokenizer.encode(doc, add_special_tokens=False) for doc in docs]
+    manager = StructuredOutputManager(tokenizer.backend.to_str, vocab_size, (eos,))
+    manager.add(-1, grammar)  # build the token trie before anything is timed
+    manager.remove(-1)
+    logits = torch.randn(batch, vocab_size)
+    result: dict[str, Any] = {}
+    for mode in ("free", "grammar"):
+        scheduler = Scheduler(
+            num_blocks=batch * 8,
+            block_size=16,
+            max_num_seqs=batch,
+            max_num_batched_tokens=4096,
+            max_model_len=256,
+            eos_token_id=eos,
+            structured_output=manager,
+        )
+        seqs = []
+        for i, tokens in enumerate(rows):
+            params = SamplingParams(
+                temperature=0.0, max_tokens=len(tokens), grammar=grammar if mode == "grammar" else None
+            )
+            seqs.append(Request(i, tokenizer.encode(f"Person {i} as JSON:"), params))
+            scheduler.add(seqs[-1])
+        schedule_s: list[float] = []
+        apply_s: list[float] = []
+        postprocess_s: list[float] = []
+        while scheduler.has_unfinished():
+            started = time.perf_counter()
+            out = scheduler.schedule()
+            scheduled = time.perf_counter()
+            if not out.num_rows:
+                scheduler.take_finished()
+                continue
+            work = logits[: len(out.logits_indices)]
+            if out.grammar_bitmask is not None:
+                apply_token_bitmask_host(work, out.grammar_bitmask, out.grammar_rows)
+            applied = time.perf_counter()
+            tokens = [
+                rows[scheduler.batch.seqs[r].seq_id][scheduler.batch.seqs[r].num_output_tokens]
+                for r in out.sample_rows.tolist()
+            ]
+            result_tokens = ModelRunnerOutput(
+                step_id=out.step_id,
+                sampled_token_ids=[[t] for t in tokens],
+                sampled_token_array=np.asarray(tokens, dtype=np.int64),
+            )
+            before_post = time.perf_counter()
+            scheduler.postprocess(out, result_tokens)
+            done = time.perf_counter()
+            if out.num_decode_rows == batch:  # full decode steps only (not the prefill)
+                schedule_s.append(scheduled - started)
+                apply_s.append(applied - scheduled)
+                postprocess_s.append(done - before_post)
+        reasons = {seq.finish_reason.value for seq in seqs if seq.finish_reason is not None}
+        if mode == "grammar" and reasons != {"stop"}:
+            raise RuntimeError(f"constrained rows finished with {reasons}, expected only 'stop'")
+        total = [a + b + c for a, b, c in zip(schedule_s, apply_s, postprocess_s, strict=True)]
+        result[mode] = {
+            "schedule_us_per_step": _us(schedule_s),
+            "apply_us_per_step": _us(apply_s),
+            "postprocess_us_per_step": _us(postprocess_s),
+            "total_us_per_step": _us(total),
+            "steps": len(total),
+        }
+    overhead = (
+        result["grammar"]["total_us_per_step"]["median"] - result["free"]["total_us_per_step"]["median"]
+    )
+    result["overhead_us_per_step"] = round(overhead, 1)
+    result["overhead_us_per_row_token"] = round(overhead / batch, 2)
+    return result
 
 
 def _us(samples: list[float]) -> dict[str, float]:
@@ -224,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         "llguidance": bench_llguidance(tokenizer.backend.to_str(), eos, rows),
         "xgrammar": bench_xgrammar(vocab, eos, vocab_size, rows),
         "apply": bench_apply(vocab_size, repeats=50 if args.quick else 200),
+        "engine_step": bench_engine_step(tokenizer, batch, args.seed),
         "versions": {
             "llguidance": importlib.metadata.version("llguidance"),
             "xgrammar": importlib.metadata.version("xgrammar"),

@@ -38,6 +38,7 @@ class WaitTimeout(AssertionError):
 def wait_for(
     condition: Callable[[], T | None],
     timeout: float = DEFAULT_TIMEOUT_S,
+    *,
     interval: float = DEFAULT_INTERVAL_S,
     message: str = "condition",
 ) -> T:
@@ -58,6 +59,7 @@ def wait_for(
 async def async_wait_for(
     condition: Callable[[], T | None | Awaitable[T | None]],
     timeout: float = DEFAULT_TIMEOUT_S,
+    *,
     interval: float = DEFAULT_INTERVAL_S,
     message: str = "condition",
 ) -> T:

@@ -59,6 +59,13 @@ BENCHMARKS: dict[str, Bench] = {
         ("requests", "unexpected", "end", "rss_mib"),
         smoke_test="tests/server/test_soak.py::test_short_soak_leaks_no_block_and_leaves_no_request_stuck",
     ),
+    "amd_compile": Bench(
+        ("summary", "kernels", "failures", "cost"),
+        smoke_test="tests/kernel_targets/test_compile_targets.py::test_bench_amd_compile_reports_the_test_run",
+    ),
+    # vLLM's start alone takes minutes on a loaded 2-core machine: the smoke run measures Baton
+    # only (its full run compares both sides).
+    "serving": Bench(("serving", "offline", "notes", "load_average_1m"), extra_args=("--skip-vllm",)),
     "gpu": Bench(("engine_vs_sweep",), gpu_only=True),
     "gpu_tune": Bench(("decode_1b_b8_ctx128",), gpu_only=True),
 }
@@ -69,6 +76,7 @@ HELPERS = {
     "operator_load": "the code of bench.operator",
     "autoscaler_reaction": "the operator-process part of bench.autoscaler",
     "plots": "draws docs/img/*.png from the recorded figures",
+    "vllm_offline": "the vLLM side of bench.serving's offline run (run by the vLLM venv's python)",
 }
 
 
@@ -118,7 +126,7 @@ CPU_BENCHES = [n for n, b in BENCHMARKS.items() if not b.gpu_only and not b.clus
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CPU_BENCHES)
 def test_cpu_benchmark_quick(name: str) -> None:
-    result, stderr = run_quick(name)
+    result, stderr = run_quick(name, *BENCHMARKS[name].extra_args)
     check = CHECKS.get(name)
     if check is not None:
         check(result, stderr)
@@ -173,6 +181,20 @@ def _attention_kernels(r: dict[str, Any], stderr: str) -> None:
     assert all(len(d) == 16 for d in r["digest"].values())
 
 
+def _serving(r: dict[str, Any], stderr: str) -> None:
+    assert r["notes"]["vllm"] == "skipped: --skip-vllm"
+    assert "ratios" not in r and list(r["offline"]) == ["baton"]
+    (offline,) = r["offline"]["baton"]["4"]["rounds"]
+    assert offline["tokens_per_s"] > 0 and offline["cpu_ms_per_output_token"] > 0
+    if "serving" in r["notes"]:  # aiperf's venv is not built on this machine
+        assert r["notes"]["serving"].startswith("skipped: aiperf absent:"), r["notes"]
+        assert r["serving"] == {"baton": {}}
+        return
+    level = r["serving"]["baton"]["2"]
+    assert (level["completed"], level["errors"]) == (4, 0)
+    assert level["output_tokens_per_s"] > 0 and level["ttft_p50_ms"] > 0 and level["itl_p50_ms"] > 0
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], str], None]] = {
     "scheduler": _scheduler,
     "kv_transfer": _kv_transfer,
@@ -181,6 +203,7 @@ CHECKS: dict[str, Callable[[dict[str, Any], str], None]] = {
     "speculative": _speculative,
     "attention_kernels": _attention_kernels,
     "grammar_mask": _grammar_mask,
+    "serving": _serving,
 }
 
 

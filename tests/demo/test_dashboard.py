@@ -138,7 +138,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePair]:
 @pytest.mark.slow
 @pytest.mark.model
 def test_every_queried_series_is_exposed_by_live_engines_and_router(live: LivePair) -> None:
-    wait_for(live.router_ready, 60, "the router to see both pods")
+    wait_for(live.router_ready, 60, message="the router to see both pods")
     body = {"model": NAME, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
     response = httpx.post(f"{live.router_url}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
@@ -148,7 +148,7 @@ def test_every_queried_series_is_exposed_by_live_engines_and_router(live: LivePa
         text = httpx.get(f"{live.consumer.url}/metrics", timeout=30).text
         return f'{contract.M_KV_TRANSFER_BYTES}{{direction="received"' in text
 
-    wait_for(kv_bytes_seen, 30, "the consumer's KV-transfer bytes on /metrics")
+    wait_for(kv_bytes_seen, 30, message="the consumer's KV-transfer bytes on /metrics")
     exposed: dict[str, str] = {}
     for url in (live.producer.url, live.consumer.url, live.router_url):
         exposed |= families(httpx.get(f"{url}/metrics", timeout=30).text)

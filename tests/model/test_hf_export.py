@@ -140,6 +140,31 @@ def test_rerun_keeps_the_export_and_other_folders_are_refused(tmp_path: Path) ->
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
+def test_same_model_from_another_checkout_is_the_same_export_and_old_formats_are_replaced(
+    tmp_path: Path,
+) -> None:
+    """The export is named by the source's content: the same GGUF installed in another checkout
+    (another path, another mtime) keeps the shared export; a folder of an earlier export format
+    (Baton's own stamp, format 1: path + mtime) is rewritten in the current one."""
+    _, gguf = _tiny_gguf("qwen2", tmp_path)
+    folder = export_hf_folder(str(gguf), tmp_path / "export")
+    written = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    elsewhere = tmp_path / "other-checkout" / gguf.name
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(gguf.read_bytes())
+    assert export_hf_folder(str(elsewhere), folder) == folder
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == written
+
+    old = {"format": 1, "source": str(elsewhere), "source_size": 1, "source_mtime_ns": 1, "dtype": "float32"}
+    (folder / STAMP_FILE).write_text(json.dumps(old))
+    export_hf_folder(str(gguf), folder)
+    stamp = json.loads((folder / STAMP_FILE).read_text())
+    assert stamp["format"] == 2
+    assert stamp["source_name"] == gguf.name
+    assert stamp["dtype"] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
 def test_llama31_frequency_factors_are_refused(tmp_path: Path) -> None:
     model = parity_model("llama", seed=3).save(tmp_path / "hf")
     factors = torch.linspace(1.0, 8.0, 16).numpy()

@@ -25,7 +25,7 @@ BASE_MODEL: dict[str, Any] = {"name": "smollm2", "source": "builtin:smollm2-135m
 BASE_ENGINE: dict[str, Any] = {"device": "cuda", "dtype": "bfloat16"}
 #: The default deployment's key. It must never change by accident: every pod of every
 #: deployment would roll to a new generation on the operator's upgrade.
-DEFAULT_KEY = "a2cd80ac3dae1fc6"
+DEFAULT_KEY = "aecfc482d86753bf"
 
 
 def key(model: dict[str, Any] | None = None, **engine: Any) -> str:
@@ -71,6 +71,11 @@ def test_which_fields_change_the_key(model: dict[str, Any], engine: dict[str, An
     assert (key(model, **engine) != BASE_KEY) is changes
 
 
+def test_prefix_hash_seed_changes_the_key() -> None:
+    vllm = key(prefixHash="vllm-sha256")
+    assert len({vllm, key(prefixHash="vllm-sha256", prefixHashSeed="42"), BASE_KEY}) == 3
+
+
 def test_hf_revision_changes_the_key() -> None:
     hf = {"source": "hf:HuggingFaceTB/SmolLM2-135M-Instruct"}
     main, pinned = key(hf), key({**hf, "revision": "12fd25f"})
@@ -95,6 +100,7 @@ def test_every_engine_field_is_classified() -> None:
         "kvDtype": "bfloat16",
         "blockSize": 16,
         "prefixHash": "fast",
+        "prefixHashSeed": "",
         "tensorParallelSize": 1,
         "quantization": "none",
     }

@@ -1,6 +1,8 @@
 """Tools through the official client against a tiny random Qwen3 with a Qwen3-style (Hermes)
 template: the template renders the tools exactly as transformers renders them, answers without
-a call stay content, and what cannot be enforced yet is refused naming the field."""
+a call stay content, ``tool_choice`` ``required`` and a named function make even random weights
+call a tool with arguments valid under its schema (parsed into ``tool_calls``, whole and as
+streaming deltas), and what cannot be enforced is refused naming the field."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 
@@ -33,6 +36,36 @@ WEATHER: dict[str, Any] = {
     },
 }
 MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+# Tools whose arguments are bounded, so a random model's forced calls end well within max_tokens.
+LOOKUP: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a word up.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "word": {"type": "string", "maxLength": 8},
+                "limit": {"type": "integer", "minimum": 1, "maximum": 9},
+            },
+            "required": ["word", "limit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "clock",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (LOOKUP, CLOCK)}
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +159,84 @@ def test_streamed_answer_without_a_call_is_content(client: openai.OpenAI) -> Non
     )
 
 
+def _forced(client: openai.OpenAI, tool_choice: Any, seed: int, **extra: Any) -> Any:
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        tools=[LOOKUP, CLOCK],  # type: ignore[list-item]
+        tool_choice=tool_choice,
+        temperature=1.0,
+        seed=seed,
+        max_tokens=150,
+        **extra,
+    )
+
+
+def _assert_valid_call(call: Any, name: str | None = None) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in SCHEMAS if name is None else call.function.name == name
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_required_makes_the_model_call_a_tool(client: openai.OpenAI, seed: int) -> None:
+    out = _forced(client, "required", seed, parallel_tool_calls=False)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None and choice.message.tool_calls is not None
+    assert len(choice.message.tool_calls) == 1
+    _assert_valid_call(choice.message.tool_calls[0])
+
+
+def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
+    for seed in (4, 5):
+        out = _forced(client, {"type": "function", "function": {"name": "clock"}}, seed)
+        calls = out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "tool_calls" and calls is not None and len(calls) == 1
+        _assert_valid_call(calls[0], "clock")
+
+
+def test_streamed_calls_are_the_whole_answers_calls(client: openai.OpenAI) -> None:
+    whole = _forced(client, "required", 6, n=2, parallel_tool_calls=False)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        tools=[LOOKUP, CLOCK],  # type: ignore[list-item]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=1.0,
+        seed=6,
+        max_tokens=150,
+        n=2,
+        stream=True,
+    )
+    calls: dict[int, list[Any]] = {0: [], 1: []}
+    finish: dict[int, str | None] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            calls[choice.index].extend(choice.delta.tool_calls or [])
+            assert not choice.delta.content
+            if choice.finish_reason is not None:
+                finish[choice.index] = choice.finish_reason
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    for choice in whole.choices:
+        (streamed,) = calls[choice.index]  # each call arrives whole, in one delta
+        assert choice.message.tool_calls is not None
+        (expected,) = choice.message.tool_calls
+        assert streamed.index == 0 and streamed.id.startswith("call_")
+        assert streamed.function is not None
+        assert (streamed.function.name, streamed.function.arguments) == (
+            expected.function.name,
+            expected.function.arguments,
+        )
+        _assert_valid_call(expected)
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "code", "text"),
     [
-        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "unsupported",
-         "need grammar-constrained decoding"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format", "unsupported", "cannot be combined with tool_choice 'required'"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
          "tool_choice.function.name", None, "'get_time' is not one of the offered tools"),
         ({"tool_choice": "required"}, "tool_choice", None, "requires tools"),
@@ -140,11 +246,9 @@ def test_streamed_answer_without_a_call_is_content(client: openai.OpenAI) -> Non
         ({"response_format": {"type": "json_schema",
                               "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
          "response_format.json_schema.schema", None, "Invalid type: objectx"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported",
-         "needs grammar-constrained decoding"),
     ],
 )  # fmt: skip
-def test_what_cannot_be_enforced_yet_is_refused_by_name(
+def test_what_cannot_be_enforced_is_refused_by_name(
     server: ServerProcess, extra: dict[str, Any], param: str, code: str | None, text: str
 ) -> None:
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, **extra}

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from baton_engine.model.loader.tokenizer_loading import load_tokenizer
-from baton_engine.structured.bitmask import apply_bitmask, bitmask_to_allowed
+from baton_engine.server.tool_calls import parse_tool_calls
 from baton_engine.structured.grammar import (
     StructuredOutputError,
+    ToolCallFormat,
     parse_tools,
     response_format_grammar,
     tool_call_format,
@@ -22,6 +23,7 @@ from baton_engine.structured.grammar import (
 )
 from baton_engine.structured.matcher import GrammarMatcher, allowed, bitmask_words, grammar_tokenizer
 from baton_engine.text.tokenizer import Tokenizer
+from baton_engine.worker.token_bitmask import apply_token_bitmask_host
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -57,7 +59,7 @@ def _sample(tokenizer: Tokenizer, grammar: str, seed: int, max_tokens: int = 200
     for _ in range(max_tokens):
         matcher.fill_bitmask(bitmask, 0)
         logits = torch.randn(1, vocab, generator=generator)
-        apply_bitmask(logits, torch.from_numpy(bitmask))
+        apply_token_bitmask_host(logits, bitmask)
         token = int(logits.argmax(dim=-1))
         assert allowed(bitmask, 0, token)
         if token == eos:
@@ -150,6 +152,22 @@ def test_required_tool_calls_follow_the_hermes_format(tokenizer: Tokenizer, seed
     jsonschema.validate(call["arguments"], spec.parameters)
 
 
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+def test_parallel_calls_are_one_or_more_valid_calls(tokenizer: Tokenizer, fmt: ToolCallFormat) -> None:
+    tools = parse_tools([WEATHER, TIME])
+    grammar = tool_call_grammar(tools, fmt, parallel=True)
+    counts = []
+    for seed in range(4):
+        text = _sample(tokenizer, grammar, seed, max_tokens=400)
+        parsed = parse_tool_calls(text, fmt)
+        assert parsed.content is None and parsed.tool_calls, text
+        for call in parsed.tool_calls:
+            spec = next(t for t in tools if t.name == call.name)
+            jsonschema.validate(json.loads(call.arguments), spec.parameters)
+        counts.append(len(parsed.tool_calls))
+    assert max(counts) > 1  # the grammar lets the model go on with another call
+
+
 def test_a_named_tool_in_llama3_json_format(tokenizer: Tokenizer) -> None:
     tools = parse_tools([WEATHER])
     call = json.loads(_sample(tokenizer, tool_call_grammar(tools, "llama3_json", parallel=False), seed=3))
@@ -191,20 +209,6 @@ def test_drafts_the_grammar_refuses_are_cut_and_verify_masks_follow_the_drafts(t
     closing = tokenizer.encode('":', add_special_tokens=False)[0]
     assert allowed(bitmask, len(good), closing)  # after the key "days" its colon follows
     assert matcher.accept(good) == len(good)
-    matcher.rollback(len(good))
-    assert matcher.valid_prefix(good) == len(good)
-
-
-def test_bitmask_expansion_matches_the_bits() -> None:
-    bitmask = torch.tensor([[0b101, -1], [0, -(1 << 31)]], dtype=torch.int32)  # bit 31 of word 1: token 63
-    allowed_rows = bitmask_to_allowed(bitmask, 40)
-    assert allowed_rows[0].nonzero().flatten().tolist() == [0, 2, *range(32, 40)]
-    assert allowed_rows[1].nonzero().flatten().tolist() == []  # bit 63 is past the vocabulary
-    logits = torch.zeros(3, 40)
-    apply_bitmask(logits, bitmask, rows=torch.tensor([2, 0]))
-    assert torch.isinf(logits[1]).sum() == 0  # row 1 is unconstrained
-    assert (~torch.isinf(logits[2])).nonzero().flatten().tolist() == [0, 2, *range(32, 40)]
-    assert torch.isinf(logits[0]).all()
 
 
 def test_tool_call_format_from_the_template() -> None:

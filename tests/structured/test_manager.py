@@ -1,6 +1,7 @@
-"""The core's structured-output state driven as the step loop will drive it: a batch mixing
+"""The scheduler's structured-output state driven as the scheduler drives it: a batch mixing
 constrained and free rows, drafts cut and verified under the masks, a P/D decode leg replaying
-its first token, a preemption rolling back; every constrained answer is schema-valid."""
+its first token; every constrained answer is schema-valid. (The scheduler's own use of it:
+tests/core/test_scheduler_structured.py.)"""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ import json
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
 from baton_engine.model.loader.tokenizer_loading import load_tokenizer
-from baton_engine.structured.bitmask import apply_bitmask
 from baton_engine.structured.grammar import StructuredOutputError, response_format_grammar
-from baton_engine.structured.manager import SampledRow, StructuredOutputManager
+from baton_engine.structured.manager import GrammarRefusedToken, SampledRow, StructuredOutputManager
 from baton_engine.text.tokenizer import Tokenizer
+from baton_engine.worker.token_bitmask import apply_token_bitmask_host
 
 PERSON: dict[str, Any] = {
     "type": "object",
@@ -39,97 +41,113 @@ def tokenizer() -> Tokenizer:
 
 @pytest.fixture()
 def manager(tokenizer: Tokenizer) -> StructuredOutputManager:
-    return StructuredOutputManager(tokenizer.backend.to_str(), tokenizer.vocab_size, tokenizer.eos_token_ids)
+    return StructuredOutputManager(tokenizer.backend.to_str, tokenizer.vocab_size, tokenizer.eos_token_ids)
+
+
+A, B, C = 0, 1, 2  # sequence ids: A and C follow a grammar, B is free text
 
 
 def test_a_mixed_batch_decodes_valid_documents_and_leaves_free_rows_alone(
     tokenizer: Tokenizer, manager: StructuredOutputManager
 ) -> None:
     eos = tokenizer.eos_token_ids[0]
-    schemas = {"a": PERSON, "c": FLAGS}
-    for request_id, schema in schemas.items():
-        manager.add(request_id, _grammar(schema))
-    outputs: dict[str, list[int]] = {"a": [], "b": [], "c": []}
-    done: set[str] = set()
+    schemas = {A: PERSON, C: FLAGS}
+    for seq_id, schema in schemas.items():
+        manager.add(seq_id, _grammar(schema))
+    outputs: dict[int, list[int]] = {A: [], B: [], C: []}
+    done: set[int] = set()
     generator = torch.Generator().manual_seed(1)
     for _ in range(120):
-        live = [r for r in ("a", "b", "c") if r not in done]
+        live = [r for r in (A, B, C) if r not in done]
         if not live:
             break
-        rows = [SampledRow(r, i) for i, r in enumerate(live)]
+        rows = [SampledRow(r, i) for i, r in enumerate(live) if r in manager]
         logits = torch.randn(len(live), tokenizer.vocab_size, generator=generator)
-        free = logits[live.index("b")].clone() if "b" in live else None
+        free = logits[live.index(B)].clone() if B in live else None
         step = manager.step_bitmask(rows)
-        assert step is not None and step.logits_rows == [i for i, r in enumerate(live) if r != "b"]
-        apply_bitmask(logits, torch.from_numpy(step.bitmask), torch.tensor(step.logits_rows))
+        assert step.logits_rows == [i for i, r in enumerate(live) if r != B]
+        apply_token_bitmask_host(logits, step.bitmask, np.asarray(step.logits_rows))
         if free is not None:
-            assert torch.equal(logits[live.index("b")], free)  # the free row is untouched
+            assert torch.equal(logits[live.index(B)], free)  # the free row is untouched
         tokens = logits.argmax(dim=-1).tolist()
-        for request_id, token in zip(live, tokens, strict=True):
-            if request_id == "b":
-                outputs["b"].append(token)
-                if len(outputs["b"]) == 10:
-                    done.add("b")
+        for seq_id, token in zip(live, tokens, strict=True):
+            if seq_id == B:
+                outputs[B].append(token)
+                if len(outputs[B]) == 10:
+                    done.add(B)
                 continue
-            finished = manager.accept(request_id, [token])
-            if token != eos:
-                outputs[request_id].append(token)
-            if finished:
-                done.add(request_id)
-                manager.remove(request_id)
-    assert done == {"a", "b", "c"}
-    for request_id, schema in schemas.items():
-        jsonschema.validate(json.loads(tokenizer.decode(outputs[request_id])), schema)
+            complete = manager.accept(seq_id, [token])
+            assert token != eos  # a complete JSON grammar ends the request before any EOS
+            outputs[seq_id].append(token)
+            if complete:
+                done.add(seq_id)
+                manager.remove(seq_id)
+    assert done == {A, B, C}
+    for seq_id, schema in schemas.items():
+        jsonschema.validate(json.loads(tokenizer.decode(outputs[seq_id])), schema)
     assert len(manager) == 0
 
 
 def test_drafts_the_grammar_refuses_are_cut_and_verify_rows_get_one_mask_per_position(
     tokenizer: Tokenizer, manager: StructuredOutputManager
 ) -> None:
-    manager.add("r", _grammar(PERSON))
+    manager.add(A, _grammar(PERSON))
     good = tokenizer.encode('{"name": "Ada", "age', add_special_tokens=False)
     bad = tokenizer.encode('{"nickname": "x"', add_special_tokens=False)
-    assert manager.cut_drafts("r", good) == good
-    assert manager.cut_drafts("r", bad) == bad[:1]
-    assert manager.cut_drafts("free", bad) == bad  # unconstrained requests keep their drafts
-    step = manager.step_bitmask([SampledRow("free", 0), SampledRow("r", 1, tuple(good))])
-    assert step is not None
+    assert manager.cut_drafts(A, good) == good
+    assert manager.cut_drafts(A, bad) == bad[:1]
+    assert manager.cut_drafts(B, bad) == bad  # unconstrained requests keep their drafts
+    step = manager.step_bitmask([SampledRow(A, 1, tuple(good))])
     assert step.logits_rows == list(range(1, 2 + len(good)))
-    assert step.bitmask.shape[0] == 1 + len(good)
+    assert step.bitmask.shape == (1 + len(good), (tokenizer.vocab_size + 31) // 32)
     for k, token in enumerate(good):
         assert (int(step.bitmask[k, token // 32]) >> (token % 32)) & 1
-    assert manager.accept("r", good[:3]) is False  # two drafts accepted plus the bonus token
+    # the masks were computed without moving the state: two drafts and a bonus token follow
+    assert manager.accept(A, good[:3]) is False
+    assert manager.cut_drafts(A, good[3:]) == good[3:]
 
 
 def test_a_decode_leg_continues_from_the_prefill_legs_first_token(
     tokenizer: Tokenizer, manager: StructuredOutputManager
 ) -> None:
-    first = tokenizer.encode("{", add_special_tokens=False)
-    manager.add("decode-leg", _grammar(PERSON), replay=first)
+    manager.add(A, _grammar(PERSON))
+    assert manager.accept(A, tokenizer.encode("{", add_special_tokens=False)) is False  # the replay
     rest = tokenizer.encode('"name": "Bo", "age": 7}', add_special_tokens=False)
-    assert manager.accept("decode-leg", rest) is True
-    with pytest.raises(StructuredOutputError) as caught:
-        manager.add("bad-leg", _grammar(PERSON), replay=tokenizer.encode("[", add_special_tokens=False))
-    assert caught.value.param == "kv_transfer_params"
+    assert manager.accept(A, rest) is True
+    manager.add(C, _grammar(PERSON))
+    bracket = tokenizer.encode("[", add_special_tokens=False)
+    with pytest.raises(GrammarRefusedToken, match=f"token {bracket[0]} is refused by the request's grammar"):
+        manager.accept(C, bracket)
 
 
-def test_preemption_rolls_back_and_the_recompute_replays(
+def test_eos_ends_a_complete_document_and_is_refused_before(
     tokenizer: Tokenizer, manager: StructuredOutputManager
 ) -> None:
-    manager.add("p", _grammar(PERSON))
-    tokens = tokenizer.encode('{"name": "Al", "age": 3', add_special_tokens=False)
-    assert manager.accept("p", tokens) is False
-    manager.rollback("p", len(tokens))
-    assert manager.accept("p", tokens) is False  # the same tokens again, from the start
-    closing = tokenizer.encode("}", add_special_tokens=False)
-    assert manager.accept("p", closing + [tokenizer.eos_token_ids[0]]) is True
+    eos = tokenizer.eos_token_ids[0]
+    manager.add(A, _grammar(FLAGS))
+    with pytest.raises(GrammarRefusedToken):
+        manager.accept(A, tokenizer.encode("[true", add_special_tokens=False) + [eos])
+    # the state holds the tokens before the refused one
+    assert manager.accept(A, tokenizer.encode("]", add_special_tokens=False) + [eos]) is True
 
 
-def test_a_token_outside_the_grammar_is_a_bug_not_input(
-    tokenizer: Tokenizer, manager: StructuredOutputManager
-) -> None:
-    manager.add("x", _grammar(FLAGS))
-    with pytest.raises(RuntimeError, match="broke its grammar"):
-        manager.accept("x", tokenizer.encode("{", add_special_tokens=False))
+def test_the_tokenizer_is_read_once_at_the_first_grammar(tokenizer: Tokenizer) -> None:
+    reads: list[int] = []
+
+    def tokenizer_json() -> str:
+        reads.append(1)
+        return str(tokenizer.backend.to_str())
+
+    manager = StructuredOutputManager(tokenizer_json, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    assert reads == []  # engines that never serve structured output never build the trie
+    manager.add(A, _grammar(FLAGS))
+    manager.add(B, _grammar(PERSON))
+    assert reads == [1] and len(manager) == 2
     with pytest.raises(ValueError, match="already has a grammar"):
-        manager.add("x", _grammar(FLAGS))
+        manager.add(A, _grammar(FLAGS))
+    with pytest.raises(StructuredOutputError) as caught:
+        manager.add(C, "start: nonsense(")
+    assert caught.value.param == "grammar" and C not in manager
+    manager.remove(A)
+    manager.remove(A)  # removing twice is harmless (a finish after an abort)
+    assert len(manager) == 1

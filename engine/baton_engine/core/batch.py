@@ -29,6 +29,8 @@ class BatchState:
         self.eos: Int64Array = np.full(max_rows, -1, dtype=np.int64)
         """EOS id the row stops on; -1 when it ignores EOS (token ids are never negative)."""
         self.has_stop_ids = np.zeros(max_rows, dtype=np.bool_)
+        self.has_grammar = np.zeros(max_rows, dtype=np.bool_)
+        """The row's request follows a grammar (structured output)."""
         self.num_drafts: Int64Array = np.zeros(max_rows, dtype=np.int64)
         self.temperature: Float32Array = np.zeros(max_rows, dtype=np.float32)
         self.top_p: Float32Array = np.ones(max_rows, dtype=np.float32)
@@ -46,6 +48,7 @@ class BatchState:
             self.stop_len,
             self.eos,
             self.has_stop_ids,
+            self.has_grammar,
             self.num_drafts,
             self.temperature,
             self.top_p,
@@ -83,6 +86,7 @@ class BatchState:
         self.stop_len[row] = min(seq.num_prompt_tokens + params.max_tokens, max_model_len)
         self.eos[row] = -1 if (params.ignore_eos or eos_token_id is None) else eos_token_id
         self.has_stop_ids[row] = bool(params.stop_token_ids)
+        self.has_grammar[row] = params.grammar is not None
         self.num_drafts[row] = 0
         self.temperature[row] = params.temperature
         self.top_p[row] = params.top_p

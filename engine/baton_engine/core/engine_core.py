@@ -259,6 +259,7 @@ class EngineCore:
             num_steps=self._num_steps,
             kv_transfer=None if self.kv_connector is None else self.kv_connector.stats.totals().to_dict(),
             kv_leases_held=leases_held,
+            num_grammar_requests=len(sched.structured_output or ()),
         )
 
 

@@ -38,6 +38,8 @@ class EngineStats:
     num_steps: int = 0
     kv_transfer: dict[str, Any] | None = None
     """Cumulative KV-transfer totals (`kv_transfer.metrics.TransferTotals`), when P/D is on."""
+    num_grammar_requests: int = 0
+    """Requests whose output follows a grammar (structured output) right now."""
     kv_leases_held: int = 0
     """Producer leases not yet ended: prefilled KV a consumer may still pull (a draining server
     waits for these before it stops the core)."""

@@ -55,6 +55,11 @@ class SamplingParams:
     """Return the top-n logprobs of each generated token (0..20; 0 = only the sampled one)."""
     n: int = 1
     """Parallel completions of one prompt."""
+    grammar: str | None = None
+    """Structured output: the grammar every completion must follow, in llguidance's serialized
+    form (`baton_engine.structured.grammar` builds it from a JSON schema, a ``response_format``
+    or tool choices). Sampling only picks tokens it allows, and the request stops (``stop``)
+    once it is complete. None: free text."""
 
     def __post_init__(self) -> None:
         # JSON gives lists; keep tuples so the frozen object really is immutable.
@@ -103,6 +108,11 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ValueError(
+                "grammar must be a non-empty string (an llguidance grammar) or null, got "
+                f"{self.grammar!r:.40}"
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -16,11 +16,16 @@ Engine loop::
     events = scheduler.block_manager.take_events()
 
 The decode path is vectorised over the persistent batch (`BatchState`); per-sequence Python
-work happens only for rows that cross a block boundary, finish, or change state.
+work happens only for rows that cross a block boundary, finish, or change state — and for rows
+that follow a grammar (structured output): the scheduler drives the `StructuredOutputManager`
+(a request's grammar is added when it is queued, its drafts are cut to what the grammar allows,
+each step carries the bitmasks of its constrained positions, kept tokens are accepted, and a
+request whose grammar is complete finishes with ``stop``).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,9 +41,13 @@ from baton_engine.core.scheduler_output import Int64Array, ModelRunnerOutput, Sc
 from baton_engine.core.scheduler_stats import PrefixCacheStats, SpecDecodeStats
 from baton_engine.core.step_builder import build_step
 from baton_engine.prefix.hashing import PrefixHasher, fast_prefix_hash
+from baton_engine.structured.grammar import StructuredOutputError
+from baton_engine.structured.manager import GrammarRefusedToken, SampledRow, StructuredOutputManager
 
 if TYPE_CHECKING:
     from baton_engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,8 +91,11 @@ class Scheduler:
         kv_lease_seconds: float = 30.0,
         prefix_hasher: PrefixHasher = fast_prefix_hash,
         enable_kv_events: bool = True,
+        structured_output: StructuredOutputManager | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`structured_output`: follows the grammars of requests that have one (None: such
+        requests are rejected, e.g. for a model without a tokenizer)."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
@@ -106,6 +118,7 @@ class Scheduler:
         self.delay_factor = scheduler_delay_factor
         self.num_speculative_tokens = num_speculative_tokens
         self.kv_lease_seconds = kv_lease_seconds
+        self.structured_output = structured_output
         self.clock = clock
 
         self.block_manager = BlockManager(
@@ -149,6 +162,7 @@ class Scheduler:
         num_blocks: int,
         eos_token_id: int | None,
         prefix_hasher: PrefixHasher = fast_prefix_hash,
+        structured_output: StructuredOutputManager | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> Scheduler:
         return cls(
@@ -165,6 +179,7 @@ class Scheduler:
             kv_lease_seconds=config.kv_lease_seconds,
             prefix_hasher=prefix_hasher,
             enable_kv_events=config.kv_events,
+            structured_output=structured_output,
             clock=clock,
         )
 
@@ -234,12 +249,31 @@ class Scheduler:
             raise ValueError(f"sequence id {seq.seq_id} is already scheduled")
         if seq.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KV):
             raise ValueError(f"sequence {seq.seq_id} has status {seq.status.value}, expected waiting")
-        reason = self.rejection_reason(seq)
+        reason = self.rejection_reason(seq) or self._add_grammar(seq)
         if reason is not None:
             self._mark_finished(seq, FinishReason.REJECTED, reason)
             return
         self._unfinished[seq.seq_id] = seq
         self.waiting.append(seq)
+
+    def _add_grammar(self, seq: Request) -> str | None:
+        """Start following `seq`'s grammar, if it has one; why it cannot be followed, or None."""
+        grammar = seq.sampling_params.grammar
+        if grammar is None:
+            return None
+        if self.structured_output is None:
+            return "grammar: this engine cannot follow grammars (its model has no tokenizer)"
+        try:
+            self.structured_output.add(seq.seq_id, grammar)
+        except StructuredOutputError as exc:
+            return str(exc)  # "grammar: ..." (the server names the request field it came from)
+        return None
+
+    @property
+    def _grammars(self) -> StructuredOutputManager | None:
+        """The manager while it follows any request (steps without one skip all grammar work)."""
+        manager = self.structured_output
+        return manager if manager is not None and len(manager) else None
 
     # -- schedule ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -290,8 +324,11 @@ class Scheduler:
         batch = self.batch
         k = self.num_speculative_tokens
         room = budget - batch.num_decode
+        grammars = self._grammars
         for row in range(batch.num_decode):
             seq = batch.seqs[row]
+            if grammars is not None and batch.has_grammar[row] and seq.draft_token_ids:
+                seq.draft_token_ids = grammars.cut_drafts(seq.seq_id, seq.draft_token_ids)
             wanted = min(len(seq.draft_token_ids), k, self.max_model_len - seq.num_tokens, room)
             wanted = max(wanted, 0)
             batch.num_drafts[row] = wanted
@@ -426,7 +463,7 @@ class Scheduler:
 
     def _build_output(self, num_decode: int, chunks: list[int]) -> SchedulerOutput:
         finished_ids, self._finished_ids = self._finished_ids, []
-        return build_step(
+        out = build_step(
             self.batch,
             step_id=self._step_id,
             num_decode=num_decode,
@@ -435,6 +472,28 @@ class Scheduler:
             speculative=bool(self.num_speculative_tokens),
             finished_seq_ids=finished_ids,
         )
+        grammars = self._grammars
+        if grammars is not None:
+            self._attach_bitmask(out, grammars)
+        return out
+
+    def _attach_bitmask(self, out: SchedulerOutput, grammars: StructuredOutputManager) -> None:
+        """The bitmasks of the step's constrained sampled positions (`grammar_bitmask`)."""
+        batch = self.batch
+        num_sample = len(out.sample_rows)
+        constrained = np.flatnonzero(batch.has_grammar[:num_sample]).tolist()
+        if not constrained:
+            return
+        counts = 1 + out.num_draft_tokens[:num_sample].astype(np.int64)
+        first_logits_row = (np.cumsum(counts) - counts).tolist()
+        rows = []
+        for row in constrained:
+            seq = batch.seqs[row]
+            drafts = tuple(seq.draft_token_ids[: int(out.num_draft_tokens[row])])
+            rows.append(SampledRow(seq.seq_id, first_logits_row[row], drafts))
+        step = grammars.step_bitmask(rows)
+        out.grammar_bitmask = step.bitmask
+        out.grammar_rows = np.asarray(step.logits_rows, dtype=np.int64)
 
     # -- postprocess ------------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, result: ModelRunnerOutput) -> StepResult:
@@ -552,13 +611,34 @@ class Scheduler:
         stop = (tokens == batch.eos[:s]) | (batch.num_tokens[:s] >= batch.stop_len[:s])
         if self._stop_id_rows:
             stop |= np.isin(tokens, self._stop_id_union) & batch.has_stop_ids[:s]
+        grammar_ends: dict[int, FinishReason] = {}
+        if out.grammar_bitmask is not None:
+            for row in np.flatnonzero(batch.has_grammar[:s]).tolist():
+                end = self._accept_grammar(batch.seqs[row], token_list[row])
+                if end is not None:
+                    grammar_ends[row] = end
+                    stop[row] = True
         finishing: list[tuple[Request, FinishReason]] = []
         for row in np.flatnonzero(stop).tolist():
             seq = batch.seqs[row]
-            reason = self._stop_reason(seq, token_list[row], seq.num_tokens)
+            reason = grammar_ends.get(row) or self._stop_reason(seq, token_list[row], seq.num_tokens)
             if reason is not None:
                 finishing.append((seq, reason))
         return finishing, lists
+
+    def _accept_grammar(self, seq: Request, token: int) -> FinishReason | None:
+        """Advance `seq`'s grammar by its new `token`: STOP once the grammar is complete."""
+        if self.structured_output is None or seq.seq_id not in self.structured_output:
+            return None
+        try:
+            complete = self.structured_output.accept(seq.seq_id, [token])
+        except GrammarRefusedToken as exc:
+            # The step's mask allowed only grammar tokens: this is a bug, and it ends this
+            # request only (never the step loop).
+            log.error("sequence %d: sampled %s; aborting it", seq.seq_id, exc)
+            seq.finish_message = f"structured output failed: sampled {exc}"
+            return FinishReason.ABORT
+        return FinishReason.STOP if complete else None
 
     def _stop_reason(self, seq: Request, token: int, num_tokens: int) -> FinishReason | None:
         params = seq.sampling_params
@@ -602,10 +682,12 @@ class Scheduler:
                 seq.draft_token_ids = []
             kept: list[int] = []
             reason = None
+            constrained = out.grammar_bitmask is not None and bool(batch.has_grammar[row])
             for token in accepted:
                 seq.token_ids.append(token)
                 kept.append(token)
-                reason = self._stop_reason(seq, token, seq.num_tokens)
+                grammar_end = self._accept_grammar(seq, token) if constrained else None
+                reason = grammar_end or self._stop_reason(seq, token, seq.num_tokens)
                 if reason is not None:
                     break
             batch.num_tokens[row] = seq.num_tokens
@@ -623,6 +705,8 @@ class Scheduler:
 
     # -- finishing, preemption, abort -------------------------------------------------------
     def _mark_finished(self, seq: Request, reason: FinishReason, message: str | None = None) -> None:
+        if self.structured_output is not None:
+            self.structured_output.remove(seq.seq_id)
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
         if message is not None:
@@ -726,13 +810,28 @@ class Scheduler:
         self.block_manager.publish(seq, seq.num_computed_tokens)
         seq.status = RequestStatus.WAITING
         if first_token_id is not None:
-            reason = self._stop_reason(seq, first_token_id, seq.num_tokens)
+            # The grammar continues from the prefill leg's first token.
+            reason, message = self._replay_first_token(seq, first_token_id)
+            reason = reason or self._stop_reason(seq, first_token_id, seq.num_tokens)
             if reason is not None:
                 del self._unfinished[seq_id]
                 self.block_manager.free(seq)
-                self._mark_finished(seq, reason)
+                self._mark_finished(seq, reason, message)
                 return
         self.waiting.appendleft(seq)
+
+    def _replay_first_token(self, seq: Request, token: int) -> tuple[FinishReason | None, str | None]:
+        """A P/D decode leg's grammar takes the token the prefill leg sampled."""
+        if self.structured_output is None or seq.seq_id not in self.structured_output:
+            return None, None
+        try:
+            complete = self.structured_output.accept(seq.seq_id, [token])
+        except GrammarRefusedToken as exc:
+            return FinishReason.REJECTED, (
+                f"kv_transfer_params: the prefill leg's first {exc} (did both legs get the same "
+                "response_format and tools?)"
+            )
+        return (FinishReason.STOP if complete else None), None
 
     def mark_remote_kv_failed(self, seq_id: int, *, recompute: bool = True) -> None:
         """Consumer: the pull failed. Recompute the prompt locally, or fail the request."""

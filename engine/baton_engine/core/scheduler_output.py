@@ -111,6 +111,17 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     """Tokens in decode rows, drafts included."""
 
+    grammar_bitmask: Int32Array | None = None
+    """Structured output: ``[G, ceil(vocab / 32)]`` allowed-token bitmasks of the step's ``G``
+    constrained logits rows (bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed); the
+    runner sets every other token's logit to -inf before sampling. A verify row of K drafts
+    has K + 1 rows here, one per position (the mask after the drafts before it). None when no
+    row of the step follows a grammar."""
+
+    grammar_rows: Int64Array | None = None
+    """The logits row (an index into `logits_indices`) each `grammar_bitmask` row applies to,
+    ascending (length ``G``)."""
+
     finished_seq_ids: list[int] = field(default_factory=list)
     """Sequences that finished or were aborted since the last step; a runner drops any per-row
     state it keeps for them (e.g. captured-graph slots, drafter state)."""

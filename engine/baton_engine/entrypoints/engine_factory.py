@@ -15,6 +15,7 @@ from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import Drafter, EngineCore, KVEventSink
 from baton_engine.core.sampling_params import SamplingParams
 from baton_engine.prefix.hashing import prefix_hasher
+from baton_engine.structured.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
     from baton_engine.model.loader.model_loading import LoadedModel
@@ -49,11 +50,19 @@ def build_engine_core(
     tokenizer = runner.loaded.tokenizer
     eos_ids = tuple(model_config.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer is not None else ())
     speculative_k = config.num_speculative_tokens if config.speculative != "none" else 0
+    structured_output = None
+    if tokenizer is not None:
+        # llguidance stops on every EOS the model has (the scheduler's, and the tokenizer's).
+        grammar_eos = tuple(dict.fromkeys(eos_ids + tokenizer.eos_token_ids))
+        structured_output = StructuredOutputManager(
+            tokenizer.backend.to_str, model_config.vocab_size, grammar_eos
+        )
     scheduler = Scheduler.from_config(
         config.model_copy(update={"max_model_len": max_model_len, "num_speculative_tokens": speculative_k}),
         num_blocks=runner.num_blocks,
         eos_token_id=eos_ids[0] if eos_ids else None,
         prefix_hasher=prefix_hasher(config.prefix_hash, config.prefix_hash_seed),
+        structured_output=structured_output,
     )
     info = ModelInfo(
         name=config.served_model_name or runner.loaded.name,

@@ -20,6 +20,7 @@ from baton_engine.core.engine_core import run_until_idle
 from baton_engine.core.outputs import RequestOutput, TokenLogprobs
 from baton_engine.core.sampling_params import SamplingParams
 from baton_engine.entrypoints.engine_factory import build_engine_core
+from baton_engine.structured.grammar import validate_grammar
 from baton_engine.text.detokenizer import IncrementalDetokenizer
 
 Prompt = str | list[int]
@@ -78,6 +79,8 @@ class LLM:
         for i, params in enumerate(params_list):
             if not isinstance(params, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
+            if params.grammar is not None:
+                self._check_grammar(params.grammar, f"sampling_params[{i}].grammar")
         # Every prompt is checked before any request reaches the engine: a bad one queues nothing.
         encoded = [self._encode(prompt, i) for i, prompt in enumerate(prompt_list)]
         results: list[GenerationOutput] = []
@@ -164,6 +167,11 @@ class LLM:
         loop runs until they are gone)."""
         self.core.abort_requests(request_ids, "generate() failed")
         run_until_idle(self.core, lambda outputs: None)
+
+    def _check_grammar(self, grammar: str, param: str) -> None:
+        if self.core.scheduler.structured_output is None:
+            raise ValueError(f"{param}: this model has no tokenizer, so its output cannot follow a grammar")
+        validate_grammar(grammar, param)  # StructuredOutputError is a ValueError naming `param`
 
     def _encode(self, prompt: Prompt, index: int) -> list[int]:
         if isinstance(prompt, str):

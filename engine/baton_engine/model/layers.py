@@ -18,9 +18,19 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None
+        """`weight` reordered for oneDNN (`cpu_linear.pack_linears`), or None: plain F.linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) with W reordered by ``torch.ops.mkldnn._reorder_linear_weight`` (CPU, oneDNN)."""
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
 
 
 class Embedding(nn.Module):

@@ -15,7 +15,7 @@ from torch import nn
 from baton_engine.model.attention.backend import AttentionBackend
 from baton_engine.model.attention.batch import AttentionBatch
 from baton_engine.model.config import ModelConfig
-from baton_engine.model.layers import Embedding, GatedMLP, Linear, RMSNorm
+from baton_engine.model.layers import Embedding, GatedMLP, Linear, RMSNorm, onednn_linear
 from baton_engine.model.rope import RotaryTable, apply_rotary
 from baton_engine.model.weights import fuse_checkpoint_weights
 
@@ -107,6 +107,8 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryTable(config, dtype, device)
+        self.logits_packed: torch.Tensor | None = None
+        """The LM head's weight (tied: the embedding's) reordered for oneDNN, or None."""
 
     def forward(
         self,
@@ -124,6 +126,8 @@ class CausalLM(nn.Module):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.logits_packed is not None:
+            return onednn_linear(hidden, self.logits_packed, None)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
 

@@ -26,10 +26,12 @@ from baton_engine.server.openai_format import TokenText, chat_logprobs, completi
 from baton_engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    RequestGrammar,
     chat_messages,
     decode_body,
     parse,
     prompt_parts,
+    request_grammar,
     shown,
     stop_list,
 )
@@ -156,15 +158,16 @@ def build_app(state: ServerState) -> FastAPI:
         request_id = _request_id(request, "cmpl")
         raw = await _read_body(request, state.config.max_request_body_bytes)
 
-        def prepare() -> tuple[CompletionRequest, list[list[int]]]:
+        def prepare() -> tuple[CompletionRequest, list[list[int]], RequestGrammar | None]:
             req: CompletionRequest = parse(CompletionRequest, decode_body(raw))
             _check_model(state, req.model)
-            return req, _completion_prompts(state, req)
+            grammar = request_grammar(req)
+            return req, _completion_prompts(state, req), grammar
 
-        req, prompts = await _preprocess(state, len(raw), prepare)
-        params = _sampling_params(state, req, prompts, req.max_tokens, req.logprobs)
+        req, prompts, grammar = await _preprocess(state, len(raw), prepare)
+        params = _sampling_params(state, req, prompts, req.max_tokens, req.logprobs, grammar)
         params, kv = _kv_transfer(state, req, prompts, params)
-        gen = _start(state, request_id, prompts, params, req.timeout, kv)
+        gen = _start(state, request_id, prompts, params, req.timeout, kv, grammar)
         log.info(
             "request %s: completion, %d prompt(s), %d prompt tokens, stream=%s",
             request_id, len(prompts), sum(map(len, prompts)), req.stream,
@@ -179,21 +182,24 @@ def build_app(state: ServerState) -> FastAPI:
         request_id = _request_id(request, "chatcmpl")
         raw = await _read_body(request, state.config.max_request_body_bytes)
 
-        def prepare() -> tuple[ChatCompletionRequest, list[int], ToolCallFormat | None]:
+        def prepare() -> tuple[
+            ChatCompletionRequest, list[int], ToolCallFormat | None, RequestGrammar | None
+        ]:
             req: ChatCompletionRequest = parse(ChatCompletionRequest, decode_body(raw))
             _check_model(state, req.model)
             tools = _tool_format(state, req)
-            return req, _chat_prompt(state, req), tools
+            grammar = request_grammar(req, tools)
+            return req, _chat_prompt(state, req), tools, grammar
 
-        req, prompt, tool_format = await _preprocess(state, len(raw), prepare)
+        req, prompt, tool_format, grammar = await _preprocess(state, len(raw), prepare)
         tools = (
             None if tool_format is None else _ToolOutput(tool_format, req.parallel_tool_calls is not False)
         )
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = _sampling_params(state, req, [prompt], max_tokens, num_logprobs)
+        params = _sampling_params(state, req, [prompt], max_tokens, num_logprobs, grammar)
         params, kv = _kv_transfer(state, req, [prompt], params)
-        gen = _start(state, request_id, [prompt], params, req.timeout, kv)
+        gen = _start(state, request_id, [prompt], params, req.timeout, kv, grammar)
         log.info("request %s: chat, %d prompt tokens, stream=%s", request_id, len(prompt), req.stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
@@ -352,6 +358,7 @@ def _sampling_params(
     prompts: list[list[int]],
     max_tokens: int | None,
     num_logprobs: int | None,
+    grammar: RequestGrammar | None = None,
 ) -> SamplingParams:
     longest = max(len(p) for p in prompts)
     if longest >= state.max_model_len:
@@ -382,6 +389,7 @@ def _sampling_params(
             seed=req.seed,
             logprobs=num_logprobs,
             n=req.n,
+            grammar=None if grammar is None else grammar.grammar,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
@@ -422,6 +430,7 @@ def _start(
     params: SamplingParams,
     timeout: float | None,
     kv_transfer_params: dict[str, Any] | None = None,
+    grammar: RequestGrammar | None = None,
 ) -> Generation:
     client = _require_ready(state)
     if client.num_not_started + len(prompts) * params.n > state.config.max_queued_requests:
@@ -442,6 +451,7 @@ def _start(
         params,
         timeout=timeout,
         kv_transfer_params=kv_transfer_params,
+        grammar_param=None if grammar is None else grammar.param,
     )
 
 
@@ -484,12 +494,22 @@ async def _guarded(gen: Generation) -> AsyncIterator[list[ChoiceDelta]]:
             async for batch in deltas:
                 for delta in batch:
                     if delta.finish_reason == "rejected":
-                        raise bad_request(f"prompt: {delta.message}", param="prompt")
+                        raise _rejected(gen, delta.message or "rejected by the engine")
                 yield batch
         except DeadlineExceeded as exc:
             raise errors.deadline_exceeded(gen.timeout or 0.0) from exc
         except EngineDeadError as exc:
             raise APIError(500, str(exc), type="internal_error", code="engine_dead") from exc
+
+
+def _rejected(gen: Generation, message: str) -> APIError:
+    """The 400 of a request the engine core refused, naming the field its reason is about."""
+    if message.startswith("kv_transfer_params:"):
+        return bad_request(message, param="kv_transfer_params")
+    if message.startswith("grammar:") and gen.grammar_param is not None:
+        reason = message.removeprefix("grammar:").lstrip()
+        return bad_request(f"{gen.grammar_param}: {reason}", param=gen.grammar_param)
+    return bad_request(f"prompt: {message}", param="prompt")
 
 
 def _chunk_writer(

@@ -84,8 +84,11 @@ class Generation:
         *,
         timeout: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        grammar_param: str | None = None,
     ) -> None:
         self.client = client
+        self.grammar_param = grammar_param
+        """The request field `params.grammar` comes from (named when the core refuses it)."""
         self.kv_transfer_params = kv_transfer_params
         self.kv_transfer_params_out: dict[str, Any] | None = None
         """P/D producer leg: the signed params the engine returned with the final output."""

@@ -81,6 +81,15 @@ class TokenText:
         return list(piece.encode("utf-8"))
 
 
+MIN_LOGPROB = -9999.0
+"""What a logprob of -inf is reported as (OpenAI's own floor): JSON has no infinity, and a
+grammar's mask gives every refused token -inf."""
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
 def completion_logprobs(
     entries: list[TokenLogprobs], token_text: TokenText, text_offset: int
 ) -> dict[str, Any]:
@@ -94,15 +103,19 @@ def completion_logprobs(
         (token_id, logprob), rest = entry[0], entry[1:]
         piece = token_text(token_id)
         tokens.append(piece)
-        token_logprobs.append(logprob)
-        top.append({token_text(t): lp for t, lp in rest})
+        token_logprobs.append(_finite(logprob))
+        top.append({token_text(t): _finite(lp) for t, lp in rest})
         offsets.append(offset)
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 def _chat_token(token_id: int, logprob: float, token_text: TokenText) -> dict[str, Any]:
-    return {"token": token_text(token_id), "logprob": logprob, "bytes": token_text.token_bytes(token_id)}
+    return {
+        "token": token_text(token_id),
+        "logprob": _finite(logprob),
+        "bytes": token_text.token_bytes(token_id),
+    }
 
 
 def chat_logprobs(entries: list[TokenLogprobs], token_text: TokenText) -> dict[str, Any]:

@@ -10,13 +10,21 @@ express (limits, unsupported features) raise `APIError` with ``param`` set.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from baton_engine.core.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_N
 from baton_engine.server.errors import APIError, bad_request
-from baton_engine.structured.grammar import StructuredOutputError, parse_tools, response_format_grammar
+from baton_engine.structured.grammar import (
+    StructuredOutputError,
+    Tool,
+    ToolCallFormat,
+    parse_tools,
+    response_format_grammar,
+    tool_call_grammar,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
@@ -73,6 +81,8 @@ class CompletionRequest(_Common):
     every branch, holding the GIL for seconds)."""
     max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+    """vLLM extension on this endpoint: ``json_object`` / ``json_schema`` as for chat."""
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -291,48 +301,19 @@ def _check_common(request: _Common) -> None:
 
 def _check_unsupported_chat(request: ChatCompletionRequest) -> None:
     """OpenAI fields that would change the answer and that this server does not implement:
-    refused by name rather than silently ignored (their neutral values pass). ``response_format``
-    and forced tool choices are checked in full first (a bad schema names its field), then
-    refused: enforcing them needs the engine's grammar hooks, which are not wired yet."""
+    refused by name rather than silently ignored (their neutral values pass). Tools and
+    ``tool_choice`` are checked here; their grammar (and ``response_format``'s) is built by
+    `request_grammar` once the model's tool-call format is known."""
     try:
-        grammar = response_format_grammar(request.response_format)
         tools = parse_tools(request.tools or [])
     except StructuredOutputError as exc:
         raise bad_request(str(exc), param=exc.param) from exc
-    if grammar is not None:
-        kind = request.response_format.get("type") if request.response_format else None
+    forced = forced_tools(request, tools)
+    if forced is not None and request.response_format and request.response_format.get("type") != "text":
         raise bad_request(
-            f"response_format: type {kind!r} needs grammar-constrained decoding, which this engine does not "
-            "apply yet (supported: 'text')",
+            "response_format: cannot be combined with tool_choice 'required' or a named function (each "
+            "decides the whole answer); send one of them",
             param="response_format",
-            code="unsupported",
-        )
-    choice = request.tool_choice
-    if choice is not None and choice not in ("none", "auto"):
-        if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-            if not isinstance(name, str):
-                raise bad_request(
-                    "tool_choice: must be 'none', 'auto', 'required' or "
-                    '{"type": "function", "function": {"name": ...}}',
-                    param="tool_choice",
-                )
-            if name not in {t.name for t in tools}:
-                raise bad_request(
-                    f"tool_choice.function.name: {shown(name)} is not one of the offered tools",
-                    param="tool_choice.function.name",
-                )
-        elif choice != "required":
-            raise bad_request(
-                f"tool_choice: {shown(choice)} is not one of 'none', 'auto', 'required' or a named function",
-                param="tool_choice",
-            )
-        if not tools:
-            raise bad_request("tool_choice: requires tools", param="tool_choice")
-        raise bad_request(
-            "tool_choice: 'required' and named functions need grammar-constrained decoding, which this "
-            "engine does not apply yet (supported: 'none', 'auto')",
-            param="tool_choice",
             code="unsupported",
         )
     for name in ("functions", "function_call", "audio", "prediction"):
@@ -342,6 +323,73 @@ def _check_unsupported_chat(request: ChatCompletionRequest) -> None:
         raise bad_request(
             f"modalities: only ['text'] is supported, got {request.modalities!r}", param="modalities"
         )
+
+
+def forced_tools(request: ChatCompletionRequest, tools: list[Tool]) -> list[Tool] | None:
+    """The tools the answer must call (`tool_choice` ``required``: any offered one; a named
+    function: that one), or None when the model may answer freely (``none``, ``auto``)."""
+    choice = request.tool_choice
+    if choice is None or choice in ("none", "auto"):
+        return None
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise bad_request(
+                "tool_choice: must be 'none', 'auto', 'required' or "
+                '{"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
+            )
+        named = [t for t in tools if t.name == name]
+        if not named:
+            raise bad_request(
+                f"tool_choice.function.name: {shown(name)} is not one of the offered tools",
+                param="tool_choice.function.name",
+            )
+        return named
+    if choice != "required":
+        raise bad_request(
+            f"tool_choice: {shown(choice)} is not one of 'none', 'auto', 'required' or a named function",
+            param="tool_choice",
+        )
+    if not tools:
+        raise bad_request("tool_choice: requires tools", param="tool_choice")
+    return tools
+
+
+@dataclass(frozen=True)
+class RequestGrammar:
+    """The grammar a request's answer must follow, and the field it comes from."""
+
+    grammar: str
+    param: str
+    """``response_format`` or ``tool_choice`` (named in errors about the grammar)."""
+
+
+def request_grammar(
+    request: CompletionRequest | ChatCompletionRequest, tool_format: ToolCallFormat | None = None
+) -> RequestGrammar | None:
+    """The grammar of `request`'s ``response_format``, or of its forced tool calls in the
+    model's `tool_format`; None for free text. A field that cannot be enforced is a 400
+    naming it."""
+    try:
+        if isinstance(request, ChatCompletionRequest):
+            forced = forced_tools(request, parse_tools(request.tools or []))
+            if forced is not None:
+                if tool_format is None:
+                    raise bad_request(
+                        "tools: this model's chat template renders no tools (no tool-call format known "
+                        "for it)",
+                        param="tools",
+                    )
+                # A named function is called once; 'required' may call several unless
+                # parallel_tool_calls is false.
+                parallel = request.tool_choice == "required" and request.parallel_tool_calls is not False
+                grammar = tool_call_grammar(forced, tool_format, parallel=parallel)
+                return RequestGrammar(grammar, "tool_choice")
+        built = response_format_grammar(request.response_format)
+    except StructuredOutputError as exc:
+        raise bad_request(str(exc), param=exc.param) from exc
+    return None if built is None else RequestGrammar(built, "response_format")
 
 
 def stop_list(request: _Common) -> list[str]:

@@ -76,6 +76,18 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> str | Non
     )
 
 
+def json_schema_grammar(schema: dict[str, Any]) -> str:
+    """The grammar of JSON valid under `schema` (``SamplingParams(grammar=...)`` offline)."""
+    if not isinstance(schema, dict):
+        raise StructuredOutputError("schema", "must be a JSON schema object")
+    return _validated(_json_grammar(schema), "schema")
+
+
+def validate_grammar(grammar: str, param: str) -> None:
+    """Raise `StructuredOutputError` naming `param` unless `grammar` is a usable grammar."""
+    _validated(grammar, param)
+
+
 def parse_tools(tools: list[Any]) -> list[Tool]:
     """OpenAI ``tools`` (``[{"type": "function", "function": {"name", "parameters"}}]``)."""
     parsed: list[Tool] = []

@@ -1,38 +1,46 @@
-"""The engine core's structured-output state: one `GrammarMatcher` per constrained request, and
-the per-step bitmask (torch-free; the one owner of request -> grammar state).
+"""The scheduler's structured-output state: one `GrammarMatcher` per constrained request and the
+bitmasks of each step (torch-free; the one owner of request -> grammar state).
 
-How the core drives it (each call is one hook; the scheduler and the runner stay grammar-blind
-apart from carrying the bitmask):
+The scheduler calls these hooks (nothing else touches a matcher):
 
-- ``add(request_id, grammar, replay=...)`` when a request with ``SamplingParams.grammar`` arrives
-  (a P/D decode leg replays the prefill leg's first token, so its grammar state continues there);
-  a grammar that cannot be built rejects the request with the reason.
-- ``step_bitmask(rows)`` after ``schedule()``: the bitmask of the step's sampled positions (one
-  row per position; a verify row of k drafts takes k + 1) and their indices in the logits, for the
-  runner to apply on the device before sampling. Drafts past what the grammar allows are cut first
-  (``cut_drafts``), so a draft the grammar refuses is never verified.
-- ``accept(request_id, tokens)`` after ``postprocess()`` with the tokens the request kept; returns
-  True once the grammar is complete (the core then finishes the request with ``stop``).
-- ``rollback(request_id, n)`` when a preempted request will recompute tokens it had accepted;
-  ``remove(request_id)`` when the request finishes or is aborted.
+- `add` when a request with ``SamplingParams.grammar`` is queued; a grammar that cannot be built
+  raises `StructuredOutputError` (the scheduler rejects the request with the reason).
+- `cut_drafts` while a step is planned: a decode row's drafts are cut to the prefix the grammar
+  can take, so a draft the grammar refuses is never verified.
+- `step_bitmask` once the step is planned: the bitmasks of its constrained sampled positions
+  (one per position; a verify row of K drafts takes K + 1) and their logits rows, which the
+  runner applies on the device before sampling (`SchedulerOutput.grammar_bitmask`).
+- `accept` in ``postprocess`` with each token a request kept (and on a P/D decode leg with the
+  prefill leg's first token, so its grammar continues from there); True once the grammar
+  allows nothing more (the scheduler then finishes the request with ``stop``).
+- `remove` when the request finishes, whatever the reason (stop, length, abort, rejection).
+
+A preempted request keeps its tokens and recomputes their KV only, so its grammar state stays
+as it is; a failed forward (``discard_step``) accepted nothing, so there is nothing to undo.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import llguidance
 import numpy as np
 
-from baton_engine.structured.grammar import StructuredOutputError
 from baton_engine.structured.matcher import Bitmask, GrammarMatcher, bitmask_words, grammar_tokenizer
+
+
+class GrammarRefusedToken(ValueError):
+    """A token the grammar does not allow at that point."""
 
 
 @dataclass(frozen=True)
 class SampledRow:
-    """One constrained request's part of a step: where its sampled positions start in the
-    logits, and its draft tokens (empty for a plain decode or a prefill's last chunk)."""
+    """One constrained request's part of a step: where its sampled positions start among the
+    step's logits rows, and the drafts it verifies (empty for a plain decode or a prompt's
+    last chunk)."""
 
-    request_id: str
+    seq_id: int
     logits_row: int
     drafts: tuple[int, ...] = ()
 
@@ -40,81 +48,69 @@ class SampledRow:
 @dataclass
 class StepBitmask:
     bitmask: Bitmask
-    """[len(logits_rows), words]: the masks of the constrained positions, in order."""
+    """``[len(logits_rows), words]``: the masks of the constrained positions, in order."""
     logits_rows: list[int]
-    """The logits row each bitmask row applies to."""
+    """The logits row each bitmask row applies to (ascending)."""
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
-        self._tokenizer = grammar_tokenizer(tokenizer_json, vocab_size, eos_token_ids)
+    def __init__(
+        self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: tuple[int, ...]
+    ) -> None:
+        """`tokenizer_json`: the model's tokenizer as HF ``tokenizer.json`` text, asked for on
+        the first grammar (llguidance's token trie takes about a second to build, a cost only
+        engines that serve structured output pay). `vocab_size` is the logits' width."""
+        self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
         self._words = bitmask_words(vocab_size)
-        self._matchers: dict[str, GrammarMatcher] = {}
-        self._eos = frozenset(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._matchers: dict[int, GrammarMatcher] = {}
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._matchers
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._matchers
 
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def add(self, request_id: str, grammar: str, replay: list[int] | None = None) -> None:
-        """Track `request_id`; raises `StructuredOutputError` (the request is to be rejected)."""
-        if request_id in self._matchers:
-            raise ValueError(f"request {request_id!r} already has a grammar")
-        matcher = GrammarMatcher(self._tokenizer, grammar)
-        if replay:
-            taken = matcher.accept(replay)
-            if taken != len(replay):
-                raise StructuredOutputError(
-                    "kv_transfer_params",
-                    f"the prefill leg's token {replay[taken]} is not allowed by the grammar",
-                )
-        self._matchers[request_id] = matcher
+    def add(self, seq_id: int, grammar: str) -> None:
+        """Follow `seq_id`'s output with `grammar`; raises `StructuredOutputError`."""
+        if seq_id in self._matchers:
+            raise ValueError(f"sequence {seq_id} already has a grammar")
+        if self._tokenizer is None:
+            self._tokenizer = grammar_tokenizer(self._tokenizer_json(), self.vocab_size, self.eos_token_ids)
+        self._matchers[seq_id] = GrammarMatcher(self._tokenizer, grammar)
 
-    def remove(self, request_id: str) -> None:
-        self._matchers.pop(request_id, None)
+    def remove(self, seq_id: int) -> None:
+        self._matchers.pop(seq_id, None)
 
-    def cut_drafts(self, request_id: str, drafts: list[int]) -> list[int]:
-        """The leading drafts the grammar can take (the rest are never verified)."""
-        matcher = self._matchers.get(request_id)
+    def cut_drafts(self, seq_id: int, drafts: list[int]) -> list[int]:
+        """The leading `drafts` the grammar can take from the request's current state."""
+        matcher = self._matchers.get(seq_id)
         if matcher is None or not drafts:
             return drafts
         return drafts[: matcher.valid_prefix(drafts)]
 
-    def step_bitmask(self, rows: list[SampledRow]) -> StepBitmask | None:
-        """Masks for the constrained rows of a step; None when no row is constrained."""
-        constrained = [row for row in rows if row.request_id in self._matchers]
-        if not constrained:
-            return None
-        count = sum(1 + len(row.drafts) for row in constrained)
+    def step_bitmask(self, rows: list[SampledRow]) -> StepBitmask:
+        """The masks of `rows` (all constrained: in this manager), in order."""
+        count = sum(1 + len(row.drafts) for row in rows)
         bitmask = np.empty((count, self._words), dtype=np.int32)
         logits_rows: list[int] = []
         at = 0
-        for row in constrained:
-            matcher = self._matchers[row.request_id]
-            matcher.fill_draft_bitmasks(list(row.drafts), bitmask, at)
+        for row in rows:
+            self._matchers[row.seq_id].fill_draft_bitmasks(list(row.drafts), bitmask, at)
             logits_rows.extend(range(row.logits_row, row.logits_row + 1 + len(row.drafts)))
             at += 1 + len(row.drafts)
         return StepBitmask(bitmask, logits_rows)
 
-    def accept(self, request_id: str, tokens: list[int]) -> bool:
-        """Advance by the tokens the request kept (a final EOS ends a complete grammar); True once
-        the grammar allows nothing more. Raises if a token breaks the grammar: the mask makes that
-        impossible, so it is a bug, not bad input."""
-        matcher = self._matchers.get(request_id)
-        if matcher is None:
-            return False
+    def accept(self, seq_id: int, tokens: list[int]) -> bool:
+        """Advance by the tokens the request kept; True once the grammar is complete (it allows
+        nothing but EOS: a final EOS is taken as that end). Raises `GrammarRefusedToken` for a
+        token the grammar does not allow (the state then holds the tokens before it)."""
+        matcher = self._matchers[seq_id]
         taken = matcher.accept(tokens)
         rest = tokens[taken:]
-        if rest and not (rest == rest[:1] and rest[0] in self._eos and matcher.accepting):
-            raise RuntimeError(
-                f"request {request_id}: token {rest[0]} broke its grammar ({matcher.error or 'refused'})"
-            )
+        if rest and not (len(rest) == 1 and rest[0] in self.eos_token_ids and matcher.accepting):
+            reason = matcher.error or "not allowed here"
+            raise GrammarRefusedToken(f"token {rest[0]} is refused by the request's grammar ({reason})")
         return matcher.finished or bool(rest)
-
-    def rollback(self, request_id: str, num_tokens: int) -> None:
-        matcher = self._matchers.get(request_id)
-        if matcher is not None:
-            matcher.rollback(num_tokens)

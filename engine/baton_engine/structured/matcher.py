@@ -1,11 +1,11 @@
 """One request's grammar state, followed token by token (torch-free: llguidance + numpy).
 
-The engine core keeps a `GrammarMatcher` per constrained request. Before a forward it writes
-the request's allowed-token bitmask (`fill_bitmask`) into the step's int32 array; the runner
-applies it on the device (`baton_engine.structured.bitmask`); after the step the sampled
+The scheduler's `StructuredOutputManager` keeps a `GrammarMatcher` per constrained request.
+When a step is planned it writes the request's allowed-token bitmask into the step's int32
+array (`fill_bitmask`, or `fill_draft_bitmasks` for a verify row: one mask per position); the
+runner applies it to the logits (`baton_engine.worker.token_bitmask`); after the step the kept
 tokens are accepted (`accept`). Speculative drafts are cut to the prefix the grammar allows
-(`valid_prefix`) before verification, and the verify positions' masks come from
-`fill_draft_bitmasks`. A P/D decode leg replays the prefill leg's first token with `accept`.
+(`valid_prefix`) before they are verified.
 """
 
 from __future__ import annotations
@@ -66,8 +66,7 @@ class GrammarMatcher:
     def accept(self, tokens: list[int]) -> int:
         """Consume sampled tokens; returns how many the grammar took (all, unless the model
         sampled outside the mask, which the mask prevents)."""
-        taken = int(self._matcher.try_consume_tokens(tokens))
-        return taken
+        return int(self._matcher.try_consume_tokens(tokens))
 
     def valid_prefix(self, drafts: list[int]) -> int:
         """How many leading `drafts` the grammar can consume from the current state: drafts past
@@ -86,11 +85,6 @@ class GrammarMatcher:
             self.fill_bitmask(bitmask, first_row + k)
         if drafts:
             self._matcher.rollback(len(drafts))
-
-    def rollback(self, num_tokens: int) -> None:
-        """Forget the last accepted tokens (preemption by recompute replays them)."""
-        if num_tokens:
-            self._matcher.rollback(num_tokens)
 
 
 def allowed(bitmask: Bitmask, row: int, token: int) -> bool:

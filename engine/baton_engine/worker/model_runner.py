@@ -1,7 +1,8 @@
 """The model runner: owns the model and the KV cache; turns a `SchedulerOutput` into tokens.
 
 Usage: ``runner = ModelRunner(EngineConfig(...))``; each step ``runner.execute(scheduler_output)``
-returns a `ModelRunnerOutput`. The KV cache is one tensor laid out as `contract.KV_LAYOUT`;
+returns a `ModelRunnerOutput`: forward, the step's grammar bitmasks applied to the logits
+(`apply_grammar`), sampling, draft acceptance. The KV cache is one tensor laid out as `contract.KV_LAYOUT`;
 `read_blocks` / `write_blocks` move whole blocks for KV transfer.
 """
 
@@ -14,10 +15,12 @@ from baton_engine.config import EngineConfig
 from baton_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton_engine.model.attention.backend import get_attention_backend
 from baton_engine.model.attention.batch import AttentionBatch
+from baton_engine.model.cpu_linear import pack_linears
 from baton_engine.model.loader.model_loading import LoadedModel, load_model
 from baton_engine.text.tokenizer import Tokenizer
 from baton_engine.worker.kv_cache import allocate_kv_cache, default_num_blocks
 from baton_engine.worker.sampler import Sampler, SamplingParamsBatch
+from baton_engine.worker.token_bitmask import apply_token_bitmask, apply_token_bitmask_host
 
 _DTYPES = {
     "float32": torch.float32,
@@ -51,6 +54,8 @@ class ModelRunner:
                 f"the preloaded model is {weight.dtype} on {weight.device}, but the engine is configured "
                 f"for {self.dtype} on {self.device}"
             )
+        if self.device.type == "cpu":
+            pack_linears(self.model)
         self.model_config = self.loaded.config
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks or default_num_blocks(
@@ -96,6 +101,7 @@ class ModelRunner:
         logits = self.compute_logits(step)
         if len(step.sample_rows) == 0:
             return ModelRunnerOutput(step_id=step.step_id, sampled_token_ids=[])
+        self.apply_grammar(logits, step)
         params, spans = self._expand_sampling(step)
         result = self.sampler.sample(logits, params)
         return self._accept(step, spans, result.token_ids, result.logprobs)
@@ -107,6 +113,20 @@ class ModelRunner:
         hidden = self.model(input_ids, self.kv_cache, self.backend, batch)
         indices = torch.from_numpy(np.ascontiguousarray(step.logits_indices, dtype=np.int64)).to(self.device)
         return self.model.compute_logits(hidden[indices])
+
+    def apply_grammar(self, logits: torch.Tensor, step: SchedulerOutput) -> None:
+        """Structured output: set the logits of tokens the step's grammars refuse to -inf, in
+        place (`SchedulerOutput.grammar_bitmask`); nothing to do for a step without one."""
+        bitmask = step.grammar_bitmask
+        if bitmask is None:
+            return
+        rows = step.grammar_rows
+        every_row = rows is None or len(rows) == logits.shape[0]  # ascending, so 0..N-1
+        if logits.device.type == "cpu":
+            apply_token_bitmask_host(logits, bitmask, None if every_row else rows)
+            return
+        index = None if every_row or rows is None else torch.from_numpy(rows).to(logits.device)
+        apply_token_bitmask(logits, torch.from_numpy(bitmask).to(logits.device), index)
 
     @staticmethod
     def _expand_sampling(step: SchedulerOutput) -> tuple[SamplingParamsBatch, list[tuple[int, int]]]:

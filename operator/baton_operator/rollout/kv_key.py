@@ -26,7 +26,15 @@ KEY_LENGTH: Final = 16  # hex digits: a label value, and 64 bits against acciden
 
 #: EngineSpec fields that shape the KV cache (or how its blocks are named).
 KEY_FIELDS: Final[frozenset[str]] = frozenset(
-    {"dtype", "block_size", "prefix_hash", "tensor_parallel_size", "kv_cache_dtype", "quantization"}
+    {
+        "dtype",
+        "block_size",
+        "prefix_hash",
+        "prefix_hash_seed",
+        "tensor_parallel_size",
+        "kv_cache_dtype",
+        "quantization",
+    }
 )
 #: EngineSpec fields that do not: changing them rolls each pool in place.
 NOT_KEY_FIELDS: Final[frozenset[str]] = frozenset(
@@ -69,6 +77,7 @@ def key_inputs(model: ModelSpec, engine: EngineSpec) -> dict[str, Any]:
         "kvDtype": resolved_kv_dtype(engine),
         "blockSize": engine.block_size,
         "prefixHash": engine.prefix_hash,
+        "prefixHashSeed": engine.prefix_hash_seed or "",
         "tensorParallelSize": getattr(engine, "tensor_parallel_size", None) or 1,
         "quantization": getattr(engine, "quantization", None) or "none",
     }

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from baton_engine.model.kernels.kernel_registry import KernelCase, launch_scenario
+from baton_engine.model.kernels.launch_table import Launch, LaunchTable, launch_table_for
 from baton_engine.model.kernels.triton_tiles import (
     attend_paged_keys,
     packed_output,
@@ -98,12 +100,6 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + bh * HEAD_DIM + d, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def _precision(dtype: torch.dtype) -> str | None:
-    # float32 runs must not silently drop to tf32 (greedy parity is checked in float32); 16-bit
-    # operands take the backend's default (the argument only matters for float32 operands).
-    return "ieee" if dtype == torch.float32 else None
-
-
 def decode_num_splits(
     batch: int, num_kv_heads: int, max_len: int, block_n: int = 64, target: int = 264
 ) -> int:
@@ -135,26 +131,30 @@ def launch_split_k(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    block_n: int,
+    block_n: int | None,
     num_warps: int | None,
     num_stages: int | None,
-    tuned_unsplit: tuple[int, int],
-    tuned_split: tuple[int, int],
+    unsplit: Launch,
+    split: Launch,
+    reduce: Launch,
     extra_args: tuple[Any, ...] = (),
+    programs_per_kv_head: int = 1,
     head_major: bool = False,
     **kernel_constants: Any,
 ) -> None:
-    """Run a split-K paged kernel over (row, kv head, split) — (kv head, row, split) with
-    `head_major` — and merge its splits into `out`.
+    """Run a split-K paged kernel over (row, kv head x `programs_per_kv_head`, split) — (kv head x
+    `programs_per_kv_head`, row, split) with `head_major` — and merge its splits into `out`.
 
     Without splits the kernel writes `out` directly; otherwise fp32 partials and their log2-sum-exp
-    go to `workspace` and the reduce kernel combines them. Unset warps and stages come from the
-    kernel's tuned (warps, stages) for its case.
+    go to `workspace` and the reduce kernel combines them. Unset tiles, warps and stages come from
+    the launch table's entry for the case (`unsplit` or `split`).
     """
     splits = workspace.num_splits
-    warps, stages = tuned_unsplit if splits == 1 else tuned_split
-    constants = paged_kernel_constants(q, layer_cache, block_n)
-    grid = (layer_cache.shape[3], rows, splits) if head_major else (rows, layer_cache.shape[3], splits)
+    tuned = unsplit if splits == 1 else split
+    assert tuned.block_n is not None
+    constants = paged_kernel_constants(q, layer_cache, tuned.block_n if block_n is None else block_n)
+    head_programs = layer_cache.shape[3] * programs_per_kv_head
+    grid = (head_programs, rows, splits) if head_major else (rows, head_programs, splits)
     kernel[grid](
         *paged_kernel_args(q, layer_cache, block_tables, scale),
         seq_lens,
@@ -162,8 +162,8 @@ def launch_split_k(
         workspace.lse,
         *extra_args,
         NUM_SPLITS=splits,
-        num_warps=warps if num_warps is None else num_warps,
-        num_stages=stages if num_stages is None else num_stages,
+        num_warps=tuned.num_warps if num_warps is None else num_warps,
+        num_stages=tuned.num_stages if num_stages is None else num_stages,
         **kernel_constants,
         **constants,
     )
@@ -178,7 +178,8 @@ def launch_split_k(
         SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=constants["HEAD_DIM_PAD"],
-        num_warps=4,
+        num_warps=reduce.num_warps,
+        num_stages=reduce.num_stages,
     )
 
 
@@ -190,27 +191,48 @@ def paged_decode_attention(
     scale: float,
     workspace: DecodeWorkspace,
     out: torch.Tensor | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    launch: LaunchTable | None = None,
     head_major: bool = False,
 ) -> torch.Tensor:
     """One query token per row. q: [B, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32.
 
-    A row with seq_len 0 (graph padding) yields zeros. `head_major`: launch a row's kv heads
-    together (`split_k_program`).
+    A row with seq_len 0 (graph padding) yields zeros. `launch` defaults to the table of q's device;
+    `block_n`, `num_warps` and `num_stages` override its entry (tuning sweeps). `head_major`: launch
+    a row's kv heads together (`split_k_program`).
     """
     batch, num_heads, _ = q.shape
     num_kv_heads = layer_cache.shape[3]
     out = packed_output(q, out)
-    # Measured on an H200 (bench.gpu_tune, bf16), as (warps, stages): few warps and 2 stages when
-    # each program walks a whole row (large batch); 8 warps and 4 stages for short split-K slices.
+    table = launch_table_for(q.device) if launch is None else launch
     launch_split_k(
         _decode_split_kernel, batch, out, workspace, q, layer_cache, block_tables, seq_lens, scale, block_n,
-        num_warps, num_stages, (2, 2), (8, 4), head_major=head_major, HEAD_MAJOR=head_major,
+        num_warps, num_stages, table.decode_unsplit, table.decode_split, table.split_reduce,
+        head_major=head_major, HEAD_MAJOR=head_major,
         GROUP_PAD=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
     )  # fmt: skip
     return out
+
+
+#: Graph batch sizes whose decode launches differ: the engine's largest (256 rows: one program
+#: per row and kv head, no split) and one row (split-K over the whole context, then the reduce).
+SCENARIO_DECODE_BATCHES = (256, 1)
+
+
+@launch_scenario("_decode_split_kernel", "_decode_reduce_kernel")
+def _decode_launches(case: KernelCase) -> None:
+    m = case.model
+    for batch in SCENARIO_DECODE_BATCHES:
+        splits = decode_num_splits(
+            batch, m.num_kv_heads, case.max_model_len, case.launch.decode_split.block_n or 64
+        )
+        workspace = DecodeWorkspace(batch, m.num_heads, m.head_dim, splits, torch.device("cpu"))
+        paged_decode_attention(
+            case.q(batch), case.kv_cache(), case.block_tables(batch), torch.zeros(batch, dtype=torch.int32),
+            m.head_dim**-0.5, workspace, launch=case.launch,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -292,20 +314,24 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    launch: LaunchTable | None = None,
 ) -> torch.Tensor:
     """Causal attention of any number of query tokens per row over the row's cached positions.
 
-    q: [T, H, D]; a row's queries are its last ``query_len`` positions of ``seq_len``.
+    q: [T, H, D]; a row's queries are its last ``query_len`` positions of ``seq_len``. `launch`
+    defaults to the table of q's device; the other keywords override its entry.
     """
     num_heads, head_dim = q.shape[1:]
     out = packed_output(q, out)
     num_tiles = tile_rows.shape[0]
     if num_tiles == 0:
         return out
-    if block_n is None:
-        block_n = 64 if triton.next_power_of_2(head_dim) <= 64 else 32
+    tuned = (launch_table_for(q.device) if launch is None else launch).prefill(
+        triton.next_power_of_2(head_dim)
+    )
+    assert tuned.block_n is not None
     _prefill_kernel[(num_tiles, num_heads)](
         *paged_kernel_args(q, layer_cache, block_tables, scale),
         query_start_loc,
@@ -314,8 +340,22 @@ def paged_prefill_attention(
         tile_starts,
         out,
         BLOCK_M=PREFILL_BLOCK_M,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **paged_kernel_constants(q, layer_cache, block_n),
+        num_warps=tuned.num_warps if num_warps is None else num_warps,
+        num_stages=tuned.num_stages if num_stages is None else num_stages,
+        **paged_kernel_constants(q, layer_cache, tuned.block_n if block_n is None else block_n),
     )
     return out
+
+
+@launch_scenario("_prefill_kernel")
+def _prefill_launches(case: KernelCase) -> None:
+    """A prefill chunk of two rows (the launch's shape does not depend on the token count)."""
+    query_lens = (100, 28)
+    rows, starts = prefill_tiles(query_lens)
+    tokens = sum(query_lens)
+    query_start_loc = torch.tensor([0, query_lens[0], tokens], dtype=torch.int32)
+    paged_prefill_attention(
+        case.q(tokens), case.kv_cache(), case.block_tables(len(query_lens)), query_start_loc,
+        torch.tensor(query_lens, dtype=torch.int32), torch.tensor(rows, dtype=torch.int32),
+        torch.tensor(starts, dtype=torch.int32), case.model.head_dim**-0.5, launch=case.launch,
+    )  # fmt: skip

@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from baton_engine.model.kernels.kernel_registry import KernelCase, launch_scenario
+from baton_engine.model.kernels.launch_table import LaunchTable, launch_table_for
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -42,27 +45,49 @@ def _rms_norm_kernel(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    launch: LaunchTable | None = None,
 ) -> torch.Tensor:
     """RMSNorm of [T, N] rows."""
     out = torch.empty_like(x) if out is None else out
     n = x.shape[-1]
+    tuned = (launch_table_for(x.device) if launch is None else launch).rms_norm
     _rms_norm_kernel[(x.shape[0],)](
-        x, x, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=False
-    )
+        x, x, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=False,
+        num_warps=tuned.num_warps, num_stages=tuned.num_stages,
+    )  # fmt: skip
     return out
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    launch: LaunchTable | None = None,
 ) -> torch.Tensor:
     """``residual += x`` (in place) and return RMSNorm(residual)."""
     out = torch.empty_like(x) if out is None else out
     n = x.shape[-1]
+    tuned = (launch_table_for(x.device) if launch is None else launch).rms_norm
     _rms_norm_kernel[(x.shape[0],)](
-        x, residual, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=True
-    )
+        x, residual, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=True,
+        num_warps=tuned.num_warps, num_stages=tuned.num_stages,
+    )  # fmt: skip
     return out
+
+
+@launch_scenario("_rms_norm_kernel")
+def _rms_norm_launches(case: KernelCase) -> None:
+    """The decoder's norms over hidden-size rows: the first layer's, then add + norm."""
+    x = torch.zeros(4, case.model.hidden_size, dtype=case.dtype)
+    weight = torch.zeros(case.model.hidden_size, dtype=case.dtype)
+    rms_norm(x, weight, 1e-5, launch=case.launch)
+    fused_add_rms_norm(x, torch.zeros_like(x), weight, 1e-5, launch=case.launch)
 
 
 @triton.jit
@@ -126,6 +151,7 @@ def rotary_cache_write(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    launch: LaunchTable | None = None,
 ) -> None:
     """Rotate q (in place inside `qkv`) and k; write rotated k and v to `layer_cache` at the slots.
 
@@ -135,6 +161,7 @@ def rotary_cache_write(
     if tokens == 0:
         return
     half = head_dim // 2
+    tuned = (launch_table_for(qkv.device) if launch is None else launch).rotary
     _rotary_cache_kernel[(tokens,)](
         qkv,
         positions,
@@ -148,7 +175,22 @@ def rotary_cache_write(
         HALF=half,
         HALF_PAD=triton.next_power_of_2(half),
         HEADS_PAD=triton.next_power_of_2(num_heads + num_kv_heads),
+        num_warps=tuned.num_warps,
+        num_stages=tuned.num_stages,
     )
+
+
+@launch_scenario("_rotary_cache_kernel")
+def _rotary_launches(case: KernelCase) -> None:
+    """Rotary embedding and cache write of a step's tokens (rotary tables in the model dtype)."""
+    m = case.model
+    tokens = 4
+    cos = torch.zeros(64, m.head_dim, dtype=case.dtype)
+    rotary_cache_write(
+        case.qkv(tokens), torch.zeros(tokens, dtype=torch.int64), cos, torch.zeros_like(cos),
+        torch.zeros(tokens, dtype=torch.int64), case.kv_cache(), m.num_heads, m.num_kv_heads, m.head_dim,
+        launch=case.launch,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -164,12 +206,23 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr)
     tl.store(out_ptr + row * N + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(
+    gate_up: torch.Tensor, out: torch.Tensor | None = None, launch: LaunchTable | None = None
+) -> torch.Tensor:
     """[T, 2N] (gate then up) -> [T, N]."""
     tokens, width = gate_up.shape
     n = width // 2
     out = torch.empty((tokens, n), dtype=gate_up.dtype, device=gate_up.device) if out is None else out
     if tokens:
-        block = 1024
-        _silu_mul_kernel[(tokens, triton.cdiv(n, block))](gate_up, out, N=n, BLOCK=block)
+        tuned = (launch_table_for(gate_up.device) if launch is None else launch).silu
+        assert tuned.block_n is not None
+        _silu_mul_kernel[(tokens, triton.cdiv(n, tuned.block_n))](
+            gate_up, out, N=n, BLOCK=tuned.block_n, num_warps=tuned.num_warps, num_stages=tuned.num_stages
+        )
     return out
+
+
+@launch_scenario("_silu_mul_kernel")
+def _silu_launches(case: KernelCase) -> None:
+    """The MLP's activation over the fused gate_up projection."""
+    silu_and_mul(torch.zeros(4, 2 * case.model.intermediate_size, dtype=case.dtype), launch=case.launch)

@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from baton_engine.model.kernels.kernel_registry import KernelCase, launch_scenario
+from baton_engine.model.kernels.launch_table import LaunchTable, launch_table_for
 from baton_engine.model.kernels.triton_tiles import dot_precision
 
 #: The most tokens (rows of x) the decode kernels take; larger steps go through torch's matmul.
@@ -107,10 +109,14 @@ ROCM_GEMV = _uniform(
 )
 
 
+def gemv_table_for(launch: LaunchTable) -> GemvTable:
+    """The decode products' table of the backend whose kernel launch table is `launch`."""
+    return ROCM_GEMV if launch.name == "rocm" or launch.name.startswith("gfx") else CUDA_GEMV
+
+
 def default_gemv_table(device: torch.device) -> GemvTable:
-    if device.type == "cuda" and torch.version.hip:
-        return ROCM_GEMV
-    return CUDA_GEMV
+    """The table of the device the products run on (`launch_table_for` picks its backend)."""
+    return gemv_table_for(launch_table_for(device))
 
 
 @triton.jit
@@ -598,3 +604,60 @@ def gemv_qkv_rope(
 @functools.cache
 def _with_block_n(launch: GemvLaunch, block_n: int) -> GemvLaunch:
     return dataclasses.replace(launch, block_n=block_n)
+
+
+#: Output rows of the scenario's LM head (the model shapes carry no vocabulary size; N is a
+#: runtime argument of the kernel, so any multiple of 16 compiles the same kernel).
+SCENARIO_LM_HEAD_ROWS = 1024
+
+
+@launch_scenario(
+    "_gemv_kernel",
+    "_gemv_residual_kernel",
+    "_gemv_silu_kernel",
+    "_gemv_qkv_rope_kernel",
+    "_sum_squares_kernel",
+)
+def _decode_product_launches(case: KernelCase) -> None:
+    """Two layers of a decode step's products at every token bucket, in the order and with the
+    partial-sum counts of `FusedDecoder._forward_few` (the first layer's norm reads one partial,
+    the others the programs of the product before them), then the LM head.
+
+    Tensors are `torch.empty` at the model's shapes: the launches are captured, never run, so no
+    weight is touched (a 70B gate_up at float32 is 1.9 GB of address space, not of memory).
+    """
+    m = case.model
+    table = gemv_table_for(case.launch)
+    dtype = case.dtype
+    h, kvh, d = m.num_heads, m.num_kv_heads, m.head_dim
+
+    def empty(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    qkv_weight = empty((h + 2 * kvh) * d, m.hidden_size)
+    o_weight = empty(m.hidden_size, h * d)
+    gate_up_weight = empty(2 * m.intermediate_size, m.hidden_size)
+    down_weight = empty(m.hidden_size, m.intermediate_size)
+    norm = empty(m.hidden_size)
+    cos = empty(64, d)
+    cache = case.kv_cache()
+    for tokens in TOKEN_BUCKETS:
+        residual = empty(tokens, m.hidden_size)
+        widest = max(
+            residual_programs(m.hidden_size, table.launch("o", tokens)),
+            residual_programs(m.hidden_size, table.launch("down", tokens)),
+        )
+        squares = torch.empty(tokens, widest, dtype=torch.float32)
+        positions = torch.zeros(tokens, dtype=torch.int64)
+        partials = sum_squares(residual, squares)
+        for _layer in range(2):
+            q = gemv_qkv_rope(
+                residual, squares, partials, norm, 1e-5, qkv_weight, positions, cos, cos, positions, cache,
+                h, kvh, d, table.launch("qkv", tokens),
+            )  # fmt: skip
+            partials = gemv_residual(q, o_weight, residual, squares, table.launch("o", tokens))
+            act = gemv_silu(
+                residual, squares, partials, norm, 1e-5, gate_up_weight, table.launch("gate_up", tokens)
+            )
+            partials = gemv_residual(act, down_weight, residual, squares, table.launch("down", tokens))
+        gemv(residual, empty(SCENARIO_LM_HEAD_ROWS, m.hidden_size), table.launch("lm_head", tokens))

@@ -7,9 +7,12 @@ at positions ``seq_len - query_len .. seq_len - 1``; each attends causally to th
 own position (its own K/V and the earlier drafts' were written before attention). Slots
 ``j >= query_len`` are padding: they see no key and yield zeros, as do rows with seq_len 0.
 
-One program handles one (row, kv head, split of the key axis) and all ``Q * GROUP`` query heads
-that share the kv head, so each K/V tile is loaded once for the whole verify window. Split-K
-partial results are combined by the decode path's reduce kernel (per token and head).
+One program handles one (row, kv head, split of the key axis) and the ``Q * GROUP`` (token, query
+head) pairs that share the kv head, so each K/V tile is loaded once for the whole verify window.
+When those pairs exceed the launch table's `block_m` (long windows over large groups: 17 tokens x
+8 heads), they are dealt out to several programs of BLOCK_M pairs each, which read the same K/V:
+a 256-row tile would not fit in registers. Split-K partial results are combined by the decode
+path's reduce kernel (per token and head).
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from baton_engine.model.kernels.triton_attention import DecodeWorkspace, launch_split_k
+from baton_engine.model.kernels.kernel_registry import CASE_VERIFY_QUERY_LENS, KernelCase, launch_scenario
+from baton_engine.model.kernels.launch_table import LaunchTable, launch_table_for
+from baton_engine.model.kernels.triton_attention import (
+    SCENARIO_DECODE_BATCHES,
+    DecodeWorkspace,
+    decode_num_splits,
+    launch_split_k,
+)
 from baton_engine.model.kernels.triton_tiles import (
     attend_paged_keys,
     packed_output,
@@ -45,19 +55,21 @@ def _multi_query_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     KVH: tl.constexpr,
     GROUP: tl.constexpr,
-    M_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    M_TILES: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    row, kvh, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N, False)
+    row, head_tile, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N, False)
     H: tl.constexpr = KVH * GROUP
+    kvh = head_tile // M_TILES
     query_len = tl.load(query_lens_ptr + row)
     context = seq_len - query_len
 
     # Tile rows: m = j * GROUP + g is query token j of the row, head g of this kv head's group.
-    m = tl.arange(0, M_PAD)
+    m = (head_tile % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
     j = m // GROUP
     g = m % GROUP
     in_window = m < QUERY_LEN * GROUP
@@ -98,14 +110,15 @@ def paged_multi_query_attention(
     scale: float,
     workspace: DecodeWorkspace,
     out: torch.Tensor | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    launch: LaunchTable | None = None,
 ) -> torch.Tensor:
     """q: [B * query_len, H, D], row-major by (row, token); query_lens: [B] int32 (<= query_len).
 
     Returns [B * query_len, H, D]; padding tokens (j >= query_lens[row]) and rows with seq_len 0
-    get zeros.
+    get zeros. `launch` defaults to the table of q's device; the other keywords override it.
     """
     tokens, num_heads, _ = q.shape
     num_kv_heads = layer_cache.shape[3]
@@ -115,9 +128,43 @@ def paged_multi_query_attention(
     out = packed_output(q, out)
     if batch == 0:
         return out
+    table = launch_table_for(q.device) if launch is None else launch
+    tuned = table.verify_unsplit if workspace.num_splits == 1 else table.verify_split
+    pairs = query_len * (num_heads // num_kv_heads)
+    block_m = verify_tile_rows(pairs, tuned.block_m)
     launch_split_k(
         _multi_query_split_kernel, batch, out, workspace, q, layer_cache, block_tables, seq_lens, scale,
-        block_n, num_warps, num_stages, (4, 2), (8, 3), (query_lens,), QUERY_LEN=query_len,
-        M_PAD=max(16, triton.next_power_of_2(query_len * (num_heads // num_kv_heads))),
+        block_n, num_warps, num_stages, table.verify_unsplit, table.verify_split, table.split_reduce,
+        (query_lens,), programs_per_kv_head=-(-pairs // block_m),
+        QUERY_LEN=query_len, BLOCK_M=block_m, M_TILES=-(-pairs // block_m),
     )  # fmt: skip
     return out
+
+
+def verify_tile_rows(pairs: int, block_m: int | None) -> int:
+    """Rows of a verify program's tile: a kv head's (token, head) pairs, padded to a power of two
+    (at least 16, a dot's smallest side), at most `block_m`."""
+    rows = max(16, triton.next_power_of_2(pairs))
+    return rows if block_m is None else min(rows, block_m)
+
+
+@launch_scenario("_multi_query_split_kernel", "_decode_reduce_kernel")
+def _verify_launches(case: KernelCase) -> None:
+    """Verify graphs at the largest and the smallest batch (no split / split-K), for each tile
+    height the captured query lengths give (the longest query length of each)."""
+    m = case.model
+    caps = (case.launch.verify_unsplit.block_m, case.launch.verify_split.block_m)
+    longest = {tuple(verify_tile_rows(q * m.group, cap) for cap in caps): q for q in CASE_VERIFY_QUERY_LENS}
+    for query_len in sorted(longest.values()):
+        for batch in SCENARIO_DECODE_BATCHES:
+            splits = decode_num_splits(
+                batch, m.num_kv_heads, case.max_model_len, case.launch.verify_split.block_n or 64
+            )
+            workspace = multi_query_workspace(
+                batch, query_len, m.num_heads, m.head_dim, splits, torch.device("cpu")
+            )
+            paged_multi_query_attention(
+                case.q(batch * query_len), case.kv_cache(), case.block_tables(batch),
+                torch.zeros(batch, dtype=torch.int32), torch.zeros(batch, dtype=torch.int32), query_len,
+                m.head_dim**-0.5, workspace, launch=case.launch,
+            )  # fmt: skip

@@ -115,25 +115,31 @@ def attend_paged_keys(
     M: tl.constexpr = q.shape[0]
     HEAD_DIM_PAD: tl.constexpr = q.shape[1]
     d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = d < HEAD_DIM
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, HEAD_DIM_PAD], tl.float32)
     n_base = tl.arange(0, BLOCK_N)
+    if CAUSAL:
+        # The last key each row sees (its own position, inside the range; -1: not a real query),
+        # so that one compare per score masks it: on AMD every live lane mask of a 64-wide
+        # wavefront holds an SGPR pair, and three masks per score ran them out (spills).
+        last_key = tl.minimum(q_pos, end - 1)
+        if q_real is not None:
+            last_key = tl.where(q_real, last_key, -1)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + n_base
         n_mask = n < end
         page = tl.load(table_row_ptr + n // BLOCK_SIZE, mask=n_mask, other=0)
         slot = page.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
         kv_off = (slot * KVH + kvh)[:, None] * HEAD_DIM + d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
+        if HEAD_DIM == HEAD_DIM_PAD:
+            kv_mask = n_mask[:, None]
+        else:
+            kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         if CAUSAL:
-            visible = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-            if q_real is not None:
-                visible = visible & q_real[:, None]
-            s = tl.where(visible, s, float("-inf"))
+            s = tl.where(n[None, :] <= last_key[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A query may see no key of this tile (all later than it, or a padding row).
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)

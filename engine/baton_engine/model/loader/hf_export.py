@@ -8,6 +8,7 @@ The folder loads back into Baton as a safetensors model with the same config and
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -28,7 +29,7 @@ ExportDtype = Literal["float32", "bfloat16", "float16"]
 #: and dtype finds it and returns at once; anything else is never overwritten).
 STAMP_FILE = "baton-export.json"
 #: Bumped whenever the files written change, so that older exports are recognised as stale.
-EXPORT_FORMAT = 1
+EXPORT_FORMAT = 2
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -104,22 +105,38 @@ def tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
 
 
 def _source_stamp(path: Path, dtype: ExportDtype) -> dict[str, Any]:
-    stat = path.stat()
+    # The source is named by its content, not its path: the same package installed in another
+    # checkout's virtual environment is the same model, and its export is shared.
+    digest = hashlib.sha256()
+    with path.open("rb") as source:
+        while chunk := source.read(1 << 20):
+            digest.update(chunk)
     return {
         "format": EXPORT_FORMAT,
-        "source": str(path.resolve()),
-        "source_size": stat.st_size,
-        "source_mtime_ns": stat.st_mtime_ns,
+        "source_name": path.name,
+        "source_sha256": digest.hexdigest(),
         "dtype": dtype,
     }
+
+
+def _is_outdated_export(stamp_path: Path) -> bool:
+    """True for a folder written by an earlier export format: Baton's own, safe to replace."""
+    try:
+        stamp = json.loads(stamp_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(stamp, dict) and isinstance(stamp.get("format"), int) and stamp["format"] < EXPORT_FORMAT
+    )
 
 
 def export_hf_folder(reference: str, output: Path, dtype: ExportDtype = "float32") -> Path:
     """Write the GGUF model `reference` to `output` as a Hugging Face folder; returns `output`.
 
-    Idempotent: an `output` already holding this export (same source file and dtype) is kept as
-    it is. A non-empty `output` holding anything else is refused, never overwritten. The folder
-    appears whole or not at all (written beside it, then renamed).
+    Idempotent: an `output` already holding this export (a source of the same content, the same
+    dtype) is kept as it is; one written by an earlier export format is replaced. A non-empty
+    `output` holding anything else is refused, never overwritten. The folder appears whole or not
+    at all (written beside it, then renamed).
     """
     from safetensors.torch import save_file
 
@@ -134,7 +151,8 @@ def export_hf_folder(reference: str, output: Path, dtype: ExportDtype = "float32
     stamp_path = output / STAMP_FILE
     if stamp_path.is_file() and json.loads(stamp_path.read_text()) == stamp:
         return output
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+    outdated = stamp_path.is_file() and _is_outdated_export(stamp_path)
+    if not outdated and output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ExportError(f"output: {output} exists and is not an export of {resolved.path} ({dtype})")
 
     reader = gguf_loader.open_gguf(resolved.path)
@@ -161,7 +179,9 @@ def export_hf_folder(reference: str, output: Path, dtype: ExportDtype = "float32
             json.dumps(tokenizer_config(tokenizer), indent=2) + "\n"
         )
         (staging / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
-        if output.is_dir():
+        if outdated:
+            shutil.rmtree(output)
+        elif output.is_dir():
             output.rmdir()  # empty (checked above)
         os.replace(staging, output)
     except BaseException:

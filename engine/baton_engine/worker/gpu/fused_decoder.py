@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton_engine.model.kernels.launch_table import launch_table_for
 from baton_engine.model.kernels.triton_attention import (
     DecodeWorkspace,
     paged_decode_attention,
@@ -106,6 +107,8 @@ class FusedDecoder:
         self.final_norm = model.model.norm.weight
         self.lm_weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         self.cos = model.rotary.cos
+        # Launch parameters of the device the weights live on (AMD and NVIDIA differ).
+        self.launch = launch_table_for(self.embed.device)
         self.sin = model.rotary.sin
         device = self.embed.device
         self.gemv_table = default_gemv_table(device) if gemv_table is None else gemv_table
@@ -144,11 +147,12 @@ class FusedDecoder:
         residual = F.embedding(input_ids, self.embed)
         mlp_out: torch.Tensor | None = None
         h, d = self.num_heads, self.head_dim
+        launch = self.launch
         for index, layer in enumerate(self.layers):
             if mlp_out is None:
-                normed = rms_norm(residual, layer.input_norm, self.eps)
+                normed = rms_norm(residual, layer.input_norm, self.eps, launch=launch)
             else:
-                normed = fused_add_rms_norm(mlp_out, residual, layer.input_norm, self.eps)
+                normed = fused_add_rms_norm(mlp_out, residual, layer.input_norm, self.eps, launch=launch)
             qkv = F.linear(normed, layer.qkv_weight, layer.qkv_bias)
             if layer.q_norm is not None and layer.k_norm is not None:
                 kv_size = self.num_kv_heads * d
@@ -158,15 +162,15 @@ class FusedDecoder:
                 k_view.copy_(layer.k_norm(k_view))
             layer_cache = kv_cache[index]
             rotary_cache_write(
-                qkv, positions, self.cos, self.sin, slot_mapping, layer_cache, h, self.num_kv_heads, d
+                qkv, positions, self.cos, self.sin, slot_mapping, layer_cache, h, self.num_kv_heads, d, launch
             )
             attn = self._attention(qkv[:, : self.q_size].view(tokens, h, d), layer_cache, meta)
             attn_out = layer.o_proj(attn.view(tokens, self.q_size))
-            normed = fused_add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
+            normed = fused_add_rms_norm(attn_out, residual, layer.post_norm, self.eps, launch=launch)
             gate_up = F.linear(normed, layer.gate_up_weight, layer.gate_up_bias)
-            mlp_out = layer.down_proj(silu_and_mul(gate_up))
+            mlp_out = layer.down_proj(silu_and_mul(gate_up, launch=launch))
         assert mlp_out is not None
-        return fused_add_rms_norm(mlp_out, residual, self.final_norm, self.eps)
+        return fused_add_rms_norm(mlp_out, residual, self.final_norm, self.eps, launch=launch)
 
     def _forward_few(
         self,
@@ -209,23 +213,24 @@ class FusedDecoder:
                 act, layer.down_proj.weight, residual, squares, table.launch("down", tokens),
                 bias=layer.down_proj.bias,
             )  # fmt: skip
-        return rms_norm(residual, self.final_norm, self.eps)
+        return rms_norm(residual, self.final_norm, self.eps, launch=self.launch)
 
     def _attention(
         self, q: torch.Tensor, layer_cache: torch.Tensor, meta: DecodeMeta | VerifyMeta | PrefillMeta
     ) -> torch.Tensor:
+        launch = self.launch
         if isinstance(meta, DecodeMeta):
             return paged_decode_attention(
-                q, layer_cache, meta.block_tables, meta.seq_lens, self.scale, meta.workspace
+                q, layer_cache, meta.block_tables, meta.seq_lens, self.scale, meta.workspace, launch=launch
             )
         if isinstance(meta, VerifyMeta):
             return paged_multi_query_attention(
                 q, layer_cache, meta.block_tables, meta.seq_lens, meta.query_lens, meta.query_len,
-                self.scale, meta.workspace,
+                self.scale, meta.workspace, launch=launch,
             )  # fmt: skip
         return paged_prefill_attention(
             q, layer_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.tile_rows,
-            meta.tile_starts, self.scale,
+            meta.tile_starts, self.scale, launch=launch,
         )  # fmt: skip
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

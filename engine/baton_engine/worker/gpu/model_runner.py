@@ -17,6 +17,10 @@
   tokens and the scheduler plans.
 * Decode steps of a few tokens run the fused decode products (`triton_gemv`) inside their
   graphs; `decode_gemv=False` keeps torch's matmul there (the A/B of `bench.gpu`).
+* Structured output: a step's grammar bitmasks go through pinned buffers to the device and are
+  applied to the logits with tensor ops after the forward (a graph replay included), before
+  the sampler or the argmax. A step with a grammar is never run ahead: its successor's masks
+  depend on the tokens it samples.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from baton_engine.worker.gpu.verify_batch import (
     verify_query_lens,
 )
 from baton_engine.worker.model_runner import ModelRunner
+from baton_engine.worker.token_bitmask import apply_token_bitmask
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +121,22 @@ class _TokenSlot:
         return (tokens if index is None else tokens[index]).tolist()
 
 
+class _GrammarStaging:
+    """Pinned host buffers and device twins for one step's grammar bitmask and its rows."""
+
+    def __init__(self, max_positions: int, words: int, device: torch.device) -> None:
+        self.bitmask = (
+            torch.zeros((max_positions, words), dtype=torch.int32, pin_memory=True),
+            torch.zeros((max_positions, words), dtype=torch.int32, device=device),
+        )
+        self.rows = (
+            torch.zeros(max_positions, dtype=torch.int64, pin_memory=True),
+            torch.zeros(max_positions, dtype=torch.int64, device=device),
+        )
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+
 @dataclass
 class _Ahead:
     plan: AheadPlan
@@ -175,6 +196,9 @@ class GpuModelRunner(ModelRunner):
             _Staging(self.max_tokens, self.max_rows, self.max_blocks, self.device) for _ in range(2)
         ]
         self._turn = 0
+        # Allocated on the first step with a grammar (most engines never see one).
+        self._grammar_staging: list[_GrammarStaging] = []
+        self._grammar_turn = 0
         sizes = DEFAULT_GRAPH_BATCH_SIZES if graph_batch_sizes is None else graph_batch_sizes
         self.graph_sizes = sorted(s for s in sizes if s <= self.max_rows)
         self._graphs: dict[int, _Graph] = {}
@@ -210,7 +234,9 @@ class GpuModelRunner(ModelRunner):
     # -- graphs ---------------------------------------------------------------------------
     def _decode_meta(self, batch: int) -> DecodeMeta:
         mc = self.model_config
-        splits = decode_num_splits(batch, mc.num_kv_heads, self.config.max_model_len)
+        splits = decode_num_splits(
+            batch, mc.num_kv_heads, self.config.max_model_len, self.fused.launch.decode_split.block_n or 64
+        )
         return DecodeMeta(
             block_tables=self._g_tables[:batch],
             seq_lens=self._g_seq_lens[:batch],
@@ -227,7 +253,9 @@ class GpuModelRunner(ModelRunner):
         mc = self.model_config
         # The split count of a plain decode step of `batch` rows: each program's tile holds all
         # query_len tokens of its row, so the programs per split are the same.
-        splits = decode_num_splits(batch, mc.num_kv_heads, self.config.max_model_len)
+        splits = decode_num_splits(
+            batch, mc.num_kv_heads, self.config.max_model_len, self.fused.launch.verify_split.block_n or 64
+        )
         return VerifyMeta(
             block_tables=self._v_tables[:batch],
             seq_lens=self._v_seq_lens[:batch],
@@ -303,11 +331,15 @@ class GpuModelRunner(ModelRunner):
             return super().execute(step)
         if np.any(np.asarray(step.num_draft_tokens) > 0):
             # Greedy verify: argmax on the device (the sampler's greedy tokens), acceptance on the host.
-            verified = self.compute_logits(step).argmax(dim=-1).tolist()
+            logits = self.compute_logits(step)
+            self.apply_grammar(logits, step)
+            verified = logits.argmax(dim=-1).tolist()
             _, spans = self._expand_sampling(step)
             return self._accept(step, spans, verified, None)
-        index = match_rows(ahead.plan, step, self.block_size) if ahead is not None else None
-        if ahead is not None:
+        constrained = step.grammar_bitmask is not None
+        index = None
+        if ahead is not None and not constrained:
+            index = match_rows(ahead.plan, step, self.block_size)
             if index is not None:
                 self.ahead_hits += 1
             else:
@@ -318,11 +350,12 @@ class GpuModelRunner(ModelRunner):
         else:
             source, index = self._next_token_slot(), None
             logits = self.compute_logits(step)
+            self.apply_grammar(logits, step)
             rows = logits.shape[0]
             with self._sync_guard():
                 source.fill(logits)
         launched = None
-        if self.decode_ahead and is_decode_only(step):
+        if self.decode_ahead and is_decode_only(step) and not constrained:
             launched = self._launch_ahead(step, source, index)
         tokens = source.read(rows, index)
         if launched is not None:
@@ -364,6 +397,30 @@ class GpuModelRunner(ModelRunner):
             staging.done.record()
         self._ahead = _Ahead(plan, tokens)
         return self._ahead
+
+    def apply_grammar(self, logits: torch.Tensor, step: SchedulerOutput) -> None:
+        """The step's grammar bitmasks -> pinned buffer -> device (non-blocking), applied to
+        `logits` in place with tensor ops: no host sync."""
+        bitmask = step.grammar_bitmask
+        if bitmask is None:
+            return
+        count, words = bitmask.shape
+        if not self._grammar_staging:
+            max_positions = self.max_rows * (1 + self.config.num_speculative_tokens)
+            self._grammar_staging = [_GrammarStaging(max_positions, words, self.device) for _ in range(2)]
+        staging = self._grammar_staging[self._grammar_turn]
+        self._grammar_turn ^= 1
+        staging.done.synchronize()  # the copy of two constrained steps ago
+        with self._sync_guard():
+            host, device = staging.bitmask
+            host.numpy()[:count] = bitmask
+            device[:count].copy_(host[:count], non_blocking=True)
+            rows = step.grammar_rows
+            index = None
+            if rows is not None and count != logits.shape[0]:
+                index = _put(staging.rows, np.asarray(rows, np.int64))
+            apply_token_bitmask(logits, device[:count], index)
+            staging.done.record()
 
     @contextlib.contextmanager
     def _sync_guard(self) -> Iterator[None]:

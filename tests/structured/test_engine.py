@@ -1,0 +1,224 @@
+"""Structured output through the real engine (scheduler, CPU model runner, sampler) on a tiny
+random-weight model with a real byte-level BPE tokenizer: whatever the weights say, every
+constrained answer is valid under its schema, free requests beside them are untouched, drafts
+the grammar refuses are never verified, a P/D decode leg continues the prefill leg's grammar,
+and no grammar state or KV block outlives its request."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+
+from baton_engine.core.engine_core import run_until_idle
+from baton_engine.core.request import FinishReason, Request, RequestStatus
+from baton_engine.core.sampling_params import SamplingParams
+from baton_engine.core.scheduler import Scheduler
+from baton_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from baton_engine.entrypoints.llm import LLM
+from baton_engine.structured.grammar import json_schema_grammar
+from baton_engine.structured.manager import StructuredOutputManager
+from baton_support.tiny_models import CHAT
+
+PERSON: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "dev", "ops"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+FLAGS: dict[str, Any] = {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 5}
+POINT: dict[str, Any] = {
+    "type": "object",
+    "properties": {"x": {"type": "integer", "maximum": 999}, "y": {"type": "integer", "maximum": 999}},
+    "required": ["x", "y"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(autouse=True)
+def _single_torch_thread() -> Iterator[None]:
+    # The CI machine's two cores are shared: several intra-op threads only add contention.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("structured-tiny") / "tiny-chat"
+    CHAT.save(directory)
+    return directory
+
+
+def _llm(model_dir: Path, **settings: Any) -> LLM:
+    return LLM(str(model_dir), dtype="float32", num_kv_blocks=128, max_model_len=512, **settings)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> LLM:
+    return _llm(model_dir)
+
+
+def _params(schema: dict[str, Any], seed: int, **extra: Any) -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=120, grammar=json_schema_grammar(schema), **extra
+    )
+
+
+def _assert_idle(llm: LLM) -> None:
+    stats = llm.core.stats()
+    assert (stats.num_grammar_requests, stats.num_used_kv_blocks, stats.num_running) == (0, 0, 0)
+
+
+def test_constrained_answers_are_valid_and_free_requests_beside_them_are_untouched(llm: LLM) -> None:
+    prompt = llm.tokenizer.encode("Hello world! How are you today?")
+    free = SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True)
+    alone = llm.generate([prompt], free)[0].outputs[0].token_ids
+    schemas = [PERSON, FLAGS, POINT]
+    params = [_params(schema, seed) for seed, schema in enumerate(schemas)]
+    params[0] = _params(PERSON, 0, n=3)  # three samples of one prompt, each with its own grammar
+    outputs = llm.generate([prompt] * 4, [*params, free])
+    for result, schema in zip(outputs, schemas, strict=False):
+        for completion in result.outputs:
+            assert completion.finish_reason == "stop", completion.text
+            jsonschema.validate(json.loads(completion.text), schema)
+    assert len({c.text for c in outputs[0].outputs}) > 1  # the n=3 samples differ
+    # the free request's seeded samples do not depend on its neighbours' masks
+    assert outputs[3].outputs[0].token_ids == alone
+    _assert_idle(llm)
+
+
+def test_greedy_and_seeded_answers_repeat_exactly(llm: LLM) -> None:
+    prompt = llm.tokenizer.encode("def add(a, b):")
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=120, grammar=json_schema_grammar(POINT)),
+        _params(PERSON, seed=5),
+    ):
+        first = llm.generate([prompt], params)[0].outputs[0]
+        again = llm.generate([prompt, prompt], [params, params])
+        assert [c.outputs[0].token_ids for c in again] == [first.token_ids] * 2
+
+
+class _Drafts:
+    """A drafter that proposes, for every decoding request, the next tokens of a known answer
+    (all of which the grammar allows) followed by a token it refuses."""
+
+    def __init__(self, answers: dict[int, list[int]], refused: int, k: int) -> None:
+        self.answers = answers
+        self.refused = refused
+        self.k = k
+
+    def before_schedule(self, scheduler: Scheduler) -> None:
+        batch = scheduler.batch
+        for seq in batch.seqs[: batch.num_decode]:
+            answer = self.answers[seq.seq_id]
+            done = seq.num_output_tokens
+            seq.draft_token_ids = answer[done : done + self.k - 1] + [self.refused]
+
+
+def test_drafts_the_grammar_refuses_are_never_verified(model_dir: Path, llm: LLM) -> None:
+    prompt = llm.tokenizer.encode("Paris is the capital of France.")
+    schemas = [PERSON, POINT]
+    params = [_params(schema, seed=20 + i) for i, schema in enumerate(schemas)]
+    reference = [r.outputs[0].token_ids for r in llm.generate([prompt, prompt], params)]
+
+    k = 4
+    spec = _llm(model_dir, speculative="ngram", num_speculative_tokens=k)
+    first_seq = spec.core._next_seq_id
+    refused = llm.tokenizer.token_to_id("<|im_start|>")  # a special token: no JSON grammar takes it
+    assert refused is not None
+    spec.core.drafter = _Drafts({first_seq + i: ref for i, ref in enumerate(reference)}, refused, k)
+    verified: list[list[int]] = []
+    execute = spec.core.runner.execute
+
+    def recording(step: SchedulerOutput) -> ModelRunnerOutput:
+        for row in range(step.num_decode_rows):
+            drafts = int(step.num_draft_tokens[row])
+            if drafts:
+                end = int(step.query_start_loc[row + 1])
+                verified.append(step.input_ids[end - drafts : end].tolist())
+                assert step.grammar_bitmask is not None and step.grammar_rows is not None
+        return execute(step)
+
+    spec.core.runner.execute = recording  # type: ignore[method-assign]
+    outputs = spec.generate([prompt, prompt], params)
+    # position-keyed seeded sampling under the same masks: speculation changes nothing
+    assert [r.outputs[0].token_ids for r in outputs] == reference
+    assert verified and all(refused not in drafts for drafts in verified)
+    stats = spec.core.stats()
+    assert stats.spec_accepted_tokens > 0
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens  # every verified draft was right
+    _assert_idle(spec)
+
+
+def test_a_bad_grammar_is_refused_at_the_boundary_and_in_the_core(llm: LLM) -> None:
+    prompt = llm.tokenizer.encode("Hello")
+    with pytest.raises(ValueError, match=r"^sampling_params\[1\]\.grammar: cannot be enforced"):
+        llm.generate([prompt, prompt], [SamplingParams(), SamplingParams(grammar="start: (")])
+    llm.core.add_request("bad", prompt, SamplingParams(grammar="start: ("))
+    outputs: list[Any] = []
+    run_until_idle(llm.core, outputs.extend)
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("bad", "rejected")]
+    assert outputs[0].finish_message.startswith("grammar: ")
+    _assert_idle(llm)
+
+
+def test_an_aborted_constrained_request_leaves_no_grammar_and_no_block(llm: LLM) -> None:
+    prompt = llm.tokenizer.encode("The quick brown fox")
+    core = llm.core
+    params = SamplingParams(temperature=1.0, max_tokens=200, grammar=json_schema_grammar({"type": "string"}))
+    core.add_request("long", prompt, params)
+    core.add_request("short", prompt, _params(FLAGS, seed=1))
+    core.step()
+    core.step()
+    assert core.stats().num_grammar_requests == 2
+    core.abort_requests(["long"], "client gone")
+    finished = {}
+    while core.has_unfinished():
+        for out in core.step():
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+    assert finished == {"long": "abort", "short": "stop"}
+    _assert_idle(llm)
+
+
+def test_a_decode_leg_replays_the_prefill_legs_first_token(llm: LLM) -> None:
+    """The consumer side of P/D at the scheduler: the first token the prefill leg sampled
+    advances the grammar; a token the grammar refuses rejects the leg, naming the params."""
+    tokenizer = llm.tokenizer
+    manager = StructuredOutputManager(tokenizer.backend.to_str, llm.info.vocab_size, tokenizer.eos_token_ids)
+    scheduler = Scheduler(num_blocks=16, block_size=4, max_model_len=64, structured_output=manager)
+    prompt = tokenizer.encode("Hello world")
+    brace, bracket = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("{", "["))
+    legs = {}
+    for seq_id in (0, 1):
+        seq = Request(seq_id, prompt, SamplingParams(grammar=json_schema_grammar(POINT)))
+        seq.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        scheduler.add(seq)
+        legs[seq_id] = seq
+    scheduler.schedule()  # reserves both legs' blocks
+    assert [s.seq_id for s in scheduler.take_remote_kv_reservations()] == [0, 1]
+    scheduler.mark_remote_kv_arrived(0, len(prompt), first_token_id=brace)
+    scheduler.mark_remote_kv_arrived(1, len(prompt), first_token_id=bracket)
+    assert legs[1].finish_reason is FinishReason.REJECTED
+    assert legs[1].finish_message == (
+        f"kv_transfer_params: the prefill leg's first token {bracket} is refused by the request's grammar "
+        "(not allowed here) (did both legs get the same response_format and tools?)"
+    )
+    assert 1 not in manager and legs[1].block_table == []
+    out = scheduler.schedule()  # leg 0 recomputes its last token and samples the second one
+    assert out.seq_ids == [0] and out.grammar_bitmask is not None
+    second = out.grammar_bitmask[0]
+    quote = tokenizer.encode('"', add_special_tokens=False)[0]
+    assert (int(second[quote // 32]) >> (quote % 32)) & 1  # after "{" a key's quote
+    assert not (int(second[brace // 32]) >> (brace % 32)) & 1
