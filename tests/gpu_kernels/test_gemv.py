@@ -17,6 +17,7 @@ import torch
 from baton_engine.model.kernels.triton_attention import DecodeWorkspace
 from baton_engine.model.kernels.triton_gemv import (
     CUDA_GEMV,
+    GEMV_ENGINE_MAX_TOKENS,
     GEMV_MAX_TOKENS,
     GemvLaunch,
     gemv,
@@ -206,8 +207,10 @@ def test_decoder_few_token_path_matches_the_matmul_path(
     parity_model(family).save(tmp_path / family)
     loaded = load_model(str(tmp_path / family), kernel_device, torch.float32)
     config = loaded.config
-    fast, plain = FusedDecoder(loaded.model), FusedDecoder(loaded.model, decode_gemv=False)
+    fast = FusedDecoder(loaded.model, gemv_max_tokens=GEMV_MAX_TOKENS)
+    plain = FusedDecoder(loaded.model, decode_gemv=False)
     assert (fast.gemv_max_tokens, plain.gemv_max_tokens) == (GEMV_MAX_TOKENS, 0)
+    assert FusedDecoder(loaded.model).gemv_max_tokens == GEMV_ENGINE_MAX_TOKENS == 1
     gen = np.random.default_rng(5)
     caches = []
     outs = []

@@ -44,6 +44,13 @@ from baton_engine.model.kernels.triton_tiles import dot_precision
 
 #: The most tokens (rows of x) the decode kernels take; larger steps go through torch's matmul.
 GEMV_MAX_TOKENS = 8
+#: The most tokens of the steps the engine runs through them by default: one. Measured on the
+#: H200 (bench.gpu, 2026-12-01 13:41 UTC, 8B shape, 32 layers): at 1 token the FMA products beat
+#: the matmul path at every call site (qkv 15.1 vs 21.9 us a layer, o 11.1 vs 13.2, gate_up 58.8
+#: vs 62.1, down 30.8 vs 31.8) and the batch-1 step drops from 4.60 to 4.26 ms; at 8 tokens the
+#: dot tiles lose to cuBLAS (qkv 27.6 vs 21.2, gate_up 82.0 vs 62.5, down 40.2 vs 32.5) and the
+#: 2..8-row steps rise from 4.55-4.74 to 5.69-5.82 ms; they also spill on gfx90a/gfx942.
+GEMV_ENGINE_MAX_TOKENS = 1
 
 
 @dataclass(frozen=True)
@@ -91,14 +98,18 @@ def _uniform(name: str, one: GemvLaunch, few: GemvLaunch) -> GemvTable:
     return GemvTable(name, entries)
 
 
-_GUESS = "first guess before the H200 measured the candidates"
-#: NVIDIA (sm_80/sm_90). One token: an FMA loop over 16-byte loads, each program 8 rows x 1024
-#: columns per iteration (64 accumulators a thread at 4 warps). More tokens: a tensor-core dot of
+_H200_ONE = (
+    "measured on the H200 (bench.gpu 8b, 2026-12-01): the fastest of 4 one-token candidates at qkv, o, "
+    "gate_up and down (0.72-0.94 of the copy-bandwidth limit); the LM head within 0.5 us of the best"
+)
+_UNUSED_FEW = "not run by the engine (GEMV_ENGINE_MAX_TOKENS): at 8 tokens these tiles lose to cuBLAS"
+#: NVIDIA (sm_80/sm_90). One token: an FMA loop over 16-byte loads, each program 8 rows x 512
+#: columns per iteration (32 accumulators a thread at 4 warps). More tokens: a tensor-core dot of
 #: a 16-row tile, 3 stages of weight tiles in flight.
 CUDA_GEMV = _uniform(
     "cuda",
-    GemvLaunch(8, 512, 4, 2, False, _GUESS),
-    GemvLaunch(16, 256, 4, 3, True, _GUESS),
+    GemvLaunch(8, 512, 4, 2, False, _H200_ONE),
+    GemvLaunch(16, 256, 4, 3, True, _UNUSED_FEW),
 )
 #: AMD (CDNA): the same lanes per program (a wavefront is 64 lanes, so half the warps), one
 #: stage less (64 KiB of LDS per CU on gfx90a/gfx942); not measured on an AMD GPU yet.
@@ -619,7 +630,8 @@ SCENARIO_LM_HEAD_ROWS = 1024
     "_sum_squares_kernel",
 )
 def _decode_product_launches(case: KernelCase) -> None:
-    """Two layers of a decode step's products at every token bucket, in the order and with the
+    """Two layers of a decode step's products at the token buckets the engine runs them for
+    (`GEMV_ENGINE_MAX_TOKENS`), in the order and with the
     partial-sum counts of `FusedDecoder._forward_few` (the first layer's norm reads one partial,
     the others the programs of the product before them), then the LM head.
 
@@ -641,7 +653,7 @@ def _decode_product_launches(case: KernelCase) -> None:
     norm = empty(m.hidden_size)
     cos = empty(64, d)
     cache = case.kv_cache()
-    for tokens in TOKEN_BUCKETS:
+    for tokens in (b for b in TOKEN_BUCKETS if b <= GEMV_ENGINE_MAX_TOKENS):
         residual = empty(tokens, m.hidden_size)
         widest = max(
             residual_programs(m.hidden_size, table.launch("o", tokens)),

@@ -1,10 +1,11 @@
 """The decoder's GPU forward: the `CausalLM`'s weights driven through Triton kernels.
 
 The model already fuses q/k/v and gate/up into single projections. Steps of more than
-`GEMV_MAX_TOKENS` tokens run torch's matmul with the fused element-wise kernels between them,
-9 launches a layer: add+norm, qkv, rotary+cache write, attention, o_proj, add+norm, gate_up,
-silu*mul, down. Decode steps of a few tokens are weight sweeps: they run the decode products
-of `triton_gemv` with the element-wise work folded in, 5 launches a layer besides attention
+`gemv_max_tokens` tokens (`GEMV_ENGINE_MAX_TOKENS`: 1) run torch's matmul with the fused
+element-wise kernels between them, 9 launches a layer: add+norm, qkv, rotary+cache write,
+attention, o_proj, add+norm, gate_up, silu*mul, down. Single-token decode steps (up to
+`GEMV_MAX_TOKENS` tokens when asked) are weight sweeps: they run the decode products of
+`triton_gemv` with the element-wise work folded in, 5 launches a layer besides attention
 (norm+qkv+rotary+cache write, attention, o_proj+residual, norm+gate_up+silu*mul,
 down+residual). It holds no weights of its own.
 """
@@ -30,7 +31,7 @@ from baton_engine.model.kernels.triton_fused import (
     silu_and_mul,
 )
 from baton_engine.model.kernels.triton_gemv import (
-    GEMV_MAX_TOKENS,
+    GEMV_ENGINE_MAX_TOKENS,
     GemvTable,
     default_gemv_table,
     gemv,
@@ -91,10 +92,15 @@ class _Layer:
 
 class FusedDecoder:
     def __init__(
-        self, model: CausalLM, gemv_table: GemvTable | None = None, decode_gemv: bool = True
+        self,
+        model: CausalLM,
+        gemv_table: GemvTable | None = None,
+        decode_gemv: bool = True,
+        gemv_max_tokens: int = GEMV_ENGINE_MAX_TOKENS,
     ) -> None:
-        """`decode_gemv`: steps of at most `GEMV_MAX_TOKENS` tokens take the decode products
-        (not for models with q/k norms, whose per-head norm needs a head's whole row)."""
+        """`decode_gemv`: steps of at most `gemv_max_tokens` tokens (<= `GEMV_MAX_TOKENS`) take
+        the decode products (not for models with q/k norms, whose per-head norm needs a head's
+        whole row)."""
         config = model.config
         self.config = config
         self.eps = config.rms_norm_eps
@@ -112,7 +118,7 @@ class FusedDecoder:
         self.sin = model.rotary.sin
         device = self.embed.device
         self.gemv_table = default_gemv_table(device) if gemv_table is None else gemv_table
-        self.gemv_max_tokens = GEMV_MAX_TOKENS if decode_gemv and not config.qk_norm else 0
+        self.gemv_max_tokens = gemv_max_tokens if decode_gemv and not config.qk_norm else 0
         self.layers: list[_Layer] = []
         for layer in model.model.layers:
             attn = layer.self_attn

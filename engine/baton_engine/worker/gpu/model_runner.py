@@ -15,7 +15,7 @@
   next step is launched at once (`decode_ahead`), fed the step's tokens on the device, before
   the host waits for them: the device always has the next step queued while the host reads
   tokens and the scheduler plans.
-* Decode steps of a few tokens run the fused decode products (`triton_gemv`) inside their
+* Single-token decode steps run the fused decode products (`triton_gemv`) inside their
   graphs; `decode_gemv=False` keeps torch's matmul there (the A/B of `bench.gpu`).
 * Structured output: a step's grammar bitmasks go through pinned buffers to the device and are
   applied to the logits with tensor ops after the forward (a graph replay included), before
