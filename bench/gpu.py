@@ -318,11 +318,16 @@ def graph_ms(fn: Callable[[], object], repeats: int = 10) -> float:
 
 
 #: Decode-product launches measured per call site: 1 token (FMA loops), 8 tokens (dots, FMA).
+#: The one-token candidates with 2 warps give the small products (qkv, o: 384-512 programs of 8
+#: rows on 132 SMs) twice the programs at the same 32 accumulators a thread.
 CANDIDATES_ONE = (
     GemvLaunch(8, 512, 4, 2, False, ""),
     GemvLaunch(4, 1024, 4, 2, False, ""),
     GemvLaunch(16, 512, 8, 2, False, ""),
     GemvLaunch(8, 1024, 8, 3, False, ""),
+    GemvLaunch(4, 512, 2, 2, False, ""),
+    GemvLaunch(8, 256, 2, 3, False, ""),
+    GemvLaunch(2, 1024, 2, 2, False, ""),
 )
 CANDIDATES_FEW = (
     GemvLaunch(16, 256, 4, 3, True, ""),
