@@ -356,7 +356,7 @@ class _Site:
 
         layers = fused.layers
         x_hidden, delta = rand(tokens, hidden), rand(tokens, hidden)
-        squares = torch.zeros(tokens, 1024, device="cuda")
+        squares = torch.zeros(tokens, 4096, device="cuda")  # room for 2-row programs of an 8192-wide product
         squares[:, 0] = x_hidden.float().pow(2).sum(1)
         positions = torch.arange(500, 500 + tokens, device="cuda")
         slots = torch.arange(tokens, device="cuda")
