@@ -365,18 +365,18 @@ class _Site:
         residual_in = torch.empty_like(x_hidden)
         self.reset = lambda: residual_in.copy_(x_hidden - delta)
         if site == "qkv":
-            self.weights = [layer.qkv_weight for layer in layers]
+            self.weights = [layer.qkv_proj.weight for layer in layers]
 
             def new(launch: GemvLaunch, i: int) -> torch.Tensor:
                 return triton_gemv.gemv_qkv_rope(
-                    x_hidden, squares, 1, layers[i].input_norm, eps, layers[i].qkv_weight, positions,
+                    x_hidden, squares, 1, layers[i].input_norm, eps, layers[i].qkv_proj.weight, positions,
                     fused.cos, fused.sin, slots, runner.kv_cache[i], cfg.num_heads, cfg.num_kv_heads,
                     cfg.head_dim, launch,
                 )  # fmt: skip
 
             def old(i: int) -> torch.Tensor:
                 normed = fused_add_rms_norm(delta, residual_in, layers[i].input_norm, eps)
-                qkv = F.linear(normed, layers[i].qkv_weight)
+                qkv = F.linear(normed, layers[i].qkv_proj.weight)
                 rotary_cache_write(
                     qkv, positions, fused.cos, fused.sin, slots, runner.kv_cache[i], cfg.num_heads,
                     cfg.num_kv_heads, cfg.head_dim,
@@ -398,16 +398,16 @@ class _Site:
                     return start + F.linear(x, self.weights[i])
                 return F.linear(x, self.weights[i])
         elif site == "gate_up":
-            self.weights = [layer.gate_up_weight for layer in layers]
+            self.weights = [layer.gate_up_proj.weight for layer in layers]
 
             def new(launch: GemvLaunch, i: int) -> torch.Tensor:
                 return triton_gemv.gemv_silu(
-                    x_hidden, squares, 1, layers[i].post_norm, eps, layers[i].gate_up_weight, launch
+                    x_hidden, squares, 1, layers[i].post_norm, eps, layers[i].gate_up_proj.weight, launch
                 )
 
             def old(i: int) -> torch.Tensor:
                 normed = fused_add_rms_norm(delta, residual_in, layers[i].post_norm, eps)
-                return silu_and_mul(F.linear(normed, layers[i].gate_up_weight))
+                return silu_and_mul(F.linear(normed, layers[i].gate_up_proj.weight))
         else:
             self.weights = [fused.lm_weight]
 

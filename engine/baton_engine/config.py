@@ -32,6 +32,20 @@ class EngineConfig(BaseModel):
         "auto", description="Weights and KV-cache dtype; auto = float32 on CPU, bfloat16 on GPU."
     )
     seed: int = Field(0, description="Seed of the engine's generator for unseeded sampling.")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Ranks (GPUs, or CPU processes) one engine's model is split across, Megatron-style: "
+        "one process per rank, each loading only its shard; must divide the attention heads, and divide "
+        "or be a multiple of the KV heads.",
+    )
+    tensor_parallel_timeout_seconds: float = Field(
+        15.0,
+        gt=0,
+        description="A tensor-parallel rank silent this long (no heartbeat) is taken as hung and the "
+        "engine exits (a rank that dies ends it at once).",
+    )
 
     # -- cache
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
@@ -132,4 +146,10 @@ class EngineConfig(BaseModel):
             raise ValueError("ngram_min must be <= ngram_max")
         if self.speculative == "ngram" and self.num_speculative_tokens == 0:
             raise ValueError("--speculative ngram needs --num-speculative-tokens >= 1")
+        if self.kv_role != "none" and self.tensor_parallel_size > 1:
+            # Rank 0's cache holds only its heads: moving it alone would hand the peer wrong KV.
+            raise ValueError(
+                f"--kv-role {self.kv_role} needs --tensor-parallel-size 1 (KV transfer between "
+                f"tensor-parallel pods is not built yet; got {self.tensor_parallel_size})"
+            )
         return self

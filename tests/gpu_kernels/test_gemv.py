@@ -27,6 +27,7 @@ from baton_engine.model.kernels.triton_gemv import (
     residual_programs,
     sum_squares,
 )
+from baton_engine.model.linear import ParallelLinear, UnquantizedLinearMethod
 from baton_engine.model.loader.model_loading import load_model
 from baton_engine.model.rope import apply_rotary
 from baton_engine.worker.gpu.fused_decoder import DecodeMeta, FusedDecoder
@@ -240,4 +241,24 @@ def test_decoder_few_token_path_matches_the_matmul_path(
 def test_models_with_qk_norm_keep_the_matmul_path(tmp_path: Path, kernel_device: torch.device) -> None:
     parity_model("qwen3").save(tmp_path / "qwen3")
     loaded = load_model(str(tmp_path / "qwen3"), kernel_device, torch.float32)
+    assert FusedDecoder(loaded.model).gemv_max_tokens == 0
+
+
+def test_models_with_a_quantized_projection_keep_the_matmul_path(
+    tmp_path: Path, kernel_device: torch.device
+) -> None:
+    """The decode products read a projection's `weight` as [out, in] in the model dtype: a
+    projection applied through another quantization method (FP8, packed weights) keeps its
+    own `apply`, so the whole step stays on the matmul path."""
+
+    class ScaledMethod(UnquantizedLinearMethod):
+        """Another method over the same weight: the product it applies is not F.linear's."""
+
+        def apply(self, layer: ParallelLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return 2.0 * super().apply(layer, x, bias)
+
+    parity_model("llama").save(tmp_path / "llama")
+    loaded = load_model(str(tmp_path / "llama"), kernel_device, torch.float32)
+    assert FusedDecoder(loaded.model).gemv_max_tokens == 1
+    loaded.model.model.decoder_layers()[1].mlp.down_proj.quant_method = ScaledMethod()
     assert FusedDecoder(loaded.model).gemv_max_tokens == 0

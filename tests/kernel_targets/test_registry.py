@@ -85,11 +85,19 @@ def test_the_engine_package_has_the_jit_functions_the_compile_test_expects() -> 
     assert names == [
         "_decode_reduce_kernel",
         "_decode_split_kernel",
+        "_finish",
+        "_gemv_kernel",
+        "_gemv_qkv_rope_kernel",
+        "_gemv_residual_kernel",
+        "_gemv_silu_kernel",
         "_multi_query_split_kernel",
+        "_norm_scale",
         "_prefill_kernel",
+        "_product",
         "_rms_norm_kernel",
         "_rotary_cache_kernel",
         "_silu_mul_kernel",
+        "_sum_squares_kernel",
         "attend_paged_keys",
         "split_k_program",
         "store_attention_rows",
@@ -222,6 +230,7 @@ def test_scenarios_declare_kernels_the_package_defines() -> None:
     assert declared <= defined
     assert {decl.name for decl in kernel_registry.scenarios()} == {
         "_decode_launches",
+        "_decode_product_launches",
         "_prefill_launches",
         "_verify_launches",
         "_rms_norm_launches",

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from baton_engine.config import EngineConfig
 from baton_engine.model.cpu_linear import pack_linears
-from baton_engine.model.layers import Linear
+from baton_engine.model.linear import ColumnParallelLinear, ParallelLinear
 from baton_engine.worker.model_runner import ModelRunner
 from baton_support.tiny_models import PARITY
 from tests.model.driver import TestDriver
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(dtype: torch.dtype, bias: bool) -> None:
     generator = torch.Generator().manual_seed(3)
-    layer = Linear(96, 160, bias=bias)
+    layer = ColumnParallelLinear(96, (160,), bias=bias, prefix="proj", dtype=torch.float32, device="cpu")
     with torch.no_grad():
         layer.weight.copy_(torch.randn(160, 96, generator=generator))
         if layer.bias is not None:
@@ -50,19 +50,17 @@ def _runner(tmp_path: Path, dtype: str) -> ModelRunner:
 
 def test_the_cpu_runner_packs_every_linear_and_the_head_once(tmp_path: Path) -> None:
     runner = _runner(tmp_path, "float32")
-    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
-    assert len(linears) == 3 * 4 + 1  # qkv, o, gate_up, down per layer, and the untied head
-    head = runner.model.lm_head
-    assert head is not None and head in linears
-    # The head is packed once, for compute_logits (its own forward is never called).
-    assert head.packed is None and runner.model.logits_packed is not None
-    assert all(m.packed is not None for m in linears if m is not head)
+    linears = [m for m in runner.model.modules() if isinstance(m, ParallelLinear)]
+    assert len(linears) == 3 * 4  # qkv, o, gate_up, down per layer
+    assert runner.model.lm_head is not None  # untied: its weight is packed once, for compute_logits
+    assert runner.model.logits_packed is not None
+    assert all(m.packed is not None for m in linears)
     assert pack_linears(runner.model) == 0  # already packed: nothing reordered twice
 
 
 def test_float64_keeps_f_linear(tmp_path: Path) -> None:
     runner = _runner(tmp_path, "float64")
-    assert all(m.packed is None for m in runner.model.modules() if isinstance(m, Linear))
+    assert all(m.packed is None for m in runner.model.modules() if isinstance(m, ParallelLinear))
     assert runner.model.logits_packed is None
     assert pack_linears(runner.model) == 0
 
@@ -77,7 +75,7 @@ def test_packed_and_plain_linears_generate_the_same_tokens(tmp_path: Path) -> No
         )
     ]
     for module in runner.model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, ParallelLinear):
             module.packed = None
     runner.model.logits_packed = None
     plain = [

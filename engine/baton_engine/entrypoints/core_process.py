@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +26,12 @@ from baton_engine.core.engine_core import EngineCore
 from baton_engine.core.outputs import RequestOutput
 from baton_engine.core.sampling_params import SamplingParams
 from baton_engine.entrypoints import ipc
+from baton_engine.entrypoints.engine_factory import close_runner
 from baton_engine.model.config import UnsupportedArchitectureError
 from baton_engine.model.loader.reference import ModelNotFoundError
+from baton_engine.model.parallel import TensorParallelShapeError
+from baton_engine.worker.distributed import TensorParallelDeviceError
+from baton_engine.worker.tp_executor import RankFailure
 
 log = logging.getLogger("baton_engine.core")
 
@@ -163,6 +168,34 @@ def _start_kv_event_publisher(config: EngineConfig, model_name: str) -> Any:
     return publisher
 
 
+_SELF_EXPLAINING_ERRORS = (
+    ModelNotFoundError,
+    UnsupportedArchitectureError,
+    FileNotFoundError,
+    TensorParallelShapeError,
+    TensorParallelDeviceError,
+    RankFailure,
+)
+
+RANK_FAILED_EXIT_CODE = 3
+"""The core's exit code when a tensor-parallel rank failed."""
+
+
+def _exit_on_rank_failure(ctx: zmq.Context[Any], output: str) -> Callable[[str], None]:
+    """Tell the server (`ipc.FATAL`, on a socket of this thread's own) and exit at once: the
+    main thread may be stuck in a collective with the rank that is gone."""
+
+    def on_failure(message: str) -> None:
+        sock = ctx.socket(zmq.PUSH)
+        sock.connect(output)
+        sock.send(ipc.encode(ipc.FATAL, message))
+        sock.close(linger=2000)
+        logging.shutdown()
+        os._exit(RANK_FAILED_EXIT_CODE)
+
+    return on_failure
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Baton engine core (started by the server).")
     parser.add_argument("--config-json", required=True)
@@ -187,12 +220,12 @@ def main(argv: list[str] | None = None) -> int:
 
         config = EngineConfig.model_validate_json(args.config_json)
         log.info("engine core %d: loading %s on %s", os.getpid(), config.model, config.device)
-        core, info = build_engine_core(config)
+        core, info = build_engine_core(config, on_rank_failure=_exit_on_rank_failure(ctx, args.output))
         publisher = _start_kv_event_publisher(config, info.name)
         if publisher is not None:
             core.kv_event_sink = publisher.publish
     except Exception as exc:  # report any loading failure to the server, then exit
-        if isinstance(exc, ModelNotFoundError | UnsupportedArchitectureError | FileNotFoundError):
+        if isinstance(exc, _SELF_EXPLAINING_ERRORS):
             log.error("engine core failed to start: %s", exc)  # the message says it all
         else:
             log.exception("engine core failed to start")
@@ -225,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if publisher is not None:
             publisher.shutdown()
+        close_runner(core)
         push.close()
         pull.close()
         ctx.term()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,7 +21,9 @@ from baton_engine.structured.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
     from baton_engine.model.loader.model_loading import LoadedModel
+    from baton_engine.model.parallel import TensorParallel
     from baton_engine.worker.model_runner import ModelRunner
+    from baton_engine.worker.tp_executor import TensorParallelExecutor
 
 
 @dataclass
@@ -40,11 +44,24 @@ class ModelInfo:
 
 
 def build_engine_core(
-    config: EngineConfig, *, kv_event_sink: KVEventSink | None = None, loaded: LoadedModel | None = None
+    config: EngineConfig,
+    *,
+    kv_event_sink: KVEventSink | None = None,
+    loaded: LoadedModel | None = None,
+    on_rank_failure: Callable[[str], None] | None = None,
 ) -> tuple[EngineCore, ModelInfo]:
+    """`on_rank_failure(message)`: with tensor parallelism, what to do when a rank fails (the
+    core process exits through it); None raises `RankFailure` from the next step instead."""
     from baton_engine.core.scheduler import Scheduler
 
-    runner = build_model_runner(config, loaded)
+    executor: TensorParallelExecutor | None = None
+    if config.tensor_parallel_size > 1:
+        if loaded is not None:
+            raise ValueError("a preloaded model cannot be split: tensor_parallel_size must be 1")
+        executor = start_tensor_parallel(config, on_rank_failure)
+        runner = executor.runner
+    else:
+        runner = build_model_runner(config, loaded)
     model_config = runner.model_config
     max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
     tokenizer = runner.loaded.tokenizer
@@ -76,23 +93,71 @@ def build_engine_core(
 
         connector = KVTransferConnector(config, runner.kv_cache, scheduler, model_name=info.name)
     core = EngineCore(
-        scheduler, runner, kv_event_sink=kv_event_sink, kv_connector=connector, drafter=_drafter(config)
+        scheduler,
+        runner if executor is None else executor,
+        kv_event_sink=kv_event_sink,
+        kv_connector=connector,
+        drafter=_drafter(config),
     )
     return core, info
 
 
-def build_model_runner(config: EngineConfig, loaded: LoadedModel | None = None) -> ModelRunner:
+def close_runner(core: EngineCore) -> None:
+    """Stop `core`'s tensor-parallel ranks, if it has any (a no-op on one rank)."""
+    from baton_engine.worker.tp_executor import TensorParallelExecutor
+
+    if isinstance(core.runner, TensorParallelExecutor):
+        core.runner.close()
+
+
+def check_parallel_config(config: EngineConfig) -> None:
+    """Refuse a tensor-parallel size the model or the visible devices cannot take (raises
+    ValueError naming the dimension or the device count), before any process starts."""
+    if config.tensor_parallel_size == 1:
+        return
+    from baton_engine.model.loader.model_loading import read_model_config
+    from baton_engine.model.parallel import check_model_shape
+    from baton_engine.worker.distributed import check_devices
+
+    check_model_shape(read_model_config(config.model), config.tensor_parallel_size)
+    check_devices(config.device, config.tensor_parallel_size)
+
+
+def start_tensor_parallel(
+    config: EngineConfig, on_rank_failure: Callable[[str], None] | None = None
+) -> TensorParallelExecutor:
+    """Rank 0 in this process, ranks 1..N-1 as `rank_process` children, all loaded and ready."""
+    from baton_engine.worker.tp_executor import TensorParallelExecutor
+
+    check_parallel_config(config)
+    return TensorParallelExecutor(
+        config,
+        [sys.executable, "-m", "baton_engine.entrypoints.rank_process"],
+        lambda parallel: build_model_runner(config, parallel=parallel),
+        on_fatal=on_rank_failure,
+    )
+
+
+def build_model_runner(
+    config: EngineConfig, loaded: LoadedModel | None = None, parallel: TensorParallel | None = None
+) -> ModelRunner:
     """The GPU runner (Triton kernels, captured decode graphs) on cuda/ROCm devices unless
-    ``BATON_GPU_FAST_PATH=0``; the reference runner everywhere else."""
+    ``BATON_GPU_FAST_PATH=0``; the reference runner everywhere else. `parallel`: the rank's
+    place in its tensor-parallel group (default: the whole model)."""
     import torch
 
+    from baton_engine.model.parallel import SINGLE
     from baton_engine.worker.model_runner import ModelRunner
 
+    tp = SINGLE if parallel is None else parallel
     if torch.device(config.device).type == "cuda" and os.environ.get("BATON_GPU_FAST_PATH", "1") != "0":
         from baton_engine.worker.gpu.model_runner import GpuModelRunner
 
-        return GpuModelRunner(config, loaded)
-    return ModelRunner(config, loaded)
+        return GpuModelRunner(config, loaded, parallel=tp)
+    if tp.is_parallel and torch.device(config.device).type == "cpu":
+        # The ranks share the host's cores: one rank's intra-op threads must not take them all.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp.size))
+    return ModelRunner(config, loaded, parallel=tp)
 
 
 def _drafter(config: EngineConfig) -> Drafter | None:

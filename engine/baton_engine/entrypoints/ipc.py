@@ -14,6 +14,8 @@ core -> server (`output` socket)
     ``["ready", {"num_kv_blocks", "max_model_len", "block_size", "pid", "model_name", "eos_token_ids",
       "vocab_size"}]``
     ``["failed", "message"]`` -- loading failed; the core exits
+    ``["fatal", "message"]`` -- a tensor-parallel rank died or hung; the core exits at once and
+      the server stops too (exit code 1: the pod restarts rather than limp on)
     ``["outputs", [[RequestOutput.to_wire(), ...], EngineStats dict]]`` -- once per step with
       outputs, and once more when the core goes idle (so gauges fall back to 0)
     ``["utility_result", [call_id, ok, result_or_error_message]]``
@@ -38,6 +40,7 @@ UTILITY = "utility"
 SHUTDOWN = "shutdown"
 READY = "ready"
 FAILED = "failed"
+FATAL = "fatal"
 OUTPUTS = "outputs"
 UTILITY_RESULT = "utility_result"
 

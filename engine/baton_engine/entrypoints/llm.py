@@ -19,7 +19,7 @@ from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import run_until_idle
 from baton_engine.core.outputs import RequestOutput, TokenLogprobs
 from baton_engine.core.sampling_params import SamplingParams
-from baton_engine.entrypoints.engine_factory import build_engine_core
+from baton_engine.entrypoints.engine_factory import build_engine_core, close_runner
 from baton_engine.structured.grammar import validate_grammar
 from baton_engine.text.detokenizer import IncrementalDetokenizer
 
@@ -54,6 +54,11 @@ class LLM:
         self.core, self.info = build_engine_core(self.config)
         self.tokenizer = self.core.runner.loaded.tokenizer  # type: ignore[attr-defined]
         self._next_id = 0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel rank processes, if any (they also stop when this process
+        exits); the `LLM` cannot generate afterwards."""
+        close_runner(self.core)
 
     def generate(
         self,

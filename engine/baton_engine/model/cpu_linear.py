@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from baton_engine.model.layers import Linear
+from baton_engine.model.linear import ParallelLinear, UnquantizedLinearMethod
 from baton_engine.model.llama import CausalLM
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -26,18 +26,22 @@ def can_pack(model: CausalLM) -> bool:
 
 
 def pack_linears(model: CausalLM) -> int:
-    """Reorder every linear weight (and the LM head's) for oneDNN; returns how many. Idempotent."""
+    """Reorder every unquantized linear weight (and the LM head's) for oneDNN; returns how many.
+    Idempotent. Layers of other (quantized) methods keep their own kernels."""
     if not can_pack(model):
         return 0
     count = 0
     with torch.inference_mode():
         for module in model.modules():
-            # The head's weight is packed once below, for compute_logits (lm_head.forward is unused).
-            if isinstance(module, Linear) and module.packed is None and module is not model.lm_head:
+            if (
+                isinstance(module, ParallelLinear)
+                and isinstance(module.quant_method, UnquantizedLinearMethod)
+                and module.packed is None
+            ):
                 module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
                 count += 1
         if model.logits_packed is None:
-            head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+            head = model.lm_head_layer.weight
             model.logits_packed = torch.ops.mkldnn._reorder_linear_weight(head.detach())
             count += 1
     return count

@@ -1,53 +1,62 @@
-"""Building blocks of the decoder: uninitialised Linear/Embedding, RMSNorm and the gated MLP.
-
-Parameters are created uninitialised: every one of them is replaced by a checkpoint tensor when
-the model is built, so random initialisation would be wasted work.
-"""
+"""Building blocks of the decoder: RMSNorm and the gated MLP (parallel linears: `linear.py`)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class Linear(nn.Module):
-    """y = x W^T (+ b), with W shaped [out_features, in_features] as in checkpoints."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed: torch.Tensor | None = None
-        """`weight` reordered for oneDNN (`cpu_linear.pack_linears`), or None: plain F.linear."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return onednn_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+from baton_engine.model.config import ModelConfig
+from baton_engine.model.linear import (
+    ColumnParallelLinear,
+    LinearMethod,
+    QuantizationConfig,
+    RowParallelLinear,
+    method_for,
+)
+from baton_engine.model.parallel import SINGLE, TensorParallel
 
 
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T (+ b) with W reordered by ``torch.ops.mkldnn._reorder_linear_weight`` (CPU, oneDNN)."""
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return out
+@dataclass(frozen=True)
+class BuildContext:
+    """What every layer of one model is built with."""
+
+    config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device | str
+    parallel: TensorParallel = SINGLE
+    quantization: QuantizationConfig | None = None
+
+    def linear(self, prefix: str) -> LinearArgs:
+        """The keyword arguments of a parallel linear layer named `prefix`."""
+        return {
+            "prefix": prefix,
+            "dtype": self.dtype,
+            "device": self.device,
+            "parallel": self.parallel,
+            "quant_method": method_for(self.quantization, prefix),
+        }
 
 
-class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+class LinearArgs(TypedDict):
+    prefix: str
+    dtype: torch.dtype
+    device: torch.device | str
+    parallel: TensorParallel
+    quant_method: LinearMethod | None
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 like the reference implementation."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(
+        self, size: int, eps: float, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,13 +67,45 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up computed by one fused projection."""
+    """down(silu(gate(x)) * up(x)): gate and up in one column-parallel projection (each rank
+    holds its share of both, side by side), down row-parallel (one all-reduce)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        *,
+        prefix: str,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        parallel: TensorParallel = SINGLE,
+        quantization: QuantizationConfig | None = None,
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden_size,
+            (intermediate_size, intermediate_size),
+            bias=bias,
+            dtype=dtype,
+            device=device,
+            parallel=parallel,
+            part_names=("gate_proj", "up_proj"),
+            prefix=f"{prefix}.gate_up_proj",
+            quant_method=method_for(quantization, f"{prefix}.gate_up_proj"),
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size,
+            hidden_size,
+            bias=bias,
+            dtype=dtype,
+            device=device,
+            parallel=parallel,
+            prefix=f"{prefix}.down_proj",
+            quant_method=method_for(quantization, f"{prefix}.down_proj"),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return out

@@ -1,42 +1,66 @@
 """The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) on flattened tokens.
 
 Module names follow the Hugging Face checkpoints (``model.layers.N.self_attn.o_proj`` ...),
-except for the fused ``qkv_proj`` and ``gate_up_proj`` (see `weights.py`). One forward runs a
+except for the merged ``qkv_proj`` and ``gate_up_proj`` (see `weights.py`). One forward runs a
 whole scheduler step: decode rows and prefill chunks concatenated into ``T`` tokens, attention
-routed through a backend.
+routed through a backend. Built for one rank of a tensor-parallel group (`TensorParallel`;
+the default is the whole model on one rank), each layer holds its rank's shard (`linear.py`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import cast
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton_engine.model.attention.backend import AttentionBackend
 from baton_engine.model.attention.batch import AttentionBatch
 from baton_engine.model.config import ModelConfig
-from baton_engine.model.layers import Embedding, GatedMLP, Linear, RMSNorm, onednn_linear
+from baton_engine.model.layers import BuildContext, GatedMLP, RMSNorm
+from baton_engine.model.linear import (
+    QKVParallelLinear,
+    QuantizationConfig,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from baton_engine.model.parallel import SINGLE, TensorParallel, check_model_shape
 from baton_engine.model.rope import RotaryTable, apply_rotary
-from baton_engine.model.weights import fuse_checkpoint_weights
+from baton_engine.model.weight_source import WeightSource, as_source
+from baton_engine.model.weights import load_checkpoint
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """This rank's attention heads: q/k/v column-parallel by heads, o row-parallel."""
+
+    def __init__(self, ctx: BuildContext, prefix: str) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        config = ctx.config
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        q_size = config.num_heads * config.head_dim
-        kv_size = config.num_kv_heads * config.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_heads,
+            config.num_kv_heads,
+            bias=config.qkv_bias,
+            **ctx.linear(f"{prefix}.qkv_proj"),
+        )
+        self.num_heads = self.qkv_proj.num_local_heads
+        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
+        self.split_sizes = list(self.qkv_proj.output_sizes_per_rank)
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim,
+            config.hidden_size,
+            bias=config.o_bias,
+            **ctx.linear(f"{prefix}.o_proj"),
+        )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ctx.dtype, ctx.device)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ctx.dtype, ctx.device)
 
     def forward(
         self,
@@ -59,16 +83,29 @@ class SelfAttention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         out = backend.forward(q, k, v, layer_cache, batch, plan, self.scale)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        projected: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return projected
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, ctx: BuildContext, prefix: str) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        config = ctx.config
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.device)
+        self.self_attn = SelfAttention(ctx, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.device
+        )
+        self.mlp = GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.mlp_bias,
+            prefix=f"{prefix}.mlp",
+            dtype=ctx.dtype,
+            device=ctx.device,
+            parallel=ctx.parallel,
+            quantization=ctx.quantization,
+        )
 
     def forward(
         self,
@@ -89,26 +126,68 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, ctx: BuildContext) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        config = ctx.config
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size,
+            config.hidden_size,
+            prefix="model.embed_tokens",
+            dtype=ctx.dtype,
+            device=ctx.device,
+            parallel=ctx.parallel,
+        )
+        self.layers = nn.ModuleList(DecoderLayer(ctx, f"model.layers.{i}") for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.device)
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [cast(DecoderLayer, layer) for layer in self.layers]
 
 
 class CausalLM(nn.Module):
     """Decoder plus LM head. `forward` returns hidden states; `compute_logits` the chosen rows' logits."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        parallel: TensorParallel = SINGLE,
+        quantization: QuantizationConfig | None = None,
+    ) -> None:
         super().__init__()
+        check_model_shape(config, parallel.size)
+        ctx = BuildContext(config, dtype, device, parallel, quantization)
         self.config = config
-        self.model = DecoderStack(config)
-        self.lm_head: Linear | None = None
+        self.parallel = parallel
+        self.model = DecoderStack(ctx)
+        self.lm_head: VocabParallelEmbedding | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = VocabParallelEmbedding(
+                config.vocab_size,
+                config.hidden_size,
+                prefix="lm_head",
+                dtype=dtype,
+                device=device,
+                parallel=parallel,
+            )
         self.rotary = RotaryTable(config, dtype, device)
         self.logits_packed: torch.Tensor | None = None
         """The LM head's weight (tied: the embedding's) reordered for oneDNN, or None."""
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank holds (the KV cache's head dimension)."""
+        return self.model.decoder_layers()[0].self_attn.num_kv_heads
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.model.decoder_layers()[0].self_attn.num_heads
+
+    @property
+    def lm_head_layer(self) -> VocabParallelEmbedding:
+        """The (tied or separate) vocabulary projection."""
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
 
     def forward(
         self,
@@ -117,35 +196,40 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
         batch: AttentionBatch,
     ) -> torch.Tensor:
-        """input_ids: [T]; kv_cache: [layers, 2, blocks, block_size, kv_heads, head_dim]."""
+        """input_ids: [T]; kv_cache: [layers, 2, blocks, block_size, local kv_heads, head_dim]."""
         plan = backend.prepare(batch)
         cos, sin = self.rotary.lookup(batch.positions)
         hidden = self.model.embed_tokens(input_ids)
-        for index, layer in enumerate(self.model.layers):
+        for index, layer in enumerate(self.model.decoder_layers()):
             hidden = layer(hidden, cos, sin, kv_cache[index], backend, batch, plan)
-        return self.model.norm(hidden)
+        normed: torch.Tensor = self.model.norm(hidden)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.logits_packed is not None:
-            return onednn_linear(hidden, self.logits_packed, None)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        """[N, hidden] -> [N, vocab], whole rows on every rank."""
+        return self.lm_head_layer.logits(hidden, self.logits_packed)
+
+
+Weights = Mapping[str, torch.Tensor | WeightSource] | Iterable[tuple[str, torch.Tensor | WeightSource]]
+"""Checkpoint tensors by Hugging Face name: a mapping, or (name, tensor) pairs read lazily."""
 
 
 def build_model(
-    config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str
+    config: ModelConfig,
+    weights: Weights,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    parallel: TensorParallel = SINGLE,
+    quantization: QuantizationConfig | None = None,
 ) -> CausalLM:
-    """A `CausalLM` holding `weights` (Hugging Face names), cast to `dtype` on `device`.
+    """A `CausalLM` for rank `parallel.rank`, holding its shard of `weights` in `dtype` on `device`.
 
-    The skeleton's parameters are uninitialised (untouched) CPU memory, replaced by the loaded
-    tensors, so the device never holds two copies of the weights.
+    Parameters are allocated once on the device and each checkpoint tensor is copied in shard
+    by shard (read lazily when the source allows it), so neither the host nor the device ever
+    holds more than this rank's weights plus one tensor in flight.
     """
-    weights = fuse_checkpoint_weights(weights, config)
-    model = CausalLM(config, dtype, device)
-    expected = set(model.state_dict().keys())
-    missing = sorted(expected - weights.keys())
-    if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} weights the model needs, e.g. {missing[:3]}")
-    state = {name: weights[name].to(device=device, dtype=dtype) for name in expected}
-    model.load_state_dict(state, assign=True, strict=True)
+    model = CausalLM(config, dtype, device, parallel, quantization)
+    pairs = weights.items() if isinstance(weights, Mapping) else weights
+    load_checkpoint(model, ((name, as_source(w)) for name, w in pairs))
     return model.eval().requires_grad_(False)

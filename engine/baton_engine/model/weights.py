@@ -1,35 +1,74 @@
-"""Checkpoint weights (Hugging Face names) -> this decoder's parameters.
+"""Checkpoint tensors (Hugging Face names) -> this decoder's parameters, shard by shard.
 
-Q/K/V projections are fused into one `qkv_proj` and gate/up into one `gate_up_proj`, so each
-layer runs three matrix products fewer per step.
+Q/K/V projections load into one `qkv_proj` and gate/up into one `gate_up_proj` (each checkpoint
+tensor as one part of the merged layer), so each layer runs three matrix products fewer per
+step. Every parallel layer reads only its rank's shard of the tensor (`WeightSource.read`).
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from baton_engine.model.config import ModelConfig
+from torch import nn
 
-_FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
+from baton_engine.model.linear import ParallelLinear, VocabParallelEmbedding
+from baton_engine.model.weight_source import WeightSource
 
 
-def fuse_checkpoint_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    fused = dict(weights)
-    for layer in range(config.num_layers):
-        prefix = f"model.layers.{layer}."
-        for target, parts in _FUSED.items():
-            for kind in ("weight", "bias"):
-                names = [f"{prefix}{part}.{kind}" for part in parts]
-                present = [name in fused for name in names]
-                if not any(present):
-                    continue
-                if not all(present):
-                    missing = [n for n, p in zip(names, present, strict=True) if not p]
-                    raise ValueError(
-                        f"checkpoint lacks {len(missing)} weights the model needs, e.g. {missing[:3]}"
-                    )
-                fused[f"{prefix}{target}.{kind}"] = torch.cat([fused.pop(name) for name in names], dim=0)
-    return fused
+@dataclass(frozen=True)
+class _Target:
+    module: nn.Module
+    param: str
+    part: int | None
+    required: bool = True
+
+
+def _targets(model: nn.Module) -> dict[str, _Target]:
+    """Checkpoint name -> where it loads, for every parameter the checkpoint must or may fill."""
+    targets: dict[str, _Target] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, ParallelLinear):
+            parent = name.rpartition(".")[0]
+            for param, sharding in module.shardings.items():
+                if module.part_names:
+                    for part, part_name in enumerate(module.part_names):
+                        full = f"{parent}.{part_name}.{param}" if parent else f"{part_name}.{param}"
+                        targets[full] = _Target(module, param, part, sharding.required)
+                else:
+                    targets[f"{name}.{param}"] = _Target(module, param, None, sharding.required)
+        elif isinstance(module, VocabParallelEmbedding):
+            targets[f"{name}.weight"] = _Target(module, "weight", None)
+        else:
+            for param, _ in module.named_parameters(recurse=False):
+                targets[f"{name}.{param}"] = _Target(module, param, None)
+    return targets
+
+
+def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, WeightSource]]) -> None:
+    """Load `weights` (checkpoint names, e.g. ``model.layers.0.self_attn.q_proj.weight``) into
+    `model`, then let every linear layer's method finish its weights. Tensors the model does not
+    use are skipped; a missing one raises ValueError naming it."""
+    targets = _targets(model)
+    loaded: set[str] = set()
+    for name, source in weights:
+        target = targets.get(name)
+        if target is None:
+            continue
+        module = target.module
+        if isinstance(module, ParallelLinear | VocabParallelEmbedding):
+            module.load_weight(target.param, source, target.part)
+        else:
+            param = getattr(module, target.param)
+            if tuple(source.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(source.shape)}, the model's {tuple(param.shape)}"
+                )
+            param.data.copy_(source.read())
+        loaded.add(name)
+    missing = sorted(name for name, target in targets.items() if target.required and name not in loaded)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} weights the model needs, e.g. {missing[:3]}")
+    for module in model.modules():
+        if isinstance(module, ParallelLinear):
+            module.process_weights_after_loading()

@@ -51,9 +51,17 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, on_stats: Callable[[EngineStats], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_stats: Callable[[EngineStats], None] | None = None,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
+        """`on_fatal(reason)`: the core reported that it cannot go on (a tensor-parallel rank
+        failed) and exits; the server should stop too."""
         self.config = config
         self.on_stats = on_stats
+        self.on_fatal = on_fatal
         self.info: dict[str, Any] = {}
         self.stats = EngineStats()
         self._dead: str | None = None
@@ -124,7 +132,7 @@ class EngineClient:
                 if kind == ipc.READY:
                     self.info = payload
                     break
-                if kind == ipc.FAILED:
+                if kind in (ipc.FAILED, ipc.FATAL):
                     raise EngineDeadError(f"engine core failed to load: {payload}")
         self._tasks = [
             asyncio.create_task(self._read_outputs(), name="engine-outputs"),
@@ -231,6 +239,11 @@ class EngineClient:
                         future.set_result(result)
                     else:
                         future.set_exception(RuntimeError(result))
+            elif kind == ipc.FATAL:
+                self._dead = f"engine core stopped: {payload}"
+                self._fail_open(self._dead)
+                if self.on_fatal is not None:
+                    self.on_fatal(str(payload))
             else:
                 log.error("unexpected message %r from the engine core", kind)
 
@@ -239,6 +252,9 @@ class EngineClient:
         while self.process.poll() is None:
             await asyncio.sleep(0.5)
         reason = self.dead or f"engine core exited with code {self.process.returncode}"
+        self._fail_open(reason)
+
+    def _fail_open(self, reason: str) -> None:
         log.error("%s; failing %d open requests", reason, len(self._queues))
         error = EngineDeadError(reason)
         for queue in self._queues.values():

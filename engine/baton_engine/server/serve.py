@@ -13,7 +13,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -40,7 +40,7 @@ class _Server(uvicorn.Server):
         says where the server serves once it is ready."""
 
 
-async def _load(state: ServerState, server: _Server) -> None:
+async def _load(state: ServerState, server: _Server, on_fatal: Callable[[str], None]) -> None:
     config = state.config
     started = time.monotonic()
     try:
@@ -52,7 +52,7 @@ async def _load(state: ServerState, server: _Server) -> None:
         if state.tokenizer is not None:
             state.max_token_chars = await asyncio.to_thread(max_token_chars, state.tokenizer)
         log.info("starting the engine core (it loads the weights)")
-        client = EngineClient(config, on_stats=state.metrics.update)
+        client = EngineClient(config, on_stats=state.metrics.update, on_fatal=on_fatal)
         state.client = client
         await client.start()
         info = client.info
@@ -127,7 +127,14 @@ async def _serve(config: EngineConfig, grace_seconds: float, log_level: str) -> 
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    tasks.append(asyncio.create_task(_load(state, server)))
+    fatal: list[str] = []
+
+    def on_fatal(reason: str) -> None:
+        log.error("engine core stopped: %s; exiting with code 1", reason)
+        fatal.append(reason)
+        server.should_exit = True
+
+    tasks.append(asyncio.create_task(_load(state, server, on_fatal)))
     try:
         await server.serve()
     finally:
@@ -139,7 +146,7 @@ async def _serve(config: EngineConfig, grace_seconds: float, log_level: str) -> 
         if state.client is not None:
             await state.client.close()
         state.preprocessor.shutdown(wait=False, cancel_futures=True)
-    return 1 if state.load_error else 0
+    return 1 if state.load_error or fatal else 0
 
 
 def serve(config: EngineConfig, *, grace_seconds: float = 30.0, log_level: str = "info") -> int:

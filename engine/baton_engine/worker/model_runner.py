@@ -17,7 +17,9 @@ from baton_engine.model.attention.backend import get_attention_backend
 from baton_engine.model.attention.batch import AttentionBatch
 from baton_engine.model.cpu_linear import pack_linears
 from baton_engine.model.loader.model_loading import LoadedModel, load_model
+from baton_engine.model.parallel import SINGLE, TensorParallel
 from baton_engine.text.tokenizer import Tokenizer
+from baton_engine.worker.distributed import agree_min, rank_device
 from baton_engine.worker.kv_cache import allocate_kv_cache, default_num_blocks
 from baton_engine.worker.sampler import Sampler, SamplingParamsBatch
 from baton_engine.worker.token_bitmask import apply_token_bitmask, apply_token_bitmask_host
@@ -40,13 +42,26 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
+    """One rank's runner (`parallel`: its place in the tensor-parallel group; the default is the
+    whole model). Every rank runs `compute_logits` on the same steps in the same order (their
+    layers' collectives meet); only rank 0 samples (`execute`)."""
+
     def __init__(
-        self, config: EngineConfig, loaded: LoadedModel | None = None, attention_backend: str = "torch"
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        attention_backend: str = "torch",
+        parallel: TensorParallel = SINGLE,
     ) -> None:
         self.config = config
-        self.device = torch.device(config.device)
+        self.parallel = parallel
+        self.device = rank_device(config.device, parallel.rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.loaded = loaded if loaded is not None else load_model(config.model, self.device, self.dtype)
+        if loaded is None:
+            loaded = load_model(
+                config.model, self.device, self.dtype, parallel=parallel, load_tokenizer=parallel.rank == 0
+            )
+        self.loaded = loaded
         self.model = self.loaded.model
         weight = self.model.model.embed_tokens.weight
         if weight.dtype != self.dtype or weight.device.type != self.device.type:
@@ -58,11 +73,20 @@ class ModelRunner:
             pack_linears(self.model)
         self.model_config = self.loaded.config
         self.block_size = config.block_size
-        self.num_blocks = config.num_kv_blocks or default_num_blocks(
-            self.model_config, self.block_size, self.dtype, self.device, config.gpu_memory_utilization
+        self.num_kv_heads = self.model.num_local_kv_heads
+        """KV heads of this rank's cache (the model's on one rank)."""
+        num_blocks = config.num_kv_blocks or default_num_blocks(
+            self.model_config,
+            self.block_size,
+            self.dtype,
+            self.device,
+            config.gpu_memory_utilization,
+            self.num_kv_heads,
         )
+        # One scheduler allocates block ids for every rank: they all get the smallest count.
+        self.num_blocks = agree_min(num_blocks, parallel, self.device)
         self.kv_cache = allocate_kv_cache(
-            self.model_config, self.num_blocks, self.block_size, self.dtype, self.device
+            self.model_config, self.num_blocks, self.block_size, self.dtype, self.device, self.num_kv_heads
         )
         self.backend = get_attention_backend(attention_backend, self.device)
         self.sampler = Sampler(config.seed, self.device)

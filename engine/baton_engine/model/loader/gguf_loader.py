@@ -136,26 +136,65 @@ def unpermute_rows(weight: npt.NDArray[Any], num_heads: int) -> npt.NDArray[Any]
     return restored.reshape(weight.shape)
 
 
-def read_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """All model tensors in float32 (quantized ones dequantized), Hugging Face names and layout."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+class GgufSource:
+    """One GGUF tensor, dequantized only as far as a read asks (Hugging Face layout and names).
 
-    weights: dict[str, torch.Tensor] = {}
+    GGUF stores a matrix row by row, each row quantized in blocks along it, so a slice of rows
+    dequantizes only those rows, and a slice of columns on block boundaries only those blocks.
+    Llama's q/k rows are un-permuted per head after the read (reads of them must be whole heads).
+    """
+
+    def __init__(self, tensor: Any, unpermute_head_rows: int | None) -> None:
+        self.tensor = tensor
+        self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        self.unpermute_head_rows = unpermute_head_rows
+        """Rows per head of a llama q/k projection (None: no permutation to undo)."""
+
+    def read(self, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        kind = self.tensor.tensor_type
+        rows = index[0] if index else slice(0, self.shape[0])
+        if len(self.shape) == 1:
+            data = self.tensor.data
+            full = data if kind == GGMLQuantizationType.F32 else dequantize(data, kind)
+            array = np.asarray(full, dtype=np.float32).reshape(-1)[rows]
+        else:
+            cols = index[1] if len(index) > 1 else slice(0, self.shape[1])
+            # F32: float32 [rows, cols]; quantized: uint8 [rows, bytes per row]; F16/BF16: typed.
+            raw = self.tensor.data.reshape(self.shape[0], -1)[rows]
+            if kind == GGMLQuantizationType.F32:
+                array = np.asarray(raw, dtype=np.float32)[:, cols]
+            else:
+                block, block_bytes = GGML_QUANT_SIZES[kind]
+                on_blocks = cols.start % block == 0 and (cols.stop % block == 0 or cols.stop == self.shape[1])
+                if raw.dtype == np.uint8 and on_blocks:  # dequantize just the blocks of `cols`
+                    raw = raw[:, cols.start // block * block_bytes : -(-cols.stop // block) * block_bytes]
+                    array = dequantize(raw, kind).reshape(raw.shape[0], -1)
+                else:
+                    array = dequantize(raw, kind).reshape(raw.shape[0], -1)[:, cols]
+        if self.unpermute_head_rows is not None:
+            heads, rest = divmod(array.shape[0], self.unpermute_head_rows)
+            if rest or rows.start % self.unpermute_head_rows:
+                raise ValueError(f"{self.tensor.name}: a read of q/k rows must cover whole heads")
+            array = unpermute_rows(array, heads)
+        # Copy: memory-mapped F32 tensors are read-only views of the file.
+        return torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
+
+
+def weight_sources(reader: Any, config: ModelConfig) -> list[tuple[str, GgufSource]]:
+    """Every model tensor as a lazily dequantized source, by Hugging Face name."""
+    sources: list[tuple[str, GgufSource]] = []
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
             continue
-        if tensor.tensor_type == GGMLQuantizationType.F32:
-            array = np.asarray(tensor.data, dtype=np.float32)
-        else:
-            array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        array = array.reshape(shape)
-        if config.family == "llama" and ".self_attn.q_proj." in name:
-            array = unpermute_rows(array, config.num_heads)
-        elif config.family == "llama" and ".self_attn.k_proj." in name:
-            array = unpermute_rows(array, config.num_kv_heads)
-        # Copy: memory-mapped F32 tensors are read-only views of the file.
-        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
-    return weights
+        permuted = config.family == "llama" and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
+        sources.append((name, GgufSource(tensor, config.head_dim if permuted else None)))
+    return sources
+
+
+def read_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """All model tensors in float32 (quantized ones dequantized), Hugging Face names and layout."""
+    return {name: source.read() for name, source in weight_sources(reader, config)}

@@ -1,4 +1,8 @@
-"""Load a model reference into a ready `CausalLM` (+ tokenizer when the checkpoint has one)."""
+"""Load a model reference into a ready `CausalLM` (+ tokenizer when the checkpoint has one).
+
+With tensor parallelism each rank calls `load_model` with its `TensorParallel`: checkpoint
+tensors are read lazily and every layer keeps only the rank's shard.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from baton_engine.model.config import ModelConfig
+from baton_engine.model.linear import QuantizationConfig
 from baton_engine.model.llama import CausalLM, build_model
 from baton_engine.model.loader.reference import ResolvedModel, resolve_model
+from baton_engine.model.parallel import SINGLE, TensorParallel
 from baton_engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -26,35 +32,68 @@ class LoadedModel:
     source: ResolvedModel
 
 
-def load_model(
-    reference: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> LoadedModel:
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters on this rank."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def read_model_config(reference: str) -> ModelConfig:
+    """The model's hyper-parameters alone (no tensor read)."""
     resolved = resolve_model(reference)
-    started = time.monotonic()
-    log.info(
-        "loading %s from %s (%s) onto %s as %s", resolved.name, resolved.path, resolved.format, device, dtype
-    )
     if resolved.format == "gguf":
         from baton_engine.model.loader import gguf_loader
-        from baton_engine.model.loader.gguf_tokenizer import tokenizer_from_gguf
+
+        return gguf_loader.read_config(gguf_loader.open_gguf(resolved.path), resolved.name)
+    from baton_engine.model.loader import safetensors_loader
+
+    return safetensors_loader.read_config(resolved.path, resolved.name)
+
+
+def load_model(
+    reference: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    parallel: TensorParallel = SINGLE,
+    quantization: QuantizationConfig | None = None,
+    load_tokenizer: bool = True,
+) -> LoadedModel:
+    """`load_tokenizer=False`: skip the tokenizer (tensor-parallel ranks other than 0 need none)."""
+    resolved = resolve_model(reference)
+    started = time.monotonic()
+    rank = f" (tensor-parallel rank {parallel.rank} of {parallel.size})" if parallel.is_parallel else ""
+    log.info(
+        "loading %s from %s (%s) onto %s as %s%s",
+        resolved.name, resolved.path, resolved.format, device, dtype, rank,
+    )  # fmt: skip
+    tokenizer: Tokenizer | None = None
+    if resolved.format == "gguf":
+        from baton_engine.model.loader import gguf_loader
 
         reader = gguf_loader.open_gguf(resolved.path)
         config = gguf_loader.read_config(reader, resolved.name)
-        weights = gguf_loader.read_weights(reader, config)
-        tokenizer: Tokenizer | None = tokenizer_from_gguf(reader)
+        sources = gguf_loader.weight_sources(reader, config)
+        model = build_model(config, sources, dtype, device, parallel=parallel, quantization=quantization)
+        if load_tokenizer:
+            from baton_engine.model.loader.gguf_tokenizer import tokenizer_from_gguf
+
+            tokenizer = tokenizer_from_gguf(reader)
     else:
         from baton_engine.model.loader import safetensors_loader
 
         config = safetensors_loader.read_config(resolved.path, resolved.name)
-        weights = safetensors_loader.read_weights(resolved.path, config)
-        if not config.tie_word_embeddings and "lm_head.weight" not in weights:
-            config = dataclasses.replace(config, tie_word_embeddings=True)
-        tokenizer = Tokenizer.from_pretrained_dir(resolved.path)
+        with safetensors_loader.open_weights(resolved.path) as named:
+            if config.tie_word_embeddings:
+                named.pop("lm_head.weight", None)
+            elif "lm_head.weight" not in named:
+                config = dataclasses.replace(config, tie_word_embeddings=True)
+            model = build_model(
+                config, named.items(), dtype, device, parallel=parallel, quantization=quantization
+            )
+        if load_tokenizer:
+            tokenizer = Tokenizer.from_pretrained_dir(resolved.path)
     log.info(
-        "read %d weight tensors (%.1f MiB) in %.1f s; building the model",
-        len(weights), sum(w.numel() * w.element_size() for w in weights.values()) / 2**20,
-        time.monotonic() - started,
+        "model %s built in %.1f s: %.1f MiB of parameters on this rank%s",
+        resolved.name, time.monotonic() - started, parameter_bytes(model) / 2**20, rank,
     )  # fmt: skip
-    model = build_model(config, weights, dtype, device)
-    log.info("model %s built in %.1f s", resolved.name, time.monotonic() - started)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=resolved.name, source=resolved)

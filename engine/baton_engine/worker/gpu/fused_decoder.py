@@ -1,13 +1,14 @@
 """The decoder's GPU forward: the `CausalLM`'s weights driven through Triton kernels.
 
-The model already fuses q/k/v and gate/up into single projections. Steps of more than
-`gemv_max_tokens` tokens (`GEMV_ENGINE_MAX_TOKENS`: 1) run torch's matmul with the fused
-element-wise kernels between them, 9 launches a layer: add+norm, qkv, rotary+cache write,
-attention, o_proj, add+norm, gate_up, silu*mul, down. Single-token decode steps (up to
-`GEMV_MAX_TOKENS` tokens when asked) are weight sweeps: they run the decode products of
-`triton_gemv` with the element-wise work folded in, 5 launches a layer besides attention
-(norm+qkv+rotary+cache write, attention, o_proj+residual, norm+gate_up+silu*mul,
-down+residual). It holds no weights of its own.
+The model already merges q/k/v and gate/up into single projections. Steps of more than
+`gemv_max_tokens` tokens (`GEMV_ENGINE_MAX_TOKENS`: 1) run the model's layers (through their
+quantization methods) with the fused element-wise kernels between them, 9 launches a layer:
+add+norm, qkv, rotary+cache write, attention, o_proj, add+norm, gate_up, silu*mul, down.
+Single-token decode steps (up to `GEMV_MAX_TOKENS` tokens when asked) of an unquantized model on
+one rank are weight sweeps: they run the decode products of `triton_gemv` on the layers' weights
+with the element-wise work folded in, 5 launches a layer besides attention (norm+qkv+rotary+cache
+write, attention, o_proj+residual, norm+gate_up+silu*mul, down+residual). It holds no weights of
+its own.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from baton_engine.model.kernels.triton_gemv import (
     sum_squares,
 )
 from baton_engine.model.kernels.triton_multi_query import paged_multi_query_attention
+from baton_engine.model.linear import ParallelLinear, UnquantizedLinearMethod
 from baton_engine.model.llama import CausalLM
 
 
@@ -79,18 +81,19 @@ class PrefillMeta:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_proj: nn.Linear
+    qkv_proj: ParallelLinear
+    o_proj: ParallelLinear
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down_proj: nn.Linear
+    gate_up_proj: ParallelLinear
+    down_proj: ParallelLinear
     q_norm: nn.Module | None
     k_norm: nn.Module | None
 
 
 class FusedDecoder:
+    """This rank's forward: its heads and MLP shard; the row-parallel projections all-reduce
+    (inside captured graphs too) and the LM head all-gathers the vocabulary."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -99,44 +102,48 @@ class FusedDecoder:
         gemv_max_tokens: int = GEMV_ENGINE_MAX_TOKENS,
     ) -> None:
         """`decode_gemv`: steps of at most `gemv_max_tokens` tokens (<= `GEMV_MAX_TOKENS`) take
-        the decode products (not for models with q/k norms, whose per-head norm needs a head's
-        whole row)."""
+        the decode products, for models whose projections are unquantized and on one rank (the
+        products add into the residual in place, with no all-reduce) and without q/k norms
+        (whose per-head norm needs a head's whole row)."""
         config = model.config
         self.config = config
         self.eps = config.rms_norm_eps
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = model.num_local_heads
+        self.num_kv_heads = model.num_local_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        self.q_size = config.num_heads * config.head_dim
-        self.embed = model.model.embed_tokens.weight
+        self.q_size = self.num_heads * config.head_dim
+        self.embed = model.model.embed_tokens
         self.final_norm = model.model.norm.weight
-        self.lm_weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        self.lm_head = model.lm_head_layer
+        self.vocab_size = config.vocab_size
         self.cos = model.rotary.cos
         # Launch parameters of the device the weights live on (AMD and NVIDIA differ).
-        self.launch = launch_table_for(self.embed.device)
+        self.launch = launch_table_for(self.embed.weight.device)
         self.sin = model.rotary.sin
-        device = self.embed.device
-        self.gemv_table = default_gemv_table(device) if gemv_table is None else gemv_table
-        self.gemv_max_tokens = gemv_max_tokens if decode_gemv and not config.qk_norm else 0
+        self.gemv_table = default_gemv_table(self.embed.weight.device) if gemv_table is None else gemv_table
         self.layers: list[_Layer] = []
-        for layer in model.model.layers:
+        for layer in model.model.decoder_layers():
             attn = layer.self_attn
             mlp = layer.mlp
             self.layers.append(
                 _Layer(
                     input_norm=layer.input_layernorm.weight,
-                    qkv_weight=attn.qkv_proj.weight,
-                    qkv_bias=attn.qkv_proj.bias,
+                    qkv_proj=attn.qkv_proj,
                     o_proj=attn.o_proj,
                     post_norm=layer.post_attention_layernorm.weight,
-                    gate_up_weight=mlp.gate_up_proj.weight,
-                    gate_up_bias=mlp.gate_up_proj.bias,
+                    gate_up_proj=mlp.gate_up_proj,
                     down_proj=mlp.down_proj,
                     q_norm=attn.q_norm,
                     k_norm=attn.k_norm,
                 )
             )
+        projections = [p for x in self.layers for p in (x.qkv_proj, x.o_proj, x.gate_up_proj, x.down_proj)]
+        plain = not self.lm_head.parallel.is_parallel and all(
+            not p.parallel.is_parallel and type(p.quant_method) is UnquantizedLinearMethod
+            for p in projections
+        )
+        self.gemv_max_tokens = gemv_max_tokens if decode_gemv and plain and not config.qk_norm else 0
 
     def forward(
         self,
@@ -150,7 +157,7 @@ class FusedDecoder:
         tokens = input_ids.shape[0]
         if 0 < tokens <= self.gemv_max_tokens:
             return self._forward_few(input_ids, positions, slot_mapping, kv_cache, meta)
-        residual = F.embedding(input_ids, self.embed)
+        residual = self.embed(input_ids)
         mlp_out: torch.Tensor | None = None
         h, d = self.num_heads, self.head_dim
         launch = self.launch
@@ -159,7 +166,7 @@ class FusedDecoder:
                 normed = rms_norm(residual, layer.input_norm, self.eps, launch=launch)
             else:
                 normed = fused_add_rms_norm(mlp_out, residual, layer.input_norm, self.eps, launch=launch)
-            qkv = F.linear(normed, layer.qkv_weight, layer.qkv_bias)
+            qkv = layer.qkv_proj(normed)
             if layer.q_norm is not None and layer.k_norm is not None:
                 kv_size = self.num_kv_heads * d
                 q_view = qkv[:, : self.q_size].view(tokens, h, d)
@@ -173,7 +180,7 @@ class FusedDecoder:
             attn = self._attention(qkv[:, : self.q_size].view(tokens, h, d), layer_cache, meta)
             attn_out = layer.o_proj(attn.view(tokens, self.q_size))
             normed = fused_add_rms_norm(attn_out, residual, layer.post_norm, self.eps, launch=launch)
-            gate_up = F.linear(normed, layer.gate_up_weight, layer.gate_up_bias)
+            gate_up = layer.gate_up_proj(normed)
             mlp_out = layer.down_proj(silu_and_mul(gate_up, launch=launch))
         assert mlp_out is not None
         return fused_add_rms_norm(mlp_out, residual, self.final_norm, self.eps, launch=launch)
@@ -191,7 +198,7 @@ class FusedDecoder:
         tokens = input_ids.shape[0]
         table = self.gemv_table
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        residual = F.embedding(input_ids, self.embed)
+        residual = self.embed(input_ids)
         hidden_size = residual.shape[1]
         widest = max(
             residual_programs(hidden_size, table.launch("o", tokens)),
@@ -201,24 +208,24 @@ class FusedDecoder:
         partials = sum_squares(residual, squares)
         for index, layer in enumerate(self.layers):
             layer_cache = kv_cache[index]
+            qkv, o, gate_up, down = layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
             q_flat = gemv_qkv_rope(
-                residual, squares, partials, layer.input_norm, self.eps, layer.qkv_weight,
+                residual, squares, partials, layer.input_norm, self.eps, qkv.weight,
                 positions, self.cos, self.sin, slot_mapping, layer_cache, h, kvh, d,
-                table.launch("qkv", tokens), bias=layer.qkv_bias,
+                table.launch("qkv", tokens), bias=qkv.bias,
             )  # fmt: skip
             attn = self._attention(q_flat.view(tokens, h, d), layer_cache, meta)
             partials = gemv_residual(
-                attn.view(tokens, self.q_size), layer.o_proj.weight, residual, squares,
-                table.launch("o", tokens), bias=layer.o_proj.bias,
+                attn.view(tokens, self.q_size), o.weight, residual, squares, table.launch("o", tokens),
+                bias=o.bias,
             )  # fmt: skip
             act = gemv_silu(
-                residual, squares, partials, layer.post_norm, self.eps, layer.gate_up_weight,
-                table.launch("gate_up", tokens), bias=layer.gate_up_bias,
+                residual, squares, partials, layer.post_norm, self.eps, gate_up.weight,
+                table.launch("gate_up", tokens), bias=gate_up.bias,
             )  # fmt: skip
             partials = gemv_residual(
-                act, layer.down_proj.weight, residual, squares, table.launch("down", tokens),
-                bias=layer.down_proj.bias,
-            )  # fmt: skip
+                act, down.weight, residual, squares, table.launch("down", tokens), bias=down.bias
+            )
         return rms_norm(residual, self.final_norm, self.eps, launch=self.launch)
 
     def _attention(
@@ -239,11 +246,20 @@ class FusedDecoder:
             meta.tile_starts, self.scale, launch=launch,
         )  # fmt: skip
 
+    @property
+    def lm_weight(self) -> torch.Tensor:
+        """This rank's LM-head rows (the whole ``[vocab, hidden]`` matrix on one rank)."""
+        return self.lm_head.weight
+
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, vocab]; into `out` (contiguous [T, vocab]) when given, so graphs can share it."""
+        head = self.lm_head
+        if head.parallel.is_parallel:
+            logits = head.logits(hidden)
+            return logits if out is None else out.copy_(logits)
         tokens = hidden.shape[0]
         if 0 < tokens <= self.gemv_max_tokens:
-            return gemv(hidden, self.lm_weight, self.gemv_table.launch("lm_head", tokens), out=out)
+            return gemv(hidden, head.weight, self.gemv_table.launch("lm_head", tokens), out=out)
         if out is None:
-            return F.linear(hidden, self.lm_weight)
-        return torch.mm(hidden, self.lm_weight.t(), out=out)
+            return F.linear(hidden, head.weight)
+        return torch.mm(hidden, head.weight.t(), out=out)

@@ -40,6 +40,7 @@ from baton_engine.model.kernels.triton_attention import PREFILL_BLOCK_M, DecodeW
 from baton_engine.model.kernels.triton_gemv import GemvTable
 from baton_engine.model.kernels.triton_multi_query import multi_query_workspace
 from baton_engine.model.loader.model_loading import LoadedModel
+from baton_engine.model.parallel import SINGLE, TensorParallel
 from baton_engine.worker.gpu.decode_ahead import AheadPlan, is_decode_only, match_rows, plan_next_decode
 from baton_engine.worker.gpu.fused_decoder import DecodeMeta, FusedDecoder, PrefillMeta, VerifyMeta
 from baton_engine.worker.gpu.verify_batch import (
@@ -164,8 +165,9 @@ class GpuModelRunner(ModelRunner):
         verify_graphs: bool = True,
         decode_gemv: bool = True,
         gemv_table: GemvTable | None = None,
+        parallel: TensorParallel = SINGLE,
     ) -> None:
-        super().__init__(config, loaded)
+        super().__init__(config, loaded, parallel=parallel)
         if self.device.type != "cuda":
             raise ValueError(f"GpuModelRunner needs a cuda device, got {self.device}")
         log.info(
@@ -176,7 +178,9 @@ class GpuModelRunner(ModelRunner):
             self.device,
         )
         self.sync_debug = sync_debug
-        self.decode_ahead = decode_ahead
+        # Decode-ahead launches a step before the scheduler sent it; the other ranks could not
+        # follow (their collectives would wait for a step they never got).
+        self.decode_ahead = decode_ahead and not parallel.is_parallel
         self._max_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.ahead_hits = 0
         self.ahead_misses = 0
@@ -186,7 +190,6 @@ class GpuModelRunner(ModelRunner):
         self._token_slots = [_TokenSlot(config.max_num_seqs, self.device) for _ in range(3)]
         self._token_turn = 0
         self.fused = FusedDecoder(self.model, gemv_table, decode_gemv)
-        mc = self.model_config
         self.max_tokens = max(
             config.max_num_batched_tokens, config.max_num_seqs * (1 + config.num_speculative_tokens)
         )
@@ -210,7 +213,7 @@ class GpuModelRunner(ModelRunner):
         self._g_slots = torch.full((g,), -1, dtype=torch.int64, device=dev)
         self._g_seq_lens = torch.zeros(g, dtype=torch.int32, device=dev)
         self._g_tables = torch.zeros((g, self.max_blocks), dtype=torch.int32, device=dev)
-        self.num_heads = mc.num_heads
+        self.num_heads = self.fused.num_heads  # this rank's
         # Verify graphs: one per (query length Q, batch size); static inputs sized for the largest.
         k = config.num_speculative_tokens if config.speculative != "none" else 0
         self.verify_query_lens = verify_query_lens(k) if verify_graphs and self.graph_sizes else ()
@@ -225,7 +228,7 @@ class GpuModelRunner(ModelRunner):
         self._v_tables = torch.zeros((g if vq else 0, self.max_blocks), dtype=torch.int32, device=dev)
         # One logits buffer for all verify graphs (a step reads it before the next replays):
         # per-graph outputs would cost sum(batch sizes) x sum(query lengths) x vocab.
-        self._v_logits = torch.empty((g * vq, self.fused.lm_weight.shape[0]), dtype=self.dtype, device=dev)
+        self._v_logits = torch.empty((g * vq, self.fused.vocab_size), dtype=self.dtype, device=dev)
         self.capture_seconds = 0.0
         self.capture_bytes = 0  # device memory the captured graphs reserved
         if self.graph_sizes:
@@ -234,13 +237,12 @@ class GpuModelRunner(ModelRunner):
     # -- graphs ---------------------------------------------------------------------------
     def _decode_meta(self, batch: int) -> DecodeMeta:
         mc = self.model_config
-        splits = decode_num_splits(
-            batch, mc.num_kv_heads, self.config.max_model_len, self.fused.launch.decode_split.block_n or 64
-        )
+        block_n = self.fused.launch.decode_split.block_n or 64
+        splits = decode_num_splits(batch, self.fused.num_kv_heads, self.config.max_model_len, block_n)
         return DecodeMeta(
             block_tables=self._g_tables[:batch],
             seq_lens=self._g_seq_lens[:batch],
-            workspace=DecodeWorkspace(batch, mc.num_heads, mc.head_dim, splits, self.device),
+            workspace=DecodeWorkspace(batch, self.fused.num_heads, mc.head_dim, splits, self.device),
         )
 
     def _decode_forward(self, batch: int, meta: DecodeMeta) -> torch.Tensor:
@@ -253,15 +255,16 @@ class GpuModelRunner(ModelRunner):
         mc = self.model_config
         # The split count of a plain decode step of `batch` rows: each program's tile holds all
         # query_len tokens of its row, so the programs per split are the same.
-        splits = decode_num_splits(
-            batch, mc.num_kv_heads, self.config.max_model_len, self.fused.launch.verify_split.block_n or 64
-        )
+        block_n = self.fused.launch.verify_split.block_n or 64
+        splits = decode_num_splits(batch, self.fused.num_kv_heads, self.config.max_model_len, block_n)
         return VerifyMeta(
             block_tables=self._v_tables[:batch],
             seq_lens=self._v_seq_lens[:batch],
             query_lens=self._v_query_lens[:batch],
             query_len=query_len,
-            workspace=multi_query_workspace(batch, query_len, mc.num_heads, mc.head_dim, splits, self.device),
+            workspace=multi_query_workspace(
+                batch, query_len, self.fused.num_heads, mc.head_dim, splits, self.device
+            ),
         )
 
     def _verify_forward(self, batch: int, query_len: int, meta: VerifyMeta) -> torch.Tensor:
