@@ -69,7 +69,9 @@ class EngineConfig(BaseModel):
     )
 
     # -- scheduler
-    max_num_seqs: int = Field(256, ge=1, description="Most sequences in one step.")
+    max_num_seqs: int = Field(
+        256, ge=1, description="Most requests at once: running, plus P/D consumers holding KV blocks."
+    )
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one step.")
     max_model_len: int = Field(
         4096, ge=1, description="Longest prompt + output, in tokens (capped by the model's own limit)."

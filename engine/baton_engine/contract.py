@@ -93,6 +93,8 @@ LABEL_KV_COMPAT: Final = "baton.dev/kv-compat"
 #: during a block-size rollout the two generations of pods hash differently.
 ANNOTATION_BLOCK_SIZE: Final = "baton.dev/block-size"
 ANNOTATION_PREFIX_HASH: Final = "baton.dev/prefix-hash"
+#: ... and the root seed of its vllm-* hashes (absent: vLLM's default root).
+ANNOTATION_PREFIX_HASH_SEED: Final = "baton.dev/prefix-hash-seed"
 
 
 def engine_pods_selector(deployment: str) -> dict[str, str]:
@@ -362,15 +364,15 @@ class KVTransferParams:
     block_ids: list[int]  # producer block ids holding the prompt's KV, in order
     num_tokens: int  # prompt tokens whose KV the blocks hold
     first_token: int  # token the producer sampled after the prompt
-    block_size: int
+    block_size: int  # tokens per block (must equal the consumer's)
     dtype: str  # torch dtype name of the KV cache, e.g. "float32", "bfloat16"
-    layout: str = KV_LAYOUT
+    layout: str = KV_LAYOUT  # the KV cache tensor's dimension order (KV_LAYOUT)
     model: str = ""  # served model name
     lease_expires_at: float = 0.0  # producer wall-clock (unix seconds)
-    version: int = KV_TRANSFER_SCHEMA_VERSION
+    version: int = KV_TRANSFER_SCHEMA_VERSION  # this schema's version (KV_TRANSFER_SCHEMA_VERSION)
     #: The producer's KV-compatibility key (LABEL_KV_COMPAT); "" when it was started without one.
     kv_key: str = ""
-    signature: str = field(default="", compare=False)
+    signature: str = field(default="", compare=False)  # HMAC-SHA256 hex over the other fields
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

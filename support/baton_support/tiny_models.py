@@ -99,8 +99,9 @@ class TinyModel:
             pad_token_id=None,
         )
         if self.family == "llama":
-            rope = {"rope_parameters": _LLAMA3_ROPE} if self.llama3_rope else {}
-            return LlamaConfig(**common, tie_word_embeddings=False, **rope)
+            if self.llama3_rope:
+                common["rope_parameters"] = _LLAMA3_ROPE
+            return LlamaConfig(**common, tie_word_embeddings=False)
         if self.llama3_rope:
             raise ValueError(f"llama3_rope: only for family llama, not {self.family}")
         if self.family == "qwen2":
@@ -170,7 +171,9 @@ def _save_chat_tokenizer(directory: Path, vocab_size: int) -> tuple[int, int]:
         "add_bos_token": False,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(settings))
-    return tokenizer.get_vocab_size(), tokenizer.token_to_id(CHAT_EOS)
+    eos = tokenizer.token_to_id(CHAT_EOS)
+    assert eos is not None  # a special token of the trainer
+    return tokenizer.get_vocab_size(), eos
 
 
 def with_eos(source: Path, target: Path, eos_token_id: int) -> Path:

@@ -59,6 +59,11 @@ BENCHMARKS: dict[str, Bench] = {
         ("requests", "unexpected", "end", "rss_mib"),
         smoke_test="tests/server/test_soak.py::test_short_soak_leaks_no_block_and_leaves_no_request_stuck",
     ),
+    "cold_start": Bench(
+        ("cold_start_s", "woken_after_s", "ready_after_s", "engine_floor_s", "orchestration_s"),
+        smoke_test="tests/rollout_e2e/test_scale_to_zero_e2e.py::"
+        "test_idle_to_zero_a_request_wakes_both_pools_and_a_burst_beyond_the_queue_gets_503",
+    ),
     "amd_compile": Bench(
         ("summary", "kernels", "failures", "cost"),
         smoke_test="tests/kernel_targets/test_compile_targets.py::test_bench_amd_compile_reports_the_test_run",

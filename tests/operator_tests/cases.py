@@ -148,6 +148,31 @@ SPEC_CASES: list[Case] = [
         "spec.autoscaling.prefill.minReplicas must be <= spec.autoscaling.prefill.maxReplicas",
     ),
     Case(
+        "only-prefill-to-zero",
+        {"autoscaling": {"mode": "builtin", "prefill": {"minReplicas": 0}}},
+        "spec.autoscaling.decode.minReplicas",
+        "spec.autoscaling.prefill.minReplicas and spec.autoscaling.decode.minReplicas must be 0 together",
+        pydantic_field="spec",
+    ),
+    Case(
+        "min-replicas-negative",
+        {"autoscaling": {"decode": {"minReplicas": -1}}},
+        "spec.autoscaling.decode.minReplicas",
+        "greater than or equal to 0",
+    ),
+    Case(
+        "idle-seconds-zero",
+        {"autoscaling": {"scaleToZeroIdleSeconds": 0}},
+        "spec.autoscaling.scaleToZeroIdleSeconds",
+        "greater than or equal to 1",
+    ),
+    Case(
+        "hold-queue-negative",
+        {"router": {"holdQueue": -1}},
+        "spec.router.holdQueue",
+        "greater than or equal to 0",
+    ),
+    Case(
         "decode-min-above-max",
         {"autoscaling": {"decode": {"minReplicas": 5}}},
         "spec.autoscaling.decode.minReplicas",

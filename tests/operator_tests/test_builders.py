@@ -111,7 +111,7 @@ def test_engine_args_flags_and_kv_roles() -> None:
         "--kv-lease-seconds", "30",
         "--kv-transfer-on-failure", "recompute",
         "--kv-events",
-        "--kv-compat-key", "a2cd80ac3dae1fc6",
+        "--kv-compat-key", "aecfc482d86753bf",
         "--kv-events-port", "5557",
         "--kv-events-replay-port", "5558",
         "--kv-events-buffer-steps", "10000",
@@ -318,6 +318,8 @@ def test_router_discovery_flags_and_rbac() -> None:
         "--tokenizer", "builtin:smollm2-135m-instruct",
         "--host", "$(BATON_POD_IP)",
         "--port", "9000",
+        "--hold-queue", "64",
+        "--hold-timeout", "120",
         "--kv-events",
     ]  # fmt: skip
     pod = by_kind(children, "Deployment")["demo-router"]["spec"]["template"]["spec"]

@@ -1,15 +1,18 @@
-"""Joins the engine core's step loop to KV transfer, in both roles.
+"""`KVTransferConnector`: the engine's P/D KV transfer, behind the core's `KVConnector` Protocol.
 
 Producer (``kv_role`` producer/both): a request whose ``kv_transfer_params`` is
-``{"do_remote_decode": true}`` runs its prefill with ``max_tokens`` forced to 1 and keeps its
-blocks when it finishes; `producer_finished` leases them to the serving thread and returns the
-signed params for the response. Leases that end (DONE, RELEASE, expiry) are freed in the
-scheduler at the start of the next step (`before_step`).
+``{"do_remote_decode": true}`` runs its prefill with ``max_tokens`` forced to 1; when it
+finishes, `request_finished` leases its prompt's blocks in the producer's lease table (the only
+one: `leases.LeaseTable`) and returns the signed params for the response. Leases that end (DONE,
+RELEASE, expiry) come back to the scheduler as `KVConnectorUpdates.leases_ended`.
 
 Consumer (``kv_role`` consumer/both): a request carrying signed params waits in
-WAITING_FOR_REMOTE_KV; once the scheduler reserved its blocks (minus its own prefix hit) the
-background puller fills them; the request then continues decoding after the producer's first
-token, or recomputes its prefill locally (policy ``recompute``) or fails (policy ``fail``).
+WAITING_FOR_REMOTE_KV; once the scheduler reserved its blocks (minus its own prefix hit,
+`blocks_reserved`) the background puller fills them; the outcome comes back as
+`KVConnectorUpdates.arrived` (the request continues decoding after the producer's first token)
+or `failed` (recompute the prefill locally, policy ``recompute``, or fail, policy ``fail``).
+
+The connector never calls the scheduler: the scheduler calls it and applies its updates.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import dataclasses
 import logging
 import os
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,8 +29,8 @@ import torch
 from baton_engine import contract
 from baton_engine.config import EngineConfig
 from baton_engine.contract import KVTransferParams
-from baton_engine.core.request import Request, RequestStatus
-from baton_engine.core.scheduler import Scheduler
+from baton_engine.core.kv_connector import KVConnectorUpdates, RemoteKVArrived, RemoteKVFailed
+from baton_engine.core.request import FinishReason, Request, RequestStatus
 from baton_engine.kv_transfer.cache_blocks import cache_spec
 from baton_engine.kv_transfer.leases import LeaseEnd
 from baton_engine.kv_transfer.metrics import TransferStats
@@ -47,11 +51,12 @@ def is_remote_decode_request(raw: Any) -> bool:
 
 
 class KVTransferConnector:
+    """Implements `baton_engine.core.kv_connector.KVConnector`."""
+
     def __init__(
         self,
         config: EngineConfig,
         kv_cache: torch.Tensor,
-        scheduler: Scheduler,
         *,
         model_name: str,
         port: int | None = None,
@@ -61,7 +66,6 @@ class KVTransferConnector:
         env = dict(os.environ) if environ is None else environ
         self.role = config.kv_role
         self.key = require_key(env)
-        self.scheduler = scheduler
         self.model_name = model_name
         self.lease_seconds = config.kv_lease_seconds
         self.recompute_on_failure = config.kv_transfer_on_failure == "recompute"
@@ -85,80 +89,49 @@ class KVTransferConnector:
             self.puller = BackgroundPuller(
                 kv_cache, stats=self.stats, timeout_s=pull_timeout_s, kv_key=self.kv_key
             )
-        self._lease_of_request: dict[str, str] = {}  # producer: request id -> transfer id, while leased
-        self._request_of_lease: dict[str, str] = {}
-        self._consumer_params: dict[int, KVTransferParams] = {}  # seq id -> params, until pulled
+        self._transfer_of: dict[int, str] = {}  # producer: req id -> transfer id, until it finished
+        self._leases: dict[str, tuple[int, str]] = {}  # transfer id -> (req id, client id), while leased
+        self._lease_of_client: dict[str, str] = {}  # client id -> transfer id, while leased
+        self._consumer_params: dict[int, KVTransferParams] = {}  # req id -> params, until pulled
         self._pulling: set[int] = set()
-        self._aborted_while_pulling: dict[int, str | None] = {}
+        self._cancelled: set[int] = set()  # aborted while their pull ran
 
-    # -- requests ---------------------------------------------------------------------------
-    def prepare(self, seq: Request, raw: Any) -> None:
-        """Set a new sequence up for its P/D leg, before it reaches the scheduler.
+    # -- the engine core's hooks -------------------------------------------------------------
+    def prepare(self, request: Request, raw_params: Any) -> None:
+        """Set a new request up for its P/D leg, before it reaches the scheduler.
 
         Raises KVTransferRequestError for params this engine cannot serve.
         """
-        if is_remote_decode_request(raw):
+        if is_remote_decode_request(raw_params):
             if self.producer is None:
                 raise KVTransferRequestError(
                     f"kv_transfer_params: this engine's kv_role is {self.role!r}, not producer"
                 )
-            seq.sampling_params = dataclasses.replace(seq.sampling_params, max_tokens=1)
-            seq.hold_blocks_for_transfer = uuid.uuid4().hex
+            request.sampling_params = dataclasses.replace(request.sampling_params, max_tokens=1)
+            self._transfer_of[request.req_id] = uuid.uuid4().hex
             return
         if self.puller is None:
             raise KVTransferRequestError(
                 f"kv_transfer_params: this engine's kv_role is {self.role!r}, not consumer"
             )
-        params = verify_params(raw, self.key)  # KVTransferParamsError is a ValueError too
-        if params.num_tokens != seq.num_prompt_tokens:
+        params = verify_params(raw_params, self.key)  # KVTransferParamsError is a ValueError too
+        if params.num_tokens != request.num_prompt_tokens:
             raise KVTransferRequestError(
                 f"kv_transfer_params.num_tokens: {params.num_tokens} != this request's "
-                f"{seq.num_prompt_tokens} prompt tokens"
+                f"{request.num_prompt_tokens} prompt tokens"
             )
-        seq.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self._consumer_params[seq.seq_id] = params
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self._consumer_params[request.req_id] = params
 
-    def producer_finished(self, seq: Request, request_id: str) -> dict[str, Any] | None:
-        """Lease a finished producer request's blocks; the signed params for its response.
-
-        Until the lease ends, aborting `request_id` (`release_request`) releases it: the
-        response carrying the params may never reach the client (it went away during the
-        prefill step, or just after it), and then nobody will pull them."""
-        transfer_id = seq.hold_blocks_for_transfer
-        if self.producer is None or transfer_id is None:
-            return None
-        held = self.scheduler.held_blocks(transfer_id)
-        if held is None or not seq.output_token_ids:  # aborted or rejected: nothing kept
-            return None
-        num_blocks = -(-seq.num_prompt_tokens // self.spec.block_size)
-        block_ids = held[:num_blocks]
-        expires_at = self.producer.add_lease(transfer_id, block_ids, self.lease_seconds)
-        self._lease_of_request[request_id] = transfer_id
-        self._request_of_lease[transfer_id] = request_id
-        return sign_params(
-            key=self.key,
-            engine_id=self.engine_id,
-            host=self.advertise_host,
-            port=self.producer.port,
-            transfer_id=transfer_id,
-            block_ids=block_ids,
-            num_tokens=seq.num_prompt_tokens,
-            first_token=seq.output_token_ids[0],
-            spec=self.spec,
-            model=self.model_name,
-            lease_expires_at=expires_at,
-            kv_key=self.kv_key,
-        )
-
-    def release_request(self, request_id: str) -> bool:
-        """Producer: end the lease of finished request `request_id` early (its client is gone).
+    def release_request(self, client_id: str) -> bool:
+        """Producer: end the lease of finished request `client_id` early (its client is gone).
         False if it holds none (never leased, already pulled, released or expired)."""
-        transfer_id = self._lease_of_request.get(request_id)
+        transfer_id = self._lease_of_client.get(client_id)
         if transfer_id is None or self.producer is None:
             return False
         released = self.producer.release(transfer_id)
         if released:
-            log.info("KV transfer: lease %s released early (request %s aborted)", transfer_id, request_id)
+            log.info("KV transfer: lease %s released early (request %s aborted)", transfer_id, client_id)
         return released
 
     def release_transfer(self, engine_id: str, transfer_id: str) -> bool:
@@ -168,77 +141,121 @@ class KVTransferConnector:
             return False
         return self.producer.release(transfer_id)
 
-    def abort(self, seq_id: int, message: str | None) -> bool:
-        """Called before the scheduler aborts `seq_id`. True: the abort is deferred until the
-        running pull stops writing into the sequence's blocks (`before_step` finishes it)."""
-        params = self._consumer_params.pop(seq_id, None)
-        if seq_id in self._pulling and self.puller is not None and self.puller.cancel(seq_id):
-            self._aborted_while_pulling[seq_id] = message
-            return True
-        if params is not None and self.puller is not None:
-            self.puller.release(params)  # never pulled: let the producer free now
-        return False
-
-    # -- the step loop ----------------------------------------------------------------------
     def busy(self) -> bool:
         """Pulls are in flight (the step loop has nothing else of these requests to run)."""
         return bool(self._pulling)
 
-    def before_step(self) -> bool:
-        """Free ended leases and take finished pulls; True if a lease's blocks were freed."""
-        freed = False
-        if self.producer is not None:
-            for transfer_id, how in self.producer.take_ended():
-                freed = True
-                request_id = self._request_of_lease.pop(transfer_id, None)
-                if request_id is not None and self._lease_of_request.get(request_id) == transfer_id:
-                    del self._lease_of_request[request_id]
-                if not self.scheduler.release(transfer_id):
-                    log.warning("KV transfer: lease %s ended (%s) with no held blocks", transfer_id, how)
-                elif how is LeaseEnd.EXPIRED:
-                    log.info("KV transfer: lease %s expired; blocks freed", transfer_id)
-        if self.puller is None:
-            return freed
-        for job in self.puller.take_finished():
-            self._pulling.discard(job.seq_id)
-            if job.seq_id in self._aborted_while_pulling:
-                message = self._aborted_while_pulling.pop(job.seq_id)
-                self.scheduler.abort(job.seq_id, message)
-            elif job.error is None:
-                self.scheduler.mark_remote_kv_arrived(
-                    job.seq_id, job.params.num_tokens, job.params.first_token
-                )
-            else:
-                action = "recomputing locally" if self.recompute_on_failure else "failing the request"
-                log.warning("KV transfer %s failed (%s); %s", job.params.transfer_id, job.error, action)
-                seq = self.scheduler.get(job.seq_id)
-                self.scheduler.mark_remote_kv_failed(job.seq_id, recompute=self.recompute_on_failure)
-                if seq is not None and seq.is_finished:
-                    seq.finish_message = f"KV transfer from the prefill engine failed: {job.error}"
-        return freed
+    @property
+    def num_leases_held(self) -> int:
+        return 0 if self.producer is None else len(self.producer.leases)
 
-    def after_schedule(self) -> None:
-        """Start the pulls of requests whose blocks the scheduler just reserved."""
-        if self.puller is None:
-            return
-        for seq in self.scheduler.take_remote_kv_reservations():
-            params = self._consumer_params.pop(seq.seq_id, None)
-            if params is None:  # aborted meanwhile
-                continue
-            skip = seq.num_cached_tokens // self.spec.block_size
-            num_blocks = len(params.block_ids)
-            self._pulling.add(seq.seq_id)
-            self.puller.submit(
-                PullJob(
-                    seq_id=seq.seq_id,
-                    params=params,
-                    dst_block_ids=list(seq.block_table[skip:num_blocks]),
-                    skip_blocks=skip,
-                )
-            )
+    @property
+    def stats_version(self) -> int:
+        return self.stats.version
+
+    def stats_totals(self) -> dict[str, Any]:
+        return self.stats.totals().to_dict()
 
     def close(self) -> None:
         if self.producer is not None:
             self.producer.close()
         if self.puller is not None:
             self.puller.close()
+
+    # -- the scheduler's hooks ---------------------------------------------------------------
+    def request_finished(self, request: Request, block_ids: Sequence[int]) -> dict[str, Any] | None:
+        """Lease a finished producer request's prompt blocks; the signed params for its response
+        (None for any other request, which the connector then forgets).
+
+        Until the lease ends, aborting the request (`release_request`) releases it: the
+        response carrying the params may never reach the client (it went away during the
+        prefill step, or just after it), and then nobody will pull them."""
+        transfer_id = self._transfer_of.pop(request.req_id, None)
+        unpulled = self._consumer_params.pop(request.req_id, None)
+        if unpulled is not None and self.puller is not None:
+            self.puller.release(unpulled)  # finished before its pull (rejected): free the producer
+        leasable = (
+            request.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and request.output_token_ids
+        )
+        if self.producer is None or transfer_id is None or not leasable:
+            return None
+        num_blocks = -(-request.num_prompt_tokens // self.spec.block_size)
+        leased = list(block_ids[:num_blocks])
+        expires_at = self.producer.add_lease(transfer_id, leased, self.lease_seconds)
+        self._leases[transfer_id] = (request.req_id, request.client_id)
+        self._lease_of_client[request.client_id] = transfer_id
+        return sign_params(
+            key=self.key,
+            engine_id=self.engine_id,
+            host=self.advertise_host,
+            port=self.producer.port,
+            transfer_id=transfer_id,
+            block_ids=leased,
+            num_tokens=request.num_prompt_tokens,
+            first_token=request.output_token_ids[0],
+            spec=self.spec,
+            model=self.model_name,
+            lease_expires_at=expires_at,
+            kv_key=self.kv_key,
+        )
+
+    def blocks_reserved(self, request: Request, block_ids: Sequence[int]) -> None:
+        """Start pulling the prompt's KV into `block_ids`, past the local prefix hit."""
+        params = self._consumer_params.pop(request.req_id, None)
+        if params is None or self.puller is None:
+            raise KeyError(f"request {request.req_id} has no kv_transfer_params to pull")
+        skip = request.num_cached_tokens // self.spec.block_size
+        self._pulling.add(request.req_id)
+        self.puller.submit(
+            PullJob(
+                req_id=request.req_id,
+                params=params,
+                dst_block_ids=list(block_ids[skip : len(params.block_ids)]),
+                skip_blocks=skip,
+            )
+        )
+
+    def abort_pull(self, request: Request) -> bool:
+        """True: the request's pull is running and stops soon (reported in `pulls_stopped`)."""
+        if request.req_id in self._pulling and self.puller is not None and self.puller.cancel(request.req_id):
+            self._cancelled.add(request.req_id)
+            return True
+        return False
+
+    def take_updates(self) -> KVConnectorUpdates:
+        """Ended leases and finished pulls since the last call."""
+        updates = KVConnectorUpdates()
+        if self.producer is not None:
+            for transfer_id, how in self.producer.take_ended():
+                lease = self._leases.pop(transfer_id, None)
+                if lease is None:
+                    log.warning("KV transfer: lease %s ended (%s) with no request", transfer_id, how)
+                    continue
+                req_id, client_id = lease
+                if self._lease_of_client.get(client_id) == transfer_id:
+                    del self._lease_of_client[client_id]
+                updates.leases_ended.append(req_id)
+                if how is LeaseEnd.EXPIRED:
+                    log.info("KV transfer: lease %s expired; blocks freed", transfer_id)
+        if self.puller is None:
+            return updates
+        for job in self.puller.take_finished():
+            self._pulling.discard(job.req_id)
+            if job.req_id in self._cancelled:
+                self._cancelled.discard(job.req_id)
+                updates.pulls_stopped.append(job.req_id)
+            elif job.error is None:
+                updates.arrived.append(
+                    RemoteKVArrived(job.req_id, job.params.num_tokens, job.params.first_token)
+                )
+            else:
+                action = "recomputing locally" if self.recompute_on_failure else "failing the request"
+                log.warning("KV transfer %s failed (%s); %s", job.params.transfer_id, job.error, action)
+                updates.failed.append(
+                    RemoteKVFailed(
+                        job.req_id,
+                        f"KV transfer from the prefill engine failed: {job.error}",
+                        recompute=self.recompute_on_failure,
+                    )
+                )
+        return updates

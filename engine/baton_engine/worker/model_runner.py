@@ -128,6 +128,13 @@ class ModelRunner:
         self.apply_grammar(logits, step)
         params, spans = self._expand_sampling(step)
         result = self.sampler.sample(logits, params)
+        if not np.any(np.asarray(step.num_draft_tokens) > 0):
+            # One token per row: the array form (the scheduler applies it without a per-row pass).
+            return ModelRunnerOutput(
+                step_id=step.step_id,
+                sampled_token_array=np.asarray(result.token_ids, dtype=np.int64),
+                logprobs=None if result.logprobs is None else [[row] for row in result.logprobs],
+            )
         return self._accept(step, spans, result.token_ids, result.logprobs)
 
     def compute_logits(self, step: SchedulerOutput) -> torch.Tensor:

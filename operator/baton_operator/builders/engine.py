@@ -131,6 +131,8 @@ def engine_pod_metadata(ctx: BuildContext, role: str, engine: EngineSpec) -> tup
         contract.ANNOTATION_BLOCK_SIZE: str(engine.block_size),
         contract.ANNOTATION_PREFIX_HASH: engine.prefix_hash,
     }
+    if engine.prefix_hash_seed is not None:
+        annotations[contract.ANNOTATION_PREFIX_HASH_SEED] = engine.prefix_hash_seed
     return labels, annotations
 
 
@@ -175,16 +177,23 @@ def engine_deployment(ctx: BuildContext, role: str) -> Manifest:
         rolling_update = {"maxSurge": 0, "maxUnavailable": 1}
     else:
         rolling_update = {"maxSurge": 1, "maxUnavailable": 0}
+    override = ctx.pools.get(role)
+    replicas = role_spec.replicas if ctx.replicas_owned else None
+    if replicas is not None and override is not None and override.replicas is not None:
+        replicas = override.replicas
+    # Paused only while a KV-key rollout needs it: left out otherwise (the API's default).
+    paused = {"paused": True} if override is not None and override.paused else {}
     return deployment(
         ctx,
         name,
         role,
         pod,
         rolling_update,
-        replicas=role_spec.replicas if ctx.replicas_owned else None,
+        replicas=replicas,
         pod_labels=pod_labels,
         pod_annotations=pod_annotations,
         progressDeadlineSeconds=role_spec.startup_timeout_seconds + 300,
+        **paused,
     )
 
 

@@ -500,7 +500,7 @@ def gemv(
 
 def residual_programs(n: int, launch: GemvLaunch) -> int:
     """Programs of a `gemv_residual` launch: the partial sums of squares it leaves per row."""
-    return triton.cdiv(n, launch.block_n)
+    return -(-n // launch.block_n)
 
 
 def gemv_residual(

@@ -144,7 +144,7 @@ def paged_multi_query_attention(
 def verify_tile_rows(pairs: int, block_m: int | None) -> int:
     """Rows of a verify program's tile: a kv head's (token, head) pairs, padded to a power of two
     (at least 16, a dot's smallest side), at most `block_m`."""
-    rows = max(16, triton.next_power_of_2(pairs))
+    rows = max(16, int(triton.next_power_of_2(pairs)))
     return rows if block_m is None else min(rows, block_m)
 
 

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from baton_engine.config import EngineConfig
@@ -79,7 +80,7 @@ class _Staging:
         self.block_tables = pair((max_rows, max_blocks), torch.int32)
         self.tile_rows = pair((max_tiles,), torch.int32)
         self.tile_starts = pair((max_tiles,), torch.int32)
-        self.done = torch.cuda.Event()
+        self.done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         self.done.record()
 
 
@@ -106,7 +107,7 @@ class _TokenSlot:
     def __init__(self, rows: int, device: torch.device) -> None:
         self.device = torch.zeros(rows, dtype=torch.int64, device=device)
         self.host = torch.zeros(rows, dtype=torch.int64, pin_memory=True)
-        self.done = torch.cuda.Event()
+        self.done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
 
     def fill(self, logits: torch.Tensor) -> None:
         """Argmax of `logits` [rows, vocab] into the slot and on to the host (asynchronous)."""
@@ -115,11 +116,11 @@ class _TokenSlot:
         self.host[:rows].copy_(self.device[:rows], non_blocking=True)
         self.done.record()
 
-    def read(self, rows: int, index: np.ndarray | None = None) -> list[int]:
-        """The first `rows` tokens (or those at `index`), waiting for the copy."""
+    def read(self, rows: int, index: npt.NDArray[np.int64] | None = None) -> npt.NDArray[np.int64]:
+        """A copy of the first `rows` tokens (or those at `index`), waiting for the device's copy."""
         self.done.synchronize()
-        tokens = self.host.numpy()[:rows]
-        return (tokens if index is None else tokens[index]).tolist()
+        tokens: npt.NDArray[np.int64] = self.host.numpy()[:rows]
+        return tokens.copy() if index is None else tokens[index]
 
 
 class _GrammarStaging:
@@ -134,7 +135,7 @@ class _GrammarStaging:
             torch.zeros(max_positions, dtype=torch.int64, pin_memory=True),
             torch.zeros(max_positions, dtype=torch.int64, device=device),
         )
-        self.done = torch.cuda.Event()
+        self.done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         self.done.record()
 
 
@@ -281,7 +282,7 @@ class GpuModelRunner(ModelRunner):
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for batch in reversed(self.graph_sizes):
@@ -363,7 +364,7 @@ class GpuModelRunner(ModelRunner):
         tokens = source.read(rows, index)
         if launched is not None:
             launched.plan.input_ids[:] = tokens
-        return ModelRunnerOutput(step_id=step.step_id, sampled_token_ids=[[int(t)] for t in tokens])
+        return ModelRunnerOutput(step_id=step.step_id, sampled_token_array=tokens)
 
     def _next_token_slot(self) -> _TokenSlot:
         slot = self._token_slots[self._token_turn]
@@ -502,10 +503,10 @@ class GpuModelRunner(ModelRunner):
             query_len, batch = verify
             inputs = plan_verify(step, query_len, batch, self.max_blocks)
             index = self._stage_verify(st, inputs)
-            graph = self._verify_graphs[verify]
-            graph.graph.replay()
+            verify_graph = self._verify_graphs[verify]
+            verify_graph.graph.replay()
             self.verify_graph_steps += 1
-            return graph.logits[index]
+            return verify_graph.logits[index]
         rows = step.num_rows
         tokens = step.num_tokens
         query_lens = np.asarray(step.query_lens)
