@@ -42,7 +42,8 @@ from baton_engine.core.scheduler import Scheduler
 from baton_engine.model.config import ModelConfig
 from baton_engine.model.kernels import triton_gemv
 from baton_engine.model.kernels.triton_gemv import CUDA_GEMV, GemvLaunch, GemvTable
-from baton_engine.model.llama import build_model
+from baton_engine.model.linear import QuantizationConfig
+from baton_engine.model.llama import Weights, build_model
 from baton_engine.model.loader.model_loading import LoadedModel
 from baton_engine.model.loader.reference import ResolvedModel
 from baton_engine.worker.gpu.model_runner import GpuModelRunner
@@ -117,8 +118,10 @@ def random_weights(
     return weights
 
 
-def load(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> LoadedModel:
-    model = build_model(config, weights, dtype, "cuda")
+def load(
+    config: ModelConfig, weights: Weights, dtype: torch.dtype, quantization: QuantizationConfig | None = None
+) -> LoadedModel:
+    model = build_model(config, weights, dtype, "cuda", quantization=quantization)
     return LoadedModel(
         model, config, None, config.name, ResolvedModel("safetensors", Path("/nonexistent"), config.name)
     )
@@ -126,14 +129,15 @@ def load(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dty
 
 def make_core(
     config: ModelConfig,
-    weights: dict[str, torch.Tensor] | LoadedModel,
+    weights: Weights | LoadedModel,
     dtype: torch.dtype,
     graph_sizes: tuple[int, ...],
+    quantization: QuantizationConfig | None = None,
     runner_options: dict[str, Any] | None = None,
     **settings: Any,
 ) -> tuple[EngineCore, GpuModelRunner]:
     """An engine core on `weights` (checkpoint tensors, or a model already built: shared)."""
-    loaded = weights if isinstance(weights, LoadedModel) else load(config, weights, dtype)
+    loaded = weights if isinstance(weights, LoadedModel) else load(config, weights, dtype, quantization)
     dtype_name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
     engine_config = EngineConfig(model=config.name, device="cuda", dtype=dtype_name, **settings)
     runner = GpuModelRunner(engine_config, loaded, graph_batch_sizes=graph_sizes, **(runner_options or {}))
@@ -538,7 +542,7 @@ def eight_b(result: dict[str, Any], quick: bool) -> None:
         qkv, gate_up = layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight
         mats += list(qkv.split([q_rows, kv_rows, kv_rows])) + [layer.self_attn.o_proj.weight]
         mats += list(gate_up.chunk(2)) + [layer.mlp.down_proj.weight]
-    mats.append(runner.fused.lm_weight)
+    mats.append(runner.fused.lm_head.weight)
     xs = {w.shape[1]: torch.randn(1, w.shape[1], device="cuda", dtype=torch.bfloat16) for w in mats}
     outs = [torch.empty(1, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in mats]
 
@@ -869,6 +873,18 @@ def agreement(result: dict[str, Any]) -> None:
     result["fp32_top2_gap_median"] = round(float((top2[:, 0] - top2[:, 1]).median()), 4)
 
 
+def _fp8_section(result: dict[str, Any]) -> None:
+    from bench.gpu_fp8 import fp8_weights
+
+    fp8_weights(result)
+
+
+def _moe_section(result: dict[str, Any], quick: bool) -> None:
+    from bench.gpu_moe import moe
+
+    moe(result, quick)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -895,6 +911,8 @@ def main() -> None:
         "8b": lambda: eight_b(result, args.quick),
         "agree": lambda: agreement(result),
         "1b": lambda: one_b(result, args.quick),
+        "fp8": lambda: _fp8_section(result),
+        "moe": lambda: _moe_section(result, args.quick),
     }
     for name in args.sections.split(","):
         t0 = time.perf_counter()

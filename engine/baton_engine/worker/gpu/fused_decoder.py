@@ -3,12 +3,13 @@
 The model already merges q/k/v and gate/up into single projections. Steps of more than
 `gemv_max_tokens` tokens (`GEMV_ENGINE_MAX_TOKENS`: 1) run the model's layers (through their
 quantization methods) with the fused element-wise kernels between them, 9 launches a layer:
-add+norm, qkv, rotary+cache write, attention, o_proj, add+norm, gate_up, silu*mul, down.
-Single-token decode steps (up to `GEMV_MAX_TOKENS` tokens when asked) of an unquantized model on
-one rank are weight sweeps: they run the decode products of `triton_gemv` on the layers' weights
-with the element-wise work folded in, 5 launches a layer besides attention (norm+qkv+rotary+cache
-write, attention, o_proj+residual, norm+gate_up+silu*mul, down+residual). It holds no weights of
-its own.
+add+norm, qkv, rotary+cache write, attention, o_proj, add+norm, gate_up, silu*mul, down (a sparse
+layer's MLP is the MoE block: router, top-k, two grouped expert GEMMs). Single-token decode steps
+(up to `GEMV_MAX_TOKENS` tokens when asked) of a dense, unquantized model on one rank with a
+16/32-bit cache are weight sweeps: they run the decode products of `triton_gemv` on the layers'
+weights with the element-wise work folded in, 5 launches a layer besides attention
+(norm+qkv+rotary+cache write, attention, o_proj+residual, norm+gate_up+silu*mul, down+residual).
+It holds no weights of its own.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ from baton_engine.model.kernels.triton_gemv import (
     sum_squares,
 )
 from baton_engine.model.kernels.triton_multi_query import paged_multi_query_attention
+from baton_engine.model.layers import GatedMLP
 from baton_engine.model.linear import ParallelLinear, UnquantizedLinearMethod
 from baton_engine.model.llama import CausalLM
+from baton_engine.model.moe import SparseMoeBlock
 
 
 @dataclass
@@ -84,8 +87,9 @@ class _Layer:
     qkv_proj: ParallelLinear
     o_proj: ParallelLinear
     post_norm: torch.Tensor
-    gate_up_proj: ParallelLinear
-    down_proj: ParallelLinear
+    mlp: GatedMLP | SparseMoeBlock
+    """The dense MLP (gate_up, silu * up, down: the model's projections around the fused kernel)
+    or the MoE block (router and Triton fused experts)."""
     q_norm: nn.Module | None
     k_norm: nn.Module | None
 
@@ -125,23 +129,31 @@ class FusedDecoder:
         self.layers: list[_Layer] = []
         for layer in model.model.decoder_layers():
             attn = layer.self_attn
-            mlp = layer.mlp
             self.layers.append(
                 _Layer(
                     input_norm=layer.input_layernorm.weight,
                     qkv_proj=attn.qkv_proj,
                     o_proj=attn.o_proj,
                     post_norm=layer.post_attention_layernorm.weight,
-                    gate_up_proj=mlp.gate_up_proj,
-                    down_proj=mlp.down_proj,
+                    mlp=layer.mlp,
                     q_norm=attn.q_norm,
                     k_norm=attn.k_norm,
                 )
             )
-        projections = [p for x in self.layers for p in (x.qkv_proj, x.o_proj, x.gate_up_proj, x.down_proj)]
-        plain = not self.lm_head.parallel.is_parallel and all(
-            not p.parallel.is_parallel and type(p.quant_method) is UnquantizedLinearMethod
-            for p in projections
+        dense = all(isinstance(x.mlp, GatedMLP) for x in self.layers)
+        projections = [p for x in self.layers for p in (x.qkv_proj, x.o_proj)] + [
+            p
+            for x in self.layers
+            if isinstance(x.mlp, GatedMLP)
+            for p in (x.mlp.gate_up_proj, x.mlp.down_proj)
+        ]
+        plain = (
+            dense
+            and not self.lm_head.parallel.is_parallel
+            and all(
+                not p.parallel.is_parallel and type(p.quant_method) is UnquantizedLinearMethod
+                for p in projections
+            )
         )
         self.gemv_max_tokens = gemv_max_tokens if decode_gemv and plain and not config.qk_norm else 0
 
@@ -152,10 +164,12 @@ class FusedDecoder:
         slot_mapping: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: DecodeMeta | VerifyMeta | PrefillMeta,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
+        """Final-norm hidden states [T, hidden]; writes the step's K/V into `kv_cache` (FP8 with
+        `kv_scales` [layers, 2], else 16/32-bit)."""
         tokens = input_ids.shape[0]
-        if 0 < tokens <= self.gemv_max_tokens:
+        if 0 < tokens <= self.gemv_max_tokens and kv_scales is None:  # the products write 16/32-bit K/V
             return self._forward_few(input_ids, positions, slot_mapping, kv_cache, meta)
         residual = self.embed(input_ids)
         mlp_out: torch.Tensor | None = None
@@ -174,14 +188,19 @@ class FusedDecoder:
                 q_view.copy_(layer.q_norm(q_view))
                 k_view.copy_(layer.k_norm(k_view))
             layer_cache = kv_cache[index]
+            kv_scale = None if kv_scales is None else kv_scales[index]
             rotary_cache_write(
-                qkv, positions, self.cos, self.sin, slot_mapping, layer_cache, h, self.num_kv_heads, d, launch
-            )
-            attn = self._attention(qkv[:, : self.q_size].view(tokens, h, d), layer_cache, meta)
+                qkv, positions, self.cos, self.sin, slot_mapping, layer_cache, h, self.num_kv_heads, d,
+                kv_scale, launch,
+            )  # fmt: skip
+            attn = self._attention(qkv[:, : self.q_size].view(tokens, h, d), layer_cache, meta, kv_scale)
             attn_out = layer.o_proj(attn.view(tokens, self.q_size))
             normed = fused_add_rms_norm(attn_out, residual, layer.post_norm, self.eps, launch=launch)
-            gate_up = layer.gate_up_proj(normed)
-            mlp_out = layer.down_proj(silu_and_mul(gate_up, launch=launch))
+            mlp = layer.mlp
+            if isinstance(mlp, SparseMoeBlock):
+                mlp_out = mlp(normed)
+            else:
+                mlp_out = mlp.down_proj(silu_and_mul(mlp.gate_up_proj(normed), launch=launch))
         assert mlp_out is not None
         return fused_add_rms_norm(mlp_out, residual, self.final_norm, self.eps, launch=launch)
 
@@ -208,7 +227,9 @@ class FusedDecoder:
         partials = sum_squares(residual, squares)
         for index, layer in enumerate(self.layers):
             layer_cache = kv_cache[index]
-            qkv, o, gate_up, down = layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
+            mlp = layer.mlp
+            assert isinstance(mlp, GatedMLP)  # gemv_max_tokens is 0 for sparse models
+            qkv, o, gate_up, down = layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj
             q_flat = gemv_qkv_rope(
                 residual, squares, partials, layer.input_norm, self.eps, qkv.weight,
                 positions, self.cos, self.sin, slot_mapping, layer_cache, h, kvh, d,
@@ -229,21 +250,26 @@ class FusedDecoder:
         return rms_norm(residual, self.final_norm, self.eps, launch=self.launch)
 
     def _attention(
-        self, q: torch.Tensor, layer_cache: torch.Tensor, meta: DecodeMeta | VerifyMeta | PrefillMeta
+        self,
+        q: torch.Tensor,
+        layer_cache: torch.Tensor,
+        meta: DecodeMeta | VerifyMeta | PrefillMeta,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         launch = self.launch
         if isinstance(meta, DecodeMeta):
             return paged_decode_attention(
-                q, layer_cache, meta.block_tables, meta.seq_lens, self.scale, meta.workspace, launch=launch
-            )
+                q, layer_cache, meta.block_tables, meta.seq_lens, self.scale, meta.workspace,
+                kv_scale=kv_scale, launch=launch,
+            )  # fmt: skip
         if isinstance(meta, VerifyMeta):
             return paged_multi_query_attention(
                 q, layer_cache, meta.block_tables, meta.seq_lens, meta.query_lens, meta.query_len,
-                self.scale, meta.workspace, launch=launch,
+                self.scale, meta.workspace, kv_scale=kv_scale, launch=launch,
             )  # fmt: skip
         return paged_prefill_attention(
             q, layer_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.tile_rows,
-            meta.tile_starts, self.scale, launch=launch,
+            meta.tile_starts, self.scale, kv_scale=kv_scale, launch=launch,
         )  # fmt: skip
 
     @property

@@ -248,7 +248,12 @@ class GpuModelRunner(ModelRunner):
 
     def _decode_forward(self, batch: int, meta: DecodeMeta) -> torch.Tensor:
         hidden = self.fused.forward(
-            self._g_ids[:batch], self._g_pos[:batch], self._g_slots[:batch], self.kv_cache, meta
+            self._g_ids[:batch],
+            self._g_pos[:batch],
+            self._g_slots[:batch],
+            self.kv_cache,
+            meta,
+            self.kv_scales,
         )
         return self.fused.logits(hidden)
 
@@ -270,7 +275,9 @@ class GpuModelRunner(ModelRunner):
 
     def _verify_forward(self, batch: int, query_len: int, meta: VerifyMeta) -> torch.Tensor:
         n = batch * query_len
-        hidden = self.fused.forward(self._v_ids[:n], self._v_pos[:n], self._v_slots[:n], self.kv_cache, meta)
+        hidden = self.fused.forward(
+            self._v_ids[:n], self._v_pos[:n], self._v_slots[:n], self.kv_cache, meta, self.kv_scales
+        )
         return self.fused.logits(hidden, out=self._v_logits[:n])
 
     @torch.inference_mode()
@@ -541,6 +548,6 @@ class GpuModelRunner(ModelRunner):
             tile_rows=_put(st.tile_rows, tile_rows),
             tile_starts=_put(st.tile_starts, tile_starts),
         )
-        hidden = self.fused.forward(ids, pos, slots, self.kv_cache, meta)
+        hidden = self.fused.forward(ids, pos, slots, self.kv_cache, meta, self.kv_scales)
         indices = _put(st.logits_indices, np.asarray(step.logits_indices, np.int64))
         return self.fused.logits(hidden[indices])
