@@ -32,6 +32,19 @@ class EngineConfig(BaseModel):
         "auto", description="Weights and KV-cache dtype; auto = float32 on CPU, bfloat16 on GPU."
     )
     seed: int = Field(0, description="Seed of the engine's generator for unseeded sampling.")
+    quantization: Literal["fp8"] | None = Field(
+        None,
+        description="Weight quantization: unset = as the checkpoint is (16-bit, or FP8 when its "
+        "config.json has an fp8 or compressed-tensors quantization_config); fp8 = quantize a 16-bit "
+        "checkpoint's linear layers and experts to FP8 on load (one scale per output channel, "
+        "activations quantized per token).",
+    )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto",
+        description="KV-cache dtype: auto = the model dtype; fp8 = 8-bit floats (e4m3fn; e4m3fnuz "
+        "on MI300), half the bytes of a 16-bit cache, with one K and one V scale per layer (the "
+        "checkpoint's k_scale/v_scale, else 1.0).",
+    )
     tensor_parallel_size: int = Field(
         1,
         ge=1,

@@ -14,6 +14,9 @@ import numpy as np
 
 from baton_engine.core.scheduler_output import SamplingBatch, SchedulerOutput
 from baton_engine.worker.model_runner import ModelRunner
+from baton_support.model_logits import prefill_logits
+
+__all__ = ["TestDriver", "prefill_logits"]
 
 
 @dataclass

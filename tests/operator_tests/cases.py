@@ -96,6 +96,18 @@ SPEC_CASES: list[Case] = [
     ),
     Case("dtype-unknown", {"engine": {"dtype": "int4"}}, "spec.engine.dtype", "Unsupported value"),
     Case(
+        "kv-cache-dtype-unknown",
+        {"engine": {"kvCacheDtype": "int8"}},
+        "spec.engine.kvCacheDtype",
+        "Unsupported value",
+    ),
+    Case(
+        "quantization-unknown",
+        {"engine": {"quantization": "awq"}},
+        "spec.engine.quantization",
+        "Unsupported value",
+    ),
+    Case(
         "prefix-hash-unknown",
         {"engine": {"prefixHash": "md5"}},
         "spec.engine.prefixHash",

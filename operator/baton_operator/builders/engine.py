@@ -67,6 +67,10 @@ def engine_args(ctx: BuildContext, role: str, engine: EngineSpec, model_ref: str
     ]  # fmt: skip
     if engine.num_kv_blocks is not None:
         args += [contract.FLAG_NUM_KV_BLOCKS, str(engine.num_kv_blocks)]
+    if engine.quantization is not None:
+        args += [contract.FLAG_QUANTIZATION, engine.quantization]
+    if engine.kv_cache_dtype != "auto":
+        args += [contract.FLAG_KV_CACHE_DTYPE, engine.kv_cache_dtype]
     if engine.prefix_hash_seed is not None:
         args += [contract.FLAG_PREFIX_HASH_SEED, engine.prefix_hash_seed]
     if spec.kv_events.enabled:
