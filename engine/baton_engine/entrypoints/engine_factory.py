@@ -91,7 +91,16 @@ def build_engine_core(
     if config.kv_role != "none":
         from baton_engine.kv_transfer.connector import KVTransferConnector
 
-        connector = KVTransferConnector(config, runner.kv_cache, scheduler, model_name=info.name)
+        connector = KVTransferConnector(
+            config,
+            runner.kv_cache,
+            scheduler,
+            model_name=info.name,
+            num_kv_heads=model_config.num_kv_heads,
+            ranks=executor,
+        )
+        if executor is not None:
+            executor.kv_result_handler = connector.on_rank_result
     core = EngineCore(
         scheduler,
         runner if executor is None else executor,
