@@ -135,6 +135,7 @@ FLAG_CHUNKED_PREFILL: Final = "--enable-chunked-prefill"  # BooleanOptionalActio
 FLAG_MAX_QUEUE: Final = "--max-queued-requests"
 FLAG_KV_ROLE: Final = "--kv-role"
 FLAG_KV_TRANSFER_PORT: Final = "--kv-transfer-port"
+FLAG_TENSOR_PARALLEL_SIZE: Final = "--tensor-parallel-size"
 FLAG_KV_LEASE_SECONDS: Final = "--kv-lease-seconds"
 FLAG_KV_ON_FAILURE: Final = "--kv-transfer-on-failure"
 FLAG_KV_EVENTS: Final = "--kv-events"  # BooleanOptionalAction

@@ -32,6 +32,9 @@ class RoleStatus(CrdModel):
     desired_replicas: int = Field(0, ge=0, description="Pods wanted (the Deployment's spec.replicas).")
     ready: str = Field("0/0", description="readyReplicas/desiredReplicas, for printing.")
     selector: str = Field("", description="Label selector of the pool's pods.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks (GPUs) each pod of the pool splits the model across."
+    )
 
 
 class AutoscalingStatus(CrdModel):
