@@ -2,7 +2,8 @@
 real tokenizer, CPU) on 127.0.0.1, the test playing the router. The prefill leg samples the
 answer's first token under the grammar; the decode leg's grammar continues from that token, so
 the answer is valid under the schema and equals a single engine's (seeded sampling is keyed by
-output position, so which engine samples a token changes nothing). A decode leg whose grammar
+output position, so which engine samples a token changes nothing, nor do the n-gram drafts the
+decode leg verifies under the grammar). A decode leg whose grammar
 refuses the prefill leg's token is refused naming ``kv_transfer_params``, and frees its blocks."""
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPr
         try:
             for role in ("producer", "consumer"):
                 args = serve_args(role, num_kv_blocks=128, lease_seconds=30, name=NAME)
+                if role == "consumer":  # the decode leg verifies n-gram drafts under the grammar
+                    args += ("--speculative", "ngram", "--num-speculative-tokens", "3")
                 started.append(ServerProcess(str(model), *args, log_path=logs / f"{role}.log"))
             yield started[0], started[1]
         finally:
@@ -70,21 +73,40 @@ def _post(server: ServerProcess, body: dict[str, Any]) -> Any:
     return response.json()
 
 
-@pytest.mark.parametrize(("schema", "seed"), [(PERSON, 1), (PERSON, 2), (FLAGS, 3)])
-def test_the_decode_leg_continues_the_prefill_legs_grammar(
+def _disaggregated(
     servers: tuple[ServerProcess, ServerProcess], schema: dict[str, Any], seed: int
-) -> None:
+) -> tuple[int, int]:
+    """One request through both legs, checked against the producer's answer alone; the
+    consumer's draft count before and after it."""
     producer, consumer = servers
     single = _post(producer, _body(schema, seed))["choices"][0]["message"]["content"]
     first = _post(producer, _body(schema, seed, kv_transfer_params={"do_remote_decode": True}))
     assert first["usage"]["completion_tokens"] == 1
     assert single.startswith(first["choices"][0]["message"]["content"])
+    drafts_before = consumer.stats()["spec_num_drafts"]
     second = _post(consumer, _body(schema, seed, kv_transfer_params=first["kv_transfer_params"]))
     choice = second["choices"][0]
     assert choice["finish_reason"] == "stop"
     jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    # the speculating decode leg wrote what the producer wrote alone, token for token
     assert choice["message"]["content"] == single
-    assert consumer.wait_idle()["num_grammar_requests"] == 0
+    stats = consumer.wait_idle()
+    assert stats["num_grammar_requests"] == 0
+    return drafts_before, stats["spec_num_drafts"]
+
+
+@pytest.mark.parametrize(("schema", "seed"), [(PERSON, 2), (FLAGS, 3)])
+def test_the_decode_leg_continues_the_prefill_legs_grammar(
+    servers: tuple[ServerProcess, ServerProcess], schema: dict[str, Any], seed: int
+) -> None:
+    _disaggregated(servers, schema, seed)
+
+
+def test_the_decode_leg_verifies_drafts_under_the_grammar(
+    servers: tuple[ServerProcess, ServerProcess],
+) -> None:
+    before, after = _disaggregated(servers, PERSON, 1)  # an answer n-gram drafting finds repeats in
+    assert after > before
 
 
 def test_a_decode_leg_whose_grammar_refuses_the_first_token_is_refused(

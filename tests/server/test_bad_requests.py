@@ -28,6 +28,23 @@ def _raw(field: str, literal: str) -> bytes:
     return b'{"model": "tiny-chat", "prompt": "hi", "%s": %s}' % (field.encode(), literal.encode())
 
 
+def _schema(schema: Any) -> dict[str, Any]:
+    """A ``response_format`` asking for JSON under `schema`."""
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+def _tool(parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+SCHEMA_PARAM = "response_format.json_schema.schema"
+INFINITE_SCHEMA = (
+    b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "response_format": '
+    b'{"type": "json_schema", "json_schema": {"name": "a", '
+    b'"schema": {"type": "number", "maximum": Infinity}}}}'
+)
+
+
 def _without(body: dict[str, Any], key: str) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != key}
 
@@ -123,6 +140,47 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
      "not supported"),
     ("chat-modalities-audio", "/v1/chat/completions", _chat(modalities=["text", "audio"]), 400, "modalities",
      "only ['text']"),
+    # numbers Python's JSON decoder refuses to convert
+    ("integer-5000-digits", "/v1/completions",
+     b'{"model": "tiny-chat", "prompt": "hi", "seed": %s}' % (b"7" * 5000), 400, None,
+     "request body has an integer of more than 4300 digits"),
+    # schemas (response_format, tool parameters) the grammar compiler cannot enforce, named exactly
+    ("schema-unsatisfiable", "/v1/chat/completions",
+     _chat(response_format=_schema({"type": "integer", "minimum": 5, "maximum": 1})), 400, SCHEMA_PARAM,
+     "cannot be enforced: Unsatisfiable schema: minimum (5) is greater than maximum (1)"),
+    ("schema-unimplemented-keyword", "/v1/chat/completions",
+     _chat(response_format=_schema({"not": {"type": "string"}})), 400, SCHEMA_PARAM,
+     'cannot be enforced: Unimplemented keys: ["not"]'),
+    ("schema-bad-regex", "/v1/completions", _c(response_format=_schema({"type": "string", "pattern": "(a"})),
+     400, SCHEMA_PARAM, "regex parse error"),
+    ("schema-dangling-ref", "/v1/completions", _c(response_format=_schema({"$ref": "#/$defs/nope"})), 400,
+     SCHEMA_PARAM, "Pointer '/$defs/nope' does not exist"),
+    ("schema-length-beyond-64-bits", "/v1/chat/completions",
+     _chat(response_format=_schema({"type": "string", "maxLength": 2**64})), 400, SCHEMA_PARAM,
+     "Expected positive integer for 'maxLength'"),
+    ("schema-infinity", "/v1/chat/completions", INFINITE_SCHEMA, 400, SCHEMA_PARAM,
+     "cannot be enforced: numbers must be finite"),
+    ("schema-not-an-object", "/v1/chat/completions", _chat(response_format=_schema(True)), 400, SCHEMA_PARAM,
+     "must be a JSON schema object"),
+    ("schema-too-big", "/v1/chat/completions",
+     _chat(response_format=_schema({"enum": [f"value-{i:06d}" for i in range(100_000)]})), 400, SCHEMA_PARAM,
+     "too big"),
+    ("json-schema-missing", "/v1/chat/completions", _chat(response_format={"type": "json_schema"}), 400,
+     "response_format.json_schema", "required object"),
+    ("schema-strict-not-bool", "/v1/chat/completions", _chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {}, "strict": "yes"}}), 400,
+     "response_format.json_schema.strict", "must be a boolean"),
+    ("tool-parameters-beyond-64-bits", "/v1/chat/completions",
+     _chat(tools=[_tool({"type": "object", "properties": {"a": {"type": "array", "maxItems": 2**64}}})]),
+     400, "tools[0].function.parameters",
+     "Expected positive integer for 'maxItems'"),
+    ("tool-parameters-infinity", "/v1/chat/completions",
+     _chat(tools=[_tool({"type": "object"}), _tool({"type": "number", "minimum": float("-inf")})]), 400,
+     "tools[1].function.parameters", "numbers must be finite"),
+    ("tool-not-a-function", "/v1/chat/completions", _chat(tools=[{"type": "retrieval"}]), 400,
+     "tools[0].type", "only tools of type 'function'"),
+    ("tool-name-twice", "/v1/chat/completions", _chat(tools=[_tool({}), _tool({})]), 400, "tools",
+     "function name 'f' is offered twice"),
     # a client's long value is quoted back cut short
     ("unknown-long-model", "/v1/completions", _c(model="m" * 100_000), 404, "model", "(100000 characters)"),
 ]  # fmt: skip

@@ -40,12 +40,25 @@ def test_ten_megabyte_bodies_in_a_row_never_stall_health(
         assert warm.status_code == 200, warm.text
     rss_before = _rss_bytes(server.pid)
     text = "Hello world! " * (TEN_MB // 13)
+    enum = [f"value-{i:07d}" for i in range(TEN_MB // 17)]  # 17 bytes each as JSON
     bodies: list[tuple[str, dict[str, Any]]] = [
         ("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 4}),
         ("/v1/completions", {"model": MODEL, "prompt": [text, "short"], "max_tokens": 4}),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": text}]}),
         ("/v1/completions", {"model": MODEL, "prompt": [7] * (TEN_MB // 3), "max_tokens": 4}),
         ("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 4}),
+        # a schema of 10 MB: compiled (off the event loop) until llguidance's size limit refuses it
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "big", "schema": {"enum": enum}},
+                },
+            },
+        ),
     ]
     results: list[tuple[int, dict[str, Any]]] = []
 
@@ -72,7 +85,9 @@ def test_ten_megabyte_bodies_in_a_row_never_stall_health(
         (400, "messages", "context_length_exceeded"),
         (400, "prompt", "context_length_exceeded"),
         (400, "prompt", "context_length_exceeded"),
+        (400, "response_format.json_schema.schema", None),
     ]
+    assert "cannot be enforced: initial lexer configuration (grammar) too big" in results[5][1]["message"]
     assert results[0][1]["message"].startswith(
         f"prompt: {len(text)} characters cannot fit in max_model_len 256"
     )

@@ -15,7 +15,13 @@ import torch
 
 from baton_engine.model.loader.tokenizer_loading import load_tokenizer
 from baton_engine.structured.grammar import StructuredOutputError, response_format_grammar
-from baton_engine.structured.manager import GrammarRefusedToken, SampledRow, StructuredOutputManager
+from baton_engine.structured.manager import (
+    COMPILED_GRAMMARS_KEPT,
+    GrammarRefusedToken,
+    SampledRow,
+    StructuredOutputManager,
+)
+from baton_engine.structured.matcher import allowed
 from baton_engine.text.tokenizer import Tokenizer
 from baton_engine.worker.token_bitmask import apply_token_bitmask_host
 
@@ -151,3 +157,29 @@ def test_the_tokenizer_is_read_once_at_the_first_grammar(tokenizer: Tokenizer) -
     manager.remove(A)
     manager.remove(A)  # removing twice is harmless (a finish after an abort)
     assert len(manager) == 1
+
+
+def test_one_grammar_compiles_once_and_its_copies_advance_independently(
+    tokenizer: Tokenizer, manager: StructuredOutputManager
+) -> None:
+    grammar = _grammar(PERSON)
+    for seq_id in (A, B, C):  # the n samples of one request
+        manager.add(seq_id, grammar)
+    assert manager.num_compiled == 1
+    (opening,) = tokenizer.encode('{"', add_special_tokens=False)  # the one token a document starts with
+    (comma,) = tokenizer.encode(",", add_special_tokens=False)
+    assert manager.accept(A, tokenizer.encode('{"name": "Ada"', add_special_tokens=False)) is False
+    step = manager.step_bitmask([SampledRow(A, 0), SampledRow(B, 1)])
+    assert (allowed(step.bitmask, 0, comma), allowed(step.bitmask, 0, opening)) == (True, False)
+    assert (allowed(step.bitmask, 1, comma), allowed(step.bitmask, 1, opening)) == (False, True)
+    manager.remove(A)
+    manager.add(A, grammar)  # a later request with the same schema starts from the beginning
+    assert allowed(manager.step_bitmask([SampledRow(A, 0)]).bitmask, 0, opening)
+    with pytest.raises(StructuredOutputError):
+        manager.add(3, "start: (")
+    assert manager.num_compiled == 1 and 3 not in manager  # a refused grammar is not kept
+    for i in range(COMPILED_GRAMMARS_KEPT):
+        manager.add(10 + i, _grammar({"type": "array", "maxItems": i + 1}))
+    assert manager.num_compiled == COMPILED_GRAMMARS_KEPT  # PERSON's, the least recently used, went
+    manager.add(30, grammar)  # compiled again; the requests already following it are unaffected
+    assert manager.accept(B, tokenizer.encode('{"name": "Bo", "age": 7}', add_special_tokens=False))

@@ -621,6 +621,8 @@ def _chat_stream(
                 if finish == "stop" and parsers is not None and parsers[d.index].num_calls:
                     finish = "tool_calls"
                 if not deltas:
+                    if finish is None and logprobs is None:
+                        continue  # text the tool-call parser holds until it knows if it is a call
                     deltas = [{"content": ""}] if finish is None else [{}]
                 for k, delta in enumerate(deltas):
                     last = k == len(deltas) - 1

@@ -10,6 +10,7 @@ express (limits, unsupported features) raise `APIError` with ``param`` set.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -181,6 +182,11 @@ def decode_body(raw: bytes) -> Any:
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     except RecursionError as exc:  # the C decoder recurses once per nesting level
         raise _too_deep() from exc
+    except ValueError as exc:  # the only other decoding error: an integer too long to convert
+        raise bad_request(
+            f"request body has an integer of more than {sys.get_int_max_str_digits()} digits",
+            code="invalid_json",
+        ) from exc
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
     _check_values(body)

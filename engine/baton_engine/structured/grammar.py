@@ -54,7 +54,7 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> str | Non
     if kind == "text":
         return None
     if kind == "json_object":
-        return _validated(_json_grammar({"type": "object"}), "response_format")
+        return _validated(_json_grammar({"type": "object"}, "response_format"), "response_format")
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict):
@@ -70,7 +70,8 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> str | Non
         strict = spec.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise StructuredOutputError("response_format.json_schema.strict", "must be a boolean")
-        return _validated(_json_grammar(schema), "response_format.json_schema.schema")
+        where = "response_format.json_schema.schema"
+        return _validated(_json_grammar(schema, where), where)
     raise StructuredOutputError(
         "response_format.type", f"{kind!r} is not one of 'text', 'json_object', 'json_schema'"
     )
@@ -80,7 +81,7 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     """The grammar of JSON valid under `schema` (``SamplingParams(grammar=...)`` offline)."""
     if not isinstance(schema, dict):
         raise StructuredOutputError("schema", "must be a JSON schema object")
-    return _validated(_json_grammar(schema), "schema")
+    return _validated(_json_grammar(schema, "schema"), "schema")
 
 
 def validate_grammar(grammar: str, param: str) -> None:
@@ -104,7 +105,7 @@ def parse_tools(tools: list[Any]) -> list[Tool]:
         parameters = function.get("parameters", {"type": "object"})
         if not isinstance(parameters, dict):
             raise StructuredOutputError(f"{where}.function.parameters", "must be a JSON schema object")
-        _validated(_json_grammar(parameters), f"{where}.function.parameters")
+        _validated(_json_grammar(parameters, f"{where}.function.parameters"), f"{where}.function.parameters")
         parsed.append(Tool(name, parameters))
     names = [t.name for t in parsed]
     duplicate = next((n for n in names if names.count(n) > 1), None)
@@ -156,8 +157,18 @@ def tool_call_format(chat_template: str | None) -> ToolCallFormat | None:
     return None
 
 
-def _json_grammar(schema: dict[str, Any]) -> str:
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+def _json_grammar(schema: dict[str, Any], param: str) -> str:
+    try:
+        # Serialized here, strictly: a NaN or an infinity (Python's JSON decoder takes them)
+        # would otherwise reach llguidance as null, and an integer beyond 64 bits makes its
+        # Python binding raise a bare ValueError.
+        text = json.dumps(schema, allow_nan=False)
+    except ValueError as exc:
+        raise StructuredOutputError(param, "cannot be enforced: numbers must be finite") from exc
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise StructuredOutputError(param, f"cannot be enforced: {exc}") from exc
 
 
 def _validated(grammar: str, param: str) -> str:
