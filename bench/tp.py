@@ -21,9 +21,15 @@ or RCCL); sizes above the visible GPU count are skipped and reported as such.
 
 from __future__ import annotations
 
+import os
+
+# Before torch loads OpenMP (it reads this once): spinning worker threads collapse beside any
+# other busy process on a small machine (a TP=1 run measured 1254 ms per step spinning, 153
+# passive), and the engine core waits passively too. Rank processes inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import json
-import os
 import platform
 import sys
 import tempfile
@@ -105,6 +111,7 @@ def main() -> None:
     if args.quick:
         args.hidden, args.layers, args.vocab = 64, 2, 256
         args.num_prompts, args.prompt_len, args.max_tokens = 2, 12, 6
+    threads = torch.get_num_threads()  # TP=1's (a TP rank 0 in this process sets its own share)
     sizes = [int(s) for s in args.sizes.split(",")]
     if sizes[0] != 1:
         parser.error("--sizes must start with 1 (the reference)")
@@ -134,6 +141,7 @@ def main() -> None:
     report = {
         "bench": "tp",
         "quick": args.quick,
+        "date": time.strftime("%Y-%m-%d"),
         "device": args.device,
         "model": {
             "hidden": args.hidden,
@@ -156,6 +164,8 @@ def main() -> None:
         "cores": cores,
         "load_average_1m": round(os.getloadavg()[0], 2),
         "torch": torch.__version__,
+        "torch_threads_tp1": threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "machine": platform.processor() or platform.machine(),
     }
     if not identical:
