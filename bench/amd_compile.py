@@ -79,6 +79,11 @@ def table_entry(kernel: str, constants: dict[str, Any]) -> str:
         "_rms_norm_kernel": "rms_norm",
         "_rotary_cache_kernel": "rotary",
         "_silu_mul_kernel": "silu",
+        "_moe_gate_up_kernel": "moe",
+        "_moe_down_kernel": "moe",
+        # Not in the launch table: these pick their tiles by the step's shape (`triton_fp8`).
+        "_fp8_gemm_kernel": "gemm_tiles",
+        "_quantize_rows_kernel": "quantize_rows",
     }[kernel]
 
 
@@ -244,11 +249,16 @@ def render_results(result: dict[str, Any], kernels_key: str = "kernels") -> str:
     header = [f"{t} (of {summary[t]['max_waves_per_simd']})" for t in targets]
     lines = ["| kernel | launches | " + " | ".join(header) + " |", "|---|---|" + "---|" * len(targets)]
     for kernel in kernels:
-        rows = [summary[target][kernels_key][kernel] for target in targets]
+        # A kernel of FP8 operands is compiled only for the targets with an FP8 format ("-").
+        rows = [summary[target][kernels_key].get(kernel) for target in targets]
         cells = [
-            f"{r['max_registers']} / {_kib(r['max_lds_bytes'])} / {r['min_waves_per_simd']:g}" for r in rows
+            "-"
+            if r is None
+            else f"{r['max_registers']} / {_kib(r['max_lds_bytes'])} / {r['min_waves_per_simd']:g}"
+            for r in rows
         ]
-        lines.append(f"| `{kernel}` | {rows[0]['launches']} | " + " | ".join(cells) + " |")
+        launches = next(r["launches"] for r in rows if r is not None)
+        lines.append(f"| `{kernel}` | {launches} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -26,7 +26,8 @@ from baton_engine.core.engine_core import EngineCore
 from baton_engine.core.sampling_params import SamplingParams
 from baton_engine.core.scheduler import Scheduler
 from baton_engine.model.config import ModelConfig
-from baton_engine.model.llama import build_model
+from baton_engine.model.linear import QuantizationConfig
+from baton_engine.model.llama import Weights, build_model
 from baton_engine.model.loader.model_loading import LoadedModel
 from baton_engine.model.loader.reference import ResolvedModel
 from baton_engine.worker.gpu.model_runner import GpuModelRunner
@@ -102,12 +103,13 @@ def random_weights(
 
 def make_core(
     config: ModelConfig,
-    weights: dict[str, torch.Tensor],
+    weights: Weights,
     dtype: torch.dtype,
     graph_sizes: tuple[int, ...],
+    quantization: QuantizationConfig | None = None,
     **settings: Any,
 ) -> tuple[EngineCore, GpuModelRunner]:
-    model = build_model(config, weights, dtype, "cuda")
+    model = build_model(config, weights, dtype, "cuda", quantization=quantization)
     loaded = LoadedModel(
         model, config, None, config.name, ResolvedModel("safetensors", Path("/nonexistent"), config.name)
     )
@@ -236,7 +238,7 @@ def eight_b(result: dict[str, Any]) -> None:
         qkv, gate_up = layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight
         mats += list(qkv.split([q_rows, kv_rows, kv_rows])) + [layer.self_attn.o_proj.weight]
         mats += list(gate_up.chunk(2)) + [layer.mlp.down_proj.weight]
-    mats.append(runner.fused.lm_weight)
+    mats.append(runner.fused.lm_head.weight)
     xs = {w.shape[1]: torch.randn(1, w.shape[1], device="cuda", dtype=torch.bfloat16) for w in mats}
     outs = [torch.empty(1, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in mats]
 
@@ -488,6 +490,18 @@ def agreement(result: dict[str, Any]) -> None:
     result["fp32_top2_gap_median"] = round(float((top2[:, 0] - top2[:, 1]).median()), 4)
 
 
+def _fp8_section(result: dict[str, Any]) -> None:
+    from bench.gpu_fp8 import fp8_weights
+
+    fp8_weights(result)
+
+
+def _moe_section(result: dict[str, Any], quick: bool) -> None:
+    from bench.gpu_moe import moe
+
+    moe(result, quick)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -513,6 +527,8 @@ def main() -> None:
         "8b": lambda: eight_b(result),
         "agree": lambda: agreement(result),
         "1b": lambda: one_b(result, args.quick),
+        "fp8": lambda: _fp8_section(result),
+        "moe": lambda: _moe_section(result, args.quick),
     }
     for name in args.sections.split(","):
         t0 = time.perf_counter()

@@ -267,7 +267,7 @@ def bench_engine_step(tokenizer: Any, batch: int, seed: int) -> dict[str, Any]:
                 apply_token_bitmask_host(work, out.grammar_bitmask, out.grammar_rows)
             applied = time.perf_counter()
             tokens = [
-                rows[scheduler.batch.seqs[r].seq_id][scheduler.batch.seqs[r].num_output_tokens]
+                rows[scheduler.batch.requests[r].req_id][scheduler.batch.requests[r].num_output_tokens]
                 for r in out.sample_rows.tolist()
             ]
             result_tokens = ModelRunnerOutput(

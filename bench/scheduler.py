@@ -3,8 +3,10 @@
 Case "decode": N sequences (distinct 512-token prompts, block 16, prefix caching on,
 ignore_eos) are prefilled first (not timed); then 200 steps of schedule + postprocess (+ the
 KV-event drain) are timed. The stand-in model's output for every step is precomputed, so no model
-work is timed. Case "mixed": the same, plus a new 512-token prompt every 10 steps (its prefill
-runs in the same step as the decodes). Zero preemptions is asserted.
+work is timed; it is what the runners return for a step without drafts (the sampled tokens as
+one array, `ModelRunnerOutput.sampled_token_array`), so the timed path is production's. Case
+"mixed": the same, plus a new 512-token prompt every 10 steps (its prefill runs in the same step
+as the decodes). Zero preemptions is asserted.
 
 Each case is timed `--repeats` (default 10) times (consecutive 200-step windows on the same scheduler) and
 the fastest window is reported (the machine is shared; the fastest window is the least
@@ -71,15 +73,12 @@ class _Bench:
         while s.waiting or s.batch.num_decode < self.n:
             out = s.schedule()
             s.postprocess(out, self._output(out.step_id, len(out.sample_rows)))
-            s.block_manager.take_events()
+            s.kv_cache_manager.take_events()
 
     def _output(self, step_id: int, rows: int) -> ModelRunnerOutput:
+        # What the runners return for a step without drafts: the sampled tokens as one array.
         tokens = self.rng.integers(3, VOCAB, rows)
-        return ModelRunnerOutput(
-            step_id=step_id,
-            sampled_token_ids=[[t] for t in tokens.tolist()],
-            sampled_token_array=tokens,
-        )
+        return ModelRunnerOutput(step_id=step_id, sampled_token_array=tokens)
 
     def window(self, mixed: bool) -> tuple[float, float]:
         """Time STEPS steps; returns (wall seconds, process CPU seconds)."""
@@ -99,7 +98,7 @@ class _Bench:
                 self.add_prompt()
             out = s.schedule()
             s.postprocess(out, outputs[i])
-            s.block_manager.take_events()
+            s.kv_cache_manager.take_events()
         elapsed = time.perf_counter() - start
         elapsed_cpu = time.process_time() - start_cpu
         assert s.num_preemptions == 0, "benchmark must run without preemption"

@@ -127,7 +127,7 @@ def timed_generate(
             trace.forwards += 1
             trace.decode_row_steps += step.num_decode_rows
             drafts = step.num_draft_tokens
-            for row, tokens in zip(step.sample_rows.tolist(), result.sampled_token_ids, strict=True):
+            for row, tokens in zip(step.sample_rows.tolist(), result.tokens_per_row(), strict=True):
                 if row < step.num_decode_rows and drafts[row]:
                     trace.drafts.append(int(drafts[row]))
                     trace.accepted.append(len(tokens) - 1)
@@ -307,9 +307,11 @@ def verify_step_costs(
     for k in ks:
         samples = []
         for repeat in range(repeats + 2):  # two warm-up steps per K (graph capture, autotuning)
-            for seq in scheduler.batch.seqs[: scheduler.batch.num_decode]:
-                seq.draft_token_ids = rng.integers(0, vocab, size=k).tolist()
-            out = scheduler.schedule()
+            drafts = {
+                request.req_id: rng.integers(0, vocab, size=k).tolist()
+                for request in scheduler.decoding_requests()
+            }
+            out = scheduler.schedule(drafts)
             _sync(device)
             started = time.perf_counter()
             result = runner.execute(out)

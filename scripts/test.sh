@@ -13,7 +13,7 @@ ruff check .
 ruff format --check engine operator devcluster support bench tests
 echo "== import-linter (layers, torch-free boundary)"
 lint-imports --no-logo
-echo "== mypy (operator, devcluster, support)"
+echo "== mypy (operator, devcluster, engine, support)"
 mypy
 echo "== docs (mkdocs build --strict: a broken link or a page missing from the nav fails)"
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet

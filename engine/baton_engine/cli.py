@@ -35,7 +35,7 @@ def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
     return annotation, False
 
 
-def _add_field(parser: argparse.ArgumentParser, name: str, info: FieldInfo) -> None:
+def _add_field(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, info: FieldInfo) -> None:
     annotation, optional = _unwrap_optional(info.annotation)
     default = info.default
     help_text = (info.description or "").replace("%", "%%")

@@ -32,6 +32,19 @@ class EngineConfig(BaseModel):
         "auto", description="Weights and KV-cache dtype; auto = float32 on CPU, bfloat16 on GPU."
     )
     seed: int = Field(0, description="Seed of the engine's generator for unseeded sampling.")
+    quantization: Literal["fp8"] | None = Field(
+        None,
+        description="Weight quantization: unset = as the checkpoint is (16-bit, or FP8 when its "
+        "config.json has an fp8 or compressed-tensors quantization_config); fp8 = quantize a 16-bit "
+        "checkpoint's linear layers and experts to FP8 on load (one scale per output channel, "
+        "activations quantized per token).",
+    )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto",
+        description="KV-cache dtype: auto = the model dtype; fp8 = 8-bit floats (e4m3fn; e4m3fnuz "
+        "on MI300), half the bytes of a 16-bit cache, with one K and one V scale per layer (the "
+        "checkpoint's k_scale/v_scale, else 1.0).",
+    )
     tensor_parallel_size: int = Field(
         1,
         ge=1,
@@ -69,7 +82,9 @@ class EngineConfig(BaseModel):
     )
 
     # -- scheduler
-    max_num_seqs: int = Field(256, ge=1, description="Most sequences in one step.")
+    max_num_seqs: int = Field(
+        256, ge=1, description="Most requests at once: running, plus P/D consumers holding KV blocks."
+    )
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one step.")
     max_model_len: int = Field(
         4096, ge=1, description="Longest prompt + output, in tokens (capped by the model's own limit)."

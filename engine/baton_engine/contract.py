@@ -93,6 +93,8 @@ LABEL_KV_COMPAT: Final = "baton.dev/kv-compat"
 #: during a block-size rollout the two generations of pods hash differently.
 ANNOTATION_BLOCK_SIZE: Final = "baton.dev/block-size"
 ANNOTATION_PREFIX_HASH: Final = "baton.dev/prefix-hash"
+#: ... and the root seed of its vllm-* hashes (absent: vLLM's default root).
+ANNOTATION_PREFIX_HASH_SEED: Final = "baton.dev/prefix-hash-seed"
 
 
 def engine_pods_selector(deployment: str) -> dict[str, str]:
@@ -123,6 +125,8 @@ FLAG_HOST: Final = "--host"
 FLAG_PORT: Final = "--port"
 FLAG_DEVICE: Final = "--device"
 FLAG_DTYPE: Final = "--dtype"
+FLAG_QUANTIZATION: Final = "--quantization"
+FLAG_KV_CACHE_DTYPE: Final = "--kv-cache-dtype"
 FLAG_TENSOR_PARALLEL_SIZE: Final = "--tensor-parallel-size"
 FLAG_BLOCK_SIZE: Final = "--block-size"
 FLAG_MAX_NUM_SEQS: Final = "--max-num-seqs"
@@ -135,7 +139,6 @@ FLAG_CHUNKED_PREFILL: Final = "--enable-chunked-prefill"  # BooleanOptionalActio
 FLAG_MAX_QUEUE: Final = "--max-queued-requests"
 FLAG_KV_ROLE: Final = "--kv-role"
 FLAG_KV_TRANSFER_PORT: Final = "--kv-transfer-port"
-FLAG_TENSOR_PARALLEL_SIZE: Final = "--tensor-parallel-size"
 FLAG_KV_LEASE_SECONDS: Final = "--kv-lease-seconds"
 FLAG_KV_ON_FAILURE: Final = "--kv-transfer-on-failure"
 FLAG_KV_EVENTS: Final = "--kv-events"  # BooleanOptionalAction
@@ -363,12 +366,12 @@ class KVTransferParams:
     block_ids: list[int]  # producer block ids holding the prompt's KV, in order
     num_tokens: int  # prompt tokens whose KV the blocks hold
     first_token: int  # token the producer sampled after the prompt
-    block_size: int
+    block_size: int  # tokens per block (must equal the consumer's)
     dtype: str  # torch dtype name of the KV cache, e.g. "float32", "bfloat16"
-    layout: str = KV_LAYOUT
+    layout: str = KV_LAYOUT  # the KV cache tensor's dimension order (KV_LAYOUT)
     model: str = ""  # served model name
     lease_expires_at: float = 0.0  # producer wall-clock (unix seconds)
-    version: int = KV_TRANSFER_SCHEMA_VERSION
+    version: int = KV_TRANSFER_SCHEMA_VERSION  # this schema's version (KV_TRANSFER_SCHEMA_VERSION)
     #: The producer's KV-compatibility key (LABEL_KV_COMPAT); "" when it was started without one.
     kv_key: str = ""
     #: The producer's tensor-parallel layout: its rank r holds the KV heads
@@ -378,7 +381,7 @@ class KVTransferParams:
     tp_size: int = 1
     rank_ports: list[int] = field(default_factory=list)
     num_kv_heads: int = 0
-    signature: str = field(default="", compare=False)
+    signature: str = field(default="", compare=False)  # HMAC-SHA256 hex over the other fields
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

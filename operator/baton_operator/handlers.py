@@ -122,3 +122,8 @@ def register(registry: kopf.OperatorRegistry) -> None:
         key = pods.owner(body)
         if changed and key is not None and type is not None:
             memo.refresher.request(key)
+            # A KV-key rollout's next step waits for pods to become Ready or to go.
+            rolling = memo.caches.rollouts.get(key)
+            lease = memo.workers.lease(*key) if rolling is not None and rolling[0] else None
+            if lease is not None:
+                lease.request("rollout")

@@ -37,6 +37,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Secret"): "secrets",
     ("v1", "Pod"): "pods",
     ("apps/v1", "Deployment"): "deployments",
+    ("apps/v1", "ReplicaSet"): "replicasets",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
@@ -313,6 +314,15 @@ class Kube:
         return await self._call(
             "PATCH", path, {"status": dict(status)}, query, "application/merge-patch+json"
         )
+
+    async def merge_patch(
+        self, api_version: str, kind: str, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> JSON:
+        """JSON merge patch (RFC 7386) of one object under the operator's field manager; a
+        `metadata.resourceVersion` in `patch` makes it conditional (409 if the object changed)."""
+        query = [("fieldManager", self.field_manager)]
+        path = object_path(api_version, kind, namespace, name)
+        return await self._call("PATCH", path, dict(patch), query, "application/merge-patch+json")
 
     async def set_owner(self, manifest: Mapping[str, Any]) -> None:
         """Make `manifest`'s owner references the only ones of the existing object (a merge

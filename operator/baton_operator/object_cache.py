@@ -17,8 +17,17 @@ Key = tuple[str, str]  # (namespace, name)
 View = Callable[[Mapping[str, Any]], dict[str, Any]]
 
 #: What a status refresh reads of an InferenceDeployment's spec: enough for `parse_spec` to
-#: give the roles and the router endpoint (every other spec field has a default).
-OWNER_SPEC_FIELDS = ("spec.model", "spec.mode", "spec.router")
+#: give the roles, the router endpoint, the pools' KV-compatibility keys and whether they may be
+#: scaled to zero (every other spec field has a default).
+OWNER_SPEC_FIELDS = (
+    "spec.model",
+    "spec.mode",
+    "spec.router",
+    "spec.engine",
+    "spec.prefill",
+    "spec.decode",
+    "spec.autoscaling",
+)
 #: The status fields the operator writes (and compares before writing); not the autoscaler's.
 OWNER_STATUS_FIELDS = tuple(
     f"status.{key}"

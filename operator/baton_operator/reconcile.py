@@ -31,6 +31,7 @@ from baton_operator.resource_status import (
     status_changed,
     stored_failure,
 )
+from baton_operator.rollout import controller as rollouts
 from baton_operator.workers import ResourceGone, ResourceId
 
 
@@ -126,6 +127,10 @@ class Caches:
     deployments: ObjectCache = field(default_factory=lambda: ObjectCache(deployment_view))
     owners: ObjectCache = field(default_factory=lambda: ObjectCache(owner_view))
     pods: PodIndex = field(default_factory=PodIndex)  # empty without a pod watch: no pod reasons
+    #: (namespace, name) -> whether its last look saw a KV-key rollout under way, and the pools'
+    #: keys then (absent: not looked yet). While one is, pod changes ask for a reconcile (the
+    #: next step); while none is and the keys stay, reconciles need not look.
+    rollouts: dict[tuple[str, str], tuple[bool, dict[str, str]]] = field(default_factory=dict)
 
 
 async def write_in_order(
@@ -187,7 +192,17 @@ async def reconcile(
     owner = owner_of(body)
     generation = int(body["metadata"].get("generation", 0))
     ctx = BuildContext(owner, parse_spec(body), cfg.operator_namespace, cfg.monitoring_namespace)
-    children = desired_children(ctx, new_signing_key())
+    signing_key = new_signing_key()
+    rollout: rollouts.Pass | None = None
+    if ctx.spec.mode == "disaggregated":
+        # A KV-compatibility key change is rolled out as two generations (see `rollout`): the
+        # pool Deployments are built with this pass's paused flag and replicas.
+        seen = caches.rollouts.get((owner.namespace, owner.name))
+        if seen is None or seen[0] or seen[1] != rollouts.keys_of(ctx):
+            deployments = await _deployments(kube, caches, owner, ctx.spec)
+            rollout = await rollouts.begin(kube, ctx, deployments, guard)
+            caches.rollouts[(owner.namespace, owner.name)] = (rollout.plan.active, rollout.keys)
+    children = desired_children(rollout.context if rollout else ctx, signing_key)
     dependent = [m for m in children.applied if m["kind"] in DEPENDENT_KINDS]
     independent = [m for m in children.applied if m["kind"] not in DEPENDENT_KINDS]
     outcome = Outcome()
@@ -246,6 +261,23 @@ async def reconcile(
         for result in await write_in_order(dependent, write, guarded, len(first)):
             if result:
                 caches.deployments.observe(result)
+        if rollout is not None and rollout.plan.switching:
+            # The pools took the new template paused: release their old generation, then let
+            # them go on with the rollout's first step.
+            emit(Event("Normal", "RollingOut", rollout.plan.message))
+            rollout = await rollouts.switch(
+                kube, ctx, rollout, await _deployments(kube, caches, owner, ctx.spec), guard
+            )
+            resumed = [
+                m
+                for m in desired_children(rollout.context, signing_key).applied
+                if m["kind"] == "Deployment" and m["metadata"]["name"] in pools
+            ]
+            for result in await write_in_order(resumed, write, guarded, len(first) + len(dependent)):
+                if result:
+                    caches.deployments.observe(result)
+        if rollout is not None and rollout.finished:
+            emit(Event("Normal", "RolloutComplete", rollout.plan.message))
         for crd_name, manifest in children.optional:
             if await kube.crd_exists(crd_name) and await _apply_optional(kube, crd_name, manifest, guard):
                 outcome.applied += 1
@@ -295,6 +327,17 @@ async def _deployments(
     return found
 
 
+def _scales_to_zero(spec: InferenceDeploymentSpec) -> bool:
+    """Whether the built-in autoscaler may take every pool to zero pods (their minReplicas 0)."""
+    auto = spec.autoscaling
+    return auto.mode == "builtin" and auto.decode.min_replicas == 0
+
+
+def _pool_keys(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, str]:
+    """The KV-compatibility key of each pool whose generations status shows (disaggregated)."""
+    return rollouts.keys_of(BuildContext(owner, spec)) if spec.mode == "disaggregated" else {}
+
+
 async def _report(
     kube: Kube,
     caches: Caches,
@@ -313,6 +356,8 @@ async def _report(
             deployments=await _deployments(kube, caches, owner, spec),
             failure=failure,
             pods=caches.pods.of(owner.namespace, owner.name),
+            keys=_pool_keys(owner, spec),
+            scale_to_zero=_scales_to_zero(spec),
         ),
         endpoint=router_endpoint(BuildContext(owner, spec)),
         now=now_rfc3339(),
@@ -366,7 +411,11 @@ async def refresh_status(kube: Kube, caches: Caches, namespace: str, name: str) 
         name=name,
         generation=int(stored.get("observedGeneration", body["metadata"].get("generation", 0))),
         observed=Observed(
-            deployments=deployments, failure=stored_failure(stored), pods=caches.pods.of(namespace, name)
+            deployments=deployments,
+            failure=stored_failure(stored),
+            pods=caches.pods.of(namespace, name),
+            keys=_pool_keys(owner, spec),
+            scale_to_zero=_scales_to_zero(spec),
         ),
         endpoint=router_endpoint(BuildContext(owner, spec)),
         now=now_rfc3339(),

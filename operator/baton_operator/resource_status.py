@@ -13,6 +13,7 @@ from typing import Any
 from baton_engine import contract
 from baton_operator.models import Condition, RoleStatus
 from baton_operator.pod_problems import pool_problems, summary
+from baton_operator.rollout.generations import PoolView, pool_view
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 #: Status keys per contract role (the aggregated pool is `status.pool`).
@@ -96,6 +97,42 @@ class Observed:
     deployments: Mapping[str, Mapping[str, Any] | None]  # role -> Deployment (None: not found)
     failure: Failure | None = None
     pods: Mapping[str, Sequence[Mapping[str, Any]]] = field(default_factory=dict)  # role -> its pods
+    keys: Mapping[str, str] = field(default_factory=dict)  # pool -> the KV-compatibility key it must have
+    scale_to_zero: bool = False  # the autoscaler may scale every pool to zero (builtin, minReplicas 0)
+
+    def generations(self) -> dict[str, PoolView]:
+        """The pools with a key, their pods sorted into the key's and other keys' (a rollout)."""
+        return {
+            role: pool_view(role, key, None, (), self.pods.get(role, ()), "")
+            for role, key in self.keys.items()
+        }
+
+
+def _with_generations(status: RoleStatus, view: PoolView) -> RoleStatus:
+    """A pool's counts with its pods of every key: during a rollout the old generation's pods
+    serve beside the Deployment's new ones."""
+    extra = {"kv_compat_key": view.key, "new_key_pods": view.new_pods, "old_key_pods": view.old_pods}
+    if view.old_pods:
+        ready = status.ready_replicas + view.old_ready
+        extra |= {
+            "ready_replicas": ready,
+            "replicas": status.replicas + view.old_pods,
+            "ready": f"{ready}/{status.desired_replicas}",
+        }
+    return status.model_copy(update=extra)
+
+
+def rollout_message(generations: Mapping[str, PoolView]) -> str | None:
+    """The Progressing message of a KV-key rollout under way (None: none is)."""
+    rolling = [v for v in generations.values() if v.old_pods]
+    if not rolling:
+        return None
+    old = sorted({k or "(none)" for v in rolling for k in v.old_keys})
+    new = sorted({v.key for v in generations.values()})
+    pools = "; ".join(
+        f"{role}: {v.new_ready}/{v.new_pods} new Ready, {v.old_pods} old" for role, v in generations.items()
+    )
+    return f"KV-compatibility key {', '.join(old)} -> {', '.join(new)}, decode first; {pools}"
 
 
 def _condition(
@@ -133,6 +170,7 @@ def conditions(
 ) -> list[Condition]:
     """Ready, Progressing and Degraded; a transition time moves only when its status flips."""
     counts = ", ".join(f"{role} {s.ready}" for role, s in roles.items())
+    engines = [r for r in roles if r in contract.ENGINE_ROLES]
     missing = [role for role, d in observed.deployments.items() if d is None]
     not_ready = [
         role for role, s in roles.items() if s.desired_replicas == 0 or s.ready_replicas < s.desired_replicas
@@ -148,6 +186,9 @@ def conditions(
         ready = _condition(
             READY, False, "Creating", f"waiting for {', '.join(missing)}", generation, now, previous
         )
+    elif observed.scale_to_zero and engines and all(roles[r].desired_replicas == 0 for r in engines):
+        message = "every pool is scaled to zero; the router holds requests and a request wakes the pools"
+        ready = _condition(READY, True, "ScaledToZero", message, generation, now, previous)
     elif not_ready and stuck is not None:
         ready = _condition(READY, False, stuck.reason, stuck.message, generation, now, previous)
     elif not_ready:
@@ -155,7 +196,10 @@ def conditions(
     else:
         ready = _condition(READY, True, "AllPodsReady", counts, generation, now, previous)
 
-    if missing or rolling:
+    rollout = rollout_message(observed.generations())
+    if rollout is not None:
+        progressing = _condition(PROGRESSING, True, "RollingOut", rollout, generation, now, previous)
+    elif missing or rolling:
         waiting = ", ".join(missing + rolling)
         progressing = _condition(
             PROGRESSING, True, "RollingOut", f"updating {waiting}", generation, now, previous
@@ -198,9 +242,12 @@ def compute_status(
         role: role_status(deployment, contract.pod_selector(name, role))
         for role, deployment in observed.deployments.items()
     }
+    for role, view in observed.generations().items():
+        if role in roles:
+            roles[role] = _with_generations(roles[role], view)
     patch: dict[str, Any] = {key: None for key in STATUS_KEY.values()}
     for role, role_state in roles.items():
-        patch[STATUS_KEY[role]] = role_state.model_dump(by_alias=True)
+        patch[STATUS_KEY[role]] = role_state.model_dump(by_alias=True, exclude_none=True)
     patch["conditions"] = [
         c.model_dump(by_alias=True, exclude_none=True)
         for c in conditions(observed, roles, generation, now, previous.get("conditions", []))

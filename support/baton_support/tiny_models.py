@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     import torch
 
-Family = Literal["llama", "qwen2", "qwen3"]
+Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -51,7 +51,9 @@ class TinyModel:
 
     family: Family = "llama"
     """llama | qwen2 (q/k/v biases, rope theta 1000) | qwen3 (q/k norms, head_dim 32, tied
-    embeddings, rope theta 1000)."""
+    embeddings, rope theta 1000) | qwen3_moe (qwen3's attention, untied; 8 experts of width
+    `hidden_size`, top 2; layer 1 dense when there are several) | mixtral (llama's attention,
+    rope theta 1e6; 4 experts of width 2 * `hidden_size`, top 2)."""
     vocab_size: int = 300
     """Token ids are ``[0, vocab_size)``; with `chat_tokenizer` the trained tokenizer's size wins
     (this is only its target)."""
@@ -73,6 +75,8 @@ class TinyModel:
     chat_tokenizer: bool = False
     """Also train a byte-level BPE tokenizer (special tokens `CHAT_SPECIAL_TOKENS`, EOS
     `CHAT_EOS`) with `CHAT_TEMPLATE`, for tests of the text path."""
+    norm_topk_prob: bool = True
+    """qwen3_moe only: renormalise the top-k routing weights (Qwen3-MoE's config flag)."""
     dtype: Literal["float64", "float32"] = "float64"
     """Weights as saved and built (float64 makes engine-vs-transformers parity exact enough to
     compare greedy tokens)."""
@@ -83,7 +87,7 @@ class TinyModel:
 
     def hf_config(self, vocab_size: int | None = None, eos_token_id: int | None = None) -> Any:
         """The transformers config (the model class's own `config_class`)."""
-        from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+        from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
         common: dict[str, Any] = dict(
             vocab_size=self.vocab_size if vocab_size is None else vocab_size,
@@ -100,8 +104,9 @@ class TinyModel:
             pad_token_id=None,
         )
         if self.family == "llama":
-            rope = {"rope_parameters": _LLAMA3_ROPE} if self.llama3_rope else {}
-            return LlamaConfig(**common, tie_word_embeddings=False, **rope)
+            if self.llama3_rope:
+                common["rope_parameters"] = _LLAMA3_ROPE
+            return LlamaConfig(**common, tie_word_embeddings=False)
         if self.llama3_rope:
             raise ValueError(f"llama3_rope: only for family llama, not {self.family}")
         if self.family == "qwen2":
@@ -110,15 +115,45 @@ class TinyModel:
             return Qwen3Config(
                 **common, head_dim=32, tie_word_embeddings=True, rope_parameters={"rope_theta": 1000.0}
             )
-        raise ValueError(f"family: {self.family!r} is not llama, qwen2 or qwen3")
+        if self.family == "qwen3_moe":
+            moe = Qwen3MoeConfig(
+                **common,
+                tie_word_embeddings=False,
+                rope_parameters={"rope_theta": 1000.0},
+                num_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=self.hidden_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=1,
+                mlp_only_layers=[1] if self.num_layers > 1 else [],
+            )
+            moe.head_dim = 32  # a config attribute its typed signature does not list
+            return moe
+        if self.family == "mixtral":
+            return MixtralConfig(
+                **common, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2
+            )
+        raise ValueError(f"family: {self.family!r} is not llama, qwen2, qwen3, qwen3_moe or mixtral")
 
     def build(self, *, vocab_size: int | None = None, eos_token_id: int | None = None) -> torch.nn.Module:
         """The transformers model in memory, in eval mode (`vocab_size` / `eos_token_id` override
         the spec's: `save` passes the trained tokenizer's)."""
         import torch
-        from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+        from transformers import (
+            LlamaForCausalLM,
+            MixtralForCausalLM,
+            Qwen2ForCausalLM,
+            Qwen3ForCausalLM,
+            Qwen3MoeForCausalLM,
+        )
 
-        model_class = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+        model_class = {
+            "llama": LlamaForCausalLM,
+            "qwen2": Qwen2ForCausalLM,
+            "qwen3": Qwen3ForCausalLM,
+            "qwen3_moe": Qwen3MoeForCausalLM,
+            "mixtral": MixtralForCausalLM,
+        }
         config = self.hf_config(vocab_size, eos_token_id)
         torch.manual_seed(self.seed)
         model: torch.nn.Module = model_class[self.family](config)
@@ -171,7 +206,9 @@ def _save_chat_tokenizer(directory: Path, vocab_size: int) -> tuple[int, int]:
         "add_bos_token": False,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(settings))
-    return tokenizer.get_vocab_size(), tokenizer.token_to_id(CHAT_EOS)
+    eos = tokenizer.token_to_id(CHAT_EOS)
+    assert eos is not None  # a special token of the trainer
+    return tokenizer.get_vocab_size(), eos
 
 
 def with_eos(source: Path, target: Path, eos_token_id: int) -> Path:

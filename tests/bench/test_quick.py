@@ -60,6 +60,11 @@ BENCHMARKS: dict[str, Bench] = {
         ("requests", "unexpected", "end", "rss_mib"),
         smoke_test="tests/server/test_soak.py::test_short_soak_leaks_no_block_and_leaves_no_request_stuck",
     ),
+    "cold_start": Bench(
+        ("cold_start_s", "woken_after_s", "ready_after_s", "engine_floor_s", "orchestration_s"),
+        smoke_test="tests/rollout_e2e/test_scale_to_zero_e2e.py::"
+        "test_idle_to_zero_a_request_wakes_both_pools_and_a_burst_beyond_the_queue_gets_503",
+    ),
     "amd_compile": Bench(
         ("summary", "kernels", "failures", "cost"),
         smoke_test="tests/kernel_targets/test_compile_targets.py::test_bench_amd_compile_reports_the_test_run",
@@ -73,6 +78,8 @@ BENCHMARKS: dict[str, Bench] = {
 #: Modules under bench/ that are not benchmarks of their own.
 HELPERS = {
     "shapes": "model shapes the GPU benchmarks share",
+    "gpu_moe": "bench.gpu's moe section (Qwen3-30B-A3B shape)",
+    "gpu_fp8": "bench.gpu's fp8 section (8B shape, FP8 weights vs bf16)",
     "router_upstream": "the fixed-rate upstream that bench.router starts",
     "operator_load": "the code of bench.operator",
     "autoscaler_reaction": "the operator-process part of bench.autoscaler",

@@ -75,7 +75,7 @@ def reference_output(request: Workload) -> list[int]:
 
 
 def check_events(scheduler: Scheduler) -> None:
-    for event in scheduler.block_manager.take_events():
+    for event in scheduler.kv_cache_manager.take_events():
         if isinstance(event, BlocksStored):
             parent = event.parent_block_hash
             bs = event.block_size
@@ -123,33 +123,34 @@ def run_workload(
                 scheduler.add(seqs[i])
             if request.abort_step == step and i in seqs:
                 scheduler.abort(i)
+        drafts: dict[int, list[int]] = {}
         if speculative:
-            for seq in scheduler.batch.seqs[: scheduler.batch.num_decode]:
-                drafts, tokens = [], list(seq.token_ids)
+            for decoding_request in scheduler.decoding_requests():
+                proposed, tokens = [], list(decoding_request.token_ids)
                 for _ in range(speculative):
                     token = reference_next_token(tokens, VOCAB)
                     if drafter.random() < 0.3:
                         token = (token + 1) % VOCAB
-                    drafts.append(token)
+                    proposed.append(token)
                     tokens.append(token)
-                seq.draft_token_ids = drafts
+                drafts[decoding_request.req_id] = proposed
         if step > max(r.arrival_step for r in requests) and not scheduler.has_unfinished():
             break
-        out = scheduler.schedule()
+        out = scheduler.schedule(drafts)
         if out.num_rows:
             check_step_invariants(scheduler, out, decoding)
             if not speculative:
-                # Mixed batches: every decoding sequence is in the step with exactly one token.
+                # Mixed batches: every decoding request is in the step with exactly one token.
                 assert (out.query_lens[: out.num_decode_rows] == 1).all()
             scheduler.postprocess(out, model.run(out))
-            decoding = set(scheduler.batch.seq_ids[: scheduler.batch.num_decode])
+            decoding = set(scheduler.batch.req_ids[: scheduler.batch.num_decode])
         else:
             scheduler.take_finished()
         if hasher is fast_prefix_hash:
             check_events(scheduler)
         else:
-            scheduler.block_manager.take_events()
-        assert 0.0 <= scheduler.block_manager.usage() <= 1.0
+            scheduler.kv_cache_manager.take_events()
+        assert 0.0 <= scheduler.kv_cache_manager.usage() <= 1.0
     else:
         raise AssertionError("workload did not drain")
     assert_no_leaks(scheduler)

@@ -81,8 +81,9 @@ def test_router_hashes_each_pod_as_its_engine_flags_say(role: str) -> None:
     def flag(name: str) -> str:
         return str(args[args.index(name) + 1])
 
-    block_size, prefix_hash = pod_hashing(template["metadata"])
+    block_size, prefix_hash, seed = pod_hashing(template["metadata"])
     assert (block_size, prefix_hash) == (int(flag(contract.FLAG_BLOCK_SIZE)), flag(contract.FLAG_PREFIX_HASH))
+    assert seed is None and contract.FLAG_PREFIX_HASH_SEED not in args
     assert template["metadata"]["labels"][contract.LABEL_KV_COMPAT] == flag(contract.FLAG_KV_COMPAT_KEY)
 
 

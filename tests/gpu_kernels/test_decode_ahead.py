@@ -14,11 +14,11 @@ BS = 4
 
 
 def _decode_step(
-    seq_ids: list[int], inputs: list[int], seq_lens: list[int], tables: list[list[int]]
+    req_ids: list[int], inputs: list[int], seq_lens: list[int], tables: list[list[int]]
 ) -> SchedulerOutput:
     """A plain decode step: a verify step without drafts, with these sequences and input ids."""
-    step = verify_step(seq_lens, [0] * len(seq_ids), tables, BS)
-    return dataclasses.replace(step, seq_ids=seq_ids, input_ids=np.asarray(inputs, dtype=np.int64))
+    step = verify_step(seq_lens, [0] * len(req_ids), tables, BS)
+    return dataclasses.replace(step, req_ids=req_ids, input_ids=np.asarray(inputs, dtype=np.int64))
 
 
 TABLES = [[7, 2, 0], [3, 9, 5], [4, 0, 0]]

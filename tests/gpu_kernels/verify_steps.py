@@ -21,7 +21,7 @@ def verify_step(
     pos = (lens - query_lens)[row_of].astype(np.int64) + offset
     return SchedulerOutput(
         step_id=0,
-        seq_ids=list(range(rows)),
+        req_ids=list(range(rows)),
         num_decode_rows=rows,
         query_lens=query_lens,
         query_start_loc=starts,

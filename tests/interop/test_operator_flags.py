@@ -1,5 +1,6 @@
 """What the operator renders for the vLLM-compatibility settings: the prefix-hash seed on the
-engines and the router alike (their keys must agree), and the KV-event encoding on the engines."""
+engines and, through each pod's annotations, for the router (their keys must agree), and the
+KV-event encoding on the engines."""
 
 from __future__ import annotations
 
@@ -35,16 +36,25 @@ def test_vllm_keys_with_a_seed_reach_engines_and_router() -> None:
     for name in ("demo-prefill", "demo-decode"):
         assert flag(args[name], contract.FLAG_PREFIX_HASH) == "vllm-sha256"
         assert flag(args[name], contract.FLAG_PREFIX_HASH_SEED) == "0"
-    # The router hashes each pod's prompts as the pod's annotation says, with the seed it is given.
-    pods = deployments({"engine": {"prefixHash": "vllm-sha256"}})
+    # The router hashes each pod's prompts as the pod's annotations say, seed included (a new
+    # seed is a new KV-compatibility key: rolled out without restarting the router).
+    pods = deployments({"engine": {"prefixHash": "vllm-sha256", "prefixHashSeed": "0"}})
     for name in ("demo-prefill", "demo-decode"):
         annotations = pods[name]["spec"]["template"]["metadata"]["annotations"]
         assert annotations[contract.ANNOTATION_PREFIX_HASH] == "vllm-sha256"
-    assert flag(args["demo-router"], contract.FLAG_ROUTER_PREFIX_HASH_SEED) == "0"
-    # Unset: neither side gets the flag, both use vLLM's default root.
-    plain = args_by_deployment({"engine": {"prefixHash": "vllm-sha256"}})
-    assert contract.FLAG_PREFIX_HASH_SEED not in plain["demo-prefill"]
-    assert contract.FLAG_ROUTER_PREFIX_HASH_SEED not in plain["demo-router"]
+        assert annotations[contract.ANNOTATION_PREFIX_HASH_SEED] == "0"
+    assert contract.FLAG_ROUTER_PREFIX_HASH_SEED not in args["demo-router"]
+    # Unset: no flag and no annotation, both sides use vLLM's default root.
+    plain = deployments({"engine": {"prefixHash": "vllm-sha256"}})
+    assert (
+        contract.FLAG_PREFIX_HASH_SEED
+        not in plain["demo-prefill"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+    for name in ("demo-prefill", "demo-decode"):
+        assert (
+            contract.ANNOTATION_PREFIX_HASH_SEED
+            not in plain[name]["spec"]["template"]["metadata"]["annotations"]
+        )
 
 
 def test_the_kv_event_encoding_reaches_the_engines() -> None:

@@ -85,12 +85,19 @@ def test_the_engine_package_has_the_jit_functions_the_compile_test_expects() -> 
     assert names == [
         "_decode_reduce_kernel",
         "_decode_split_kernel",
+        "_fp8_gemm_kernel",
+        "_moe_down_kernel",
+        "_moe_gate_up_kernel",
         "_multi_query_split_kernel",
         "_prefill_kernel",
+        "_quantize_rows_kernel",
         "_rms_norm_kernel",
         "_rotary_cache_kernel",
         "_silu_mul_kernel",
+        "_tile_pairs",
+        "_to_fp8",
         "attend_paged_keys",
+        "round_to_fp8_grid",
         "split_k_program",
         "store_attention_rows",
     ]
@@ -121,6 +128,35 @@ def test_fp8_cases_take_each_targets_format() -> None:
         "float16",
         "float16",
     ]
+
+
+def test_kv_caches_add_an_fp8_cache_to_16_bit_cases_on_fp8_targets() -> None:
+    """The attention and rotary scenarios launch for every cache the engine pairs with a case's
+    activations: the FP8 one (``--kv-cache-dtype fp8``) with its [2] (K, V) scales."""
+
+    def caches(
+        case_dtype: kernel_registry.CaseDtype, fp8: torch.dtype | None
+    ) -> list[tuple[torch.dtype, tuple[tuple[int, ...], torch.dtype] | None]]:
+        case = kernel_registry.KernelCase(kernel_registry.MODEL_SHAPES[0], case_dtype, fp8, 16, 8192, CUDA)
+        return [
+            (cache.dtype, None if scale is None else (tuple(scale.shape), scale.dtype))
+            for cache, scale in case.kv_caches()
+        ]
+
+    assert caches("bfloat16", torch.float8_e4m3fnuz) == [
+        (torch.bfloat16, None),
+        (torch.float8_e4m3fnuz, ((2,), torch.float32)),
+    ]
+    assert caches("float16", torch.float8_e4m3fn) == [
+        (torch.float16, None),
+        (torch.float8_e4m3fn, ((2,), torch.float32)),
+    ]
+    assert caches("float32", torch.float8_e4m3fn) == [(torch.float32, None)]
+    assert caches("bfloat16", None) == [(torch.bfloat16, None)]
+    model = kernel_registry.MODEL_SHAPES[0]
+    case = kernel_registry.KernelCase(model, "bfloat16", torch.float8_e4m3fn, 16, 8192, CUDA)
+    cache, _ = case.kv_caches()[1]
+    assert tuple(cache.shape) == (2, 4, 16, model.num_kv_heads, model.head_dim)
 
 
 @pytest.mark.parametrize(
@@ -212,6 +248,7 @@ def test_nvidia_entries_are_the_h200_tuned_values() -> None:
         "rms_norm": (4, 3, None, None),
         "rotary": (4, 3, None, None),
         "silu": (4, 3, 1024, None),
+        "moe": (4, 3, None, None),  # Triton's defaults, the session-1 kernel's values (not tuned)
     }
 
 
@@ -227,6 +264,8 @@ def test_scenarios_declare_kernels_the_package_defines() -> None:
         "_rms_norm_launches",
         "_rotary_launches",
         "_silu_launches",
+        "_moe_launches",
+        "_fp8_gemm_launches",
     }
 
 

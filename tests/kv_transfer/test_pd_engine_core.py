@@ -49,12 +49,12 @@ class Cores:
 
     @property
     def prod_connector(self) -> KVTransferConnector:
-        assert self.producer.kv_connector is not None
+        assert isinstance(self.producer.kv_connector, KVTransferConnector)
         return self.producer.kv_connector
 
     @property
     def cons_connector(self) -> KVTransferConnector:
-        assert self.consumer.kv_connector is not None
+        assert isinstance(self.consumer.kv_connector, KVTransferConnector)
         return self.consumer.kv_connector
 
 
@@ -113,14 +113,15 @@ def _wait_leases_freed(producer: EngineCore) -> None:
 
 
 def _used(core: EngineCore) -> int:
-    return int(core.scheduler.block_manager.num_used_blocks)
+    return int(core.scheduler.kv_cache_manager.num_used_blocks)
 
 
 def _disaggregated(cores: Cores, name: str, prompt: list[int]) -> tuple[list[int], int]:
     first, kv, reason, _ = _run(cores.producer, f"{name}-p", prompt, kv={"do_remote_decode": True})
     assert kv is not None and len(first) == 1 and reason in ("length", "stop")
     assert kv["first_token"] == first[0] and kv["num_tokens"] == len(prompt)
-    assert kv["block_ids"] == cores.producer.scheduler.held_blocks(kv["transfer_id"])[: len(kv["block_ids"])]
+    producer = cores.prod_connector.producer
+    assert producer is not None and producer.leases.block_ids(kv["transfer_id"]) == kv["block_ids"]
     tokens, _, _, cached = _run(cores.consumer, f"{name}-d", prompt, kv=kv)
     return tokens, cached
 

@@ -14,6 +14,9 @@ import numpy as np
 
 from baton_engine.core.scheduler_output import SamplingBatch, SchedulerOutput
 from baton_engine.worker.model_runner import ModelRunner
+from baton_support.model_logits import prefill_logits
+
+__all__ = ["TestDriver", "prefill_logits"]
 
 
 @dataclass
@@ -27,7 +30,7 @@ class Sampling:
 
 @dataclass
 class _Seq:
-    seq_id: int
+    req_id: int
     prompt: list[int]
     max_new_tokens: int
     sampling: Sampling
@@ -98,7 +101,7 @@ class TestDriver:
             for seq in [s for s in running if s.done]:
                 running.remove(seq)
                 finished.append(seq)
-        return sorted(finished, key=lambda s: s.seq_id)
+        return sorted(finished, key=lambda s: s.req_id)
 
     def _admit(self, seq: _Seq) -> None:
         bs = self.block_size
@@ -142,17 +145,16 @@ class TestDriver:
         if decodes and len(rows) > len(decodes):
             self.stats.mixed_steps += 1
         sampling_rows = [(seq, drafts) for seq, _, samples, drafts in rows if samples]
-        assert len(out.sampled_token_ids) == len(sampling_rows)
-        decoding = {seq.seq_id for seq in decodes}
+        sampled = out.tokens_per_row()
+        assert len(sampled) == len(sampling_rows)
+        decoding = {seq.req_id for seq in decodes}
         for seq, fed, _, _ in rows:
-            if seq.seq_id not in decoding:
+            if seq.req_id not in decoding:
                 seq.num_computed += len(fed)
                 self._publish_prompt_blocks(seq)
-        for index, ((seq, drafts), tokens) in enumerate(
-            zip(sampling_rows, out.sampled_token_ids, strict=True)
-        ):
+        for index, ((seq, drafts), tokens) in enumerate(zip(sampling_rows, sampled, strict=True)):
             assert 1 <= len(tokens) <= 1 + drafts
-            if seq.seq_id in decoding:
+            if seq.req_id in decoding:
                 # KV is valid for the fed token and the accepted drafts, not the rejected ones.
                 seq.num_computed += len(tokens)
                 self.stats.drafts_accepted += len(tokens) - 1
@@ -195,7 +197,7 @@ class TestDriver:
         samplers = [seq.sampling for seq in seqs]
         step = SchedulerOutput(
             step_id=self.step_id,
-            seq_ids=[seq.seq_id for seq in seqs],
+            req_ids=[seq.req_id for seq in seqs],
             num_decode_rows=num_decode_rows,
             query_lens=qlens,
             query_start_loc=np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32),

@@ -96,6 +96,18 @@ SPEC_CASES: list[Case] = [
     ),
     Case("dtype-unknown", {"engine": {"dtype": "int4"}}, "spec.engine.dtype", "Unsupported value"),
     Case(
+        "kv-cache-dtype-unknown",
+        {"engine": {"kvCacheDtype": "int8"}},
+        "spec.engine.kvCacheDtype",
+        "Unsupported value",
+    ),
+    Case(
+        "quantization-unknown",
+        {"engine": {"quantization": "awq"}},
+        "spec.engine.quantization",
+        "Unsupported value",
+    ),
+    Case(
         "prefix-hash-unknown",
         {"engine": {"prefixHash": "md5"}},
         "spec.engine.prefixHash",
@@ -146,6 +158,31 @@ SPEC_CASES: list[Case] = [
         {"autoscaling": {"prefill": {"minReplicas": 5, "maxReplicas": 2}}},
         "spec.autoscaling.prefill.minReplicas",
         "spec.autoscaling.prefill.minReplicas must be <= spec.autoscaling.prefill.maxReplicas",
+    ),
+    Case(
+        "only-prefill-to-zero",
+        {"autoscaling": {"mode": "builtin", "prefill": {"minReplicas": 0}}},
+        "spec.autoscaling.decode.minReplicas",
+        "spec.autoscaling.prefill.minReplicas and spec.autoscaling.decode.minReplicas must be 0 together",
+        pydantic_field="spec",
+    ),
+    Case(
+        "min-replicas-negative",
+        {"autoscaling": {"decode": {"minReplicas": -1}}},
+        "spec.autoscaling.decode.minReplicas",
+        "greater than or equal to 0",
+    ),
+    Case(
+        "idle-seconds-zero",
+        {"autoscaling": {"scaleToZeroIdleSeconds": 0}},
+        "spec.autoscaling.scaleToZeroIdleSeconds",
+        "greater than or equal to 1",
+    ),
+    Case(
+        "hold-queue-negative",
+        {"router": {"holdQueue": -1}},
+        "spec.router.holdQueue",
+        "greater than or equal to 0",
     ),
     Case(
         "decode-min-above-max",

@@ -174,6 +174,19 @@ def test_tensor_parallel_size_defaults_to_the_gpus_and_gets_a_memory_backed_shm(
     )
 
 
+def test_fp8_weights_and_kv_cache_become_flags_every_engine_accepts() -> None:
+    from baton_engine.cli import build_parser, config_from_args
+
+    default = container(by_kind(build({}), "Deployment")["demo-prefill"])["args"]
+    assert "--quantization" not in default and "--kv-cache-dtype" not in default
+    patch = {"engine": {"quantization": "fp8", "kvCacheDtype": "fp8"}}
+    for role in ("prefill", "decode"):
+        args = container(by_kind(build(patch), "Deployment")[f"demo-{role}"])["args"]
+        assert (flag(args, "--quantization"), flag(args, "--kv-cache-dtype")) == ("fp8", "fp8")
+        config = config_from_args(build_parser().parse_args(["serve", *args]))
+        assert (config.quantization, config.kv_cache_dtype) == ("fp8", "fp8")
+
+
 def test_kv_events_off_drops_flags_and_ports() -> None:
     prefill = container(by_kind(build({"kvEvents": {"enabled": False}}), "Deployment")["demo-prefill"])
     assert "--no-kv-events" in prefill["args"]
@@ -367,6 +380,8 @@ def test_router_discovery_flags_and_rbac() -> None:
         "--tokenizer", "builtin:smollm2-135m-instruct",
         "--host", "$(BATON_POD_IP)",
         "--port", "9000",
+        "--hold-queue", "64",
+        "--hold-timeout", "120",
         "--kv-events",
     ]  # fmt: skip
     pod = by_kind(children, "Deployment")["demo-router"]["spec"]["template"]["spec"]

@@ -101,6 +101,7 @@ def test_owner_view_keeps_what_a_refresh_reads_and_the_operators_status_only() -
             "model": {"name": "m", "source": "builtin:x"},
             "mode": "aggregated",
             "router": {"service": {"port": 81}},
+            "engine": {"maxNumSeqs": 8},  # the pools' KV-compatibility keys read it
         },
         "status": {"observedGeneration": 2, "endpoint": "http://demo-router.ns.svc:81"},
     }

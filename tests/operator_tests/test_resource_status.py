@@ -53,7 +53,7 @@ def conds(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
 
 def test_role_status_counts() -> None:
     got = role_status(deployment("demo-decode", desired=3, ready=2, replicas=3), {"baton.dev/role": "decode"})
-    assert got.model_dump(by_alias=True) == {
+    assert got.model_dump(by_alias=True, exclude_none=True) == {
         "replicas": 3,
         "readyReplicas": 2,
         "desiredReplicas": 3,

@@ -24,12 +24,23 @@ BODY = {"model": "smollm2", "prompt": "Hello", "max_tokens": 5, "temperature": 0
 
 def test_pod_label_and_annotations_become_the_endpoints_key_and_hashing() -> None:
     pod = _pod(
-        metadata__labels={**POD["metadata"]["labels"], contract.LABEL_KV_COMPAT: "a2cd80ac3dae1fc6"},
+        metadata__labels={**POD["metadata"]["labels"], contract.LABEL_KV_COMPAT: "aecfc482d86753bf"},
         metadata__annotations={contract.ANNOTATION_BLOCK_SIZE: "32", contract.ANNOTATION_PREFIX_HASH: "fast"},
     )
     endpoint = endpoint_from_pod(pod, "prefill")
     assert endpoint is not None
-    assert (endpoint.kv_key, endpoint.block_size, endpoint.prefix_hash) == ("a2cd80ac3dae1fc6", 32, "fast")
+    assert (endpoint.kv_key, endpoint.block_size, endpoint.prefix_hash) == ("aecfc482d86753bf", 32, "fast")
+    assert endpoint.prefix_hash_seed is None
+    seeded = endpoint_from_pod(
+        _pod(
+            metadata__annotations={
+                contract.ANNOTATION_PREFIX_HASH: "vllm-sha256",
+                contract.ANNOTATION_PREFIX_HASH_SEED: "7",
+            }
+        ),
+        "prefill",
+    )
+    assert seeded is not None and (seeded.prefix_hash, seeded.prefix_hash_seed) == ("vllm-sha256", "7")
 
 
 def test_pods_without_the_label_or_with_unusable_annotations() -> None:
@@ -188,3 +199,29 @@ def test_each_pod_is_scored_with_its_own_block_size() -> None:
     plain = Endpoint(role="prefill", url="http://10.0.0.4:8000")
     defaulted = PrefixScorer(index=index, hasher=EventKeyHasher.named("fast", 4), hasher_factory=block_hasher)
     assert defaulted.matched_blocks("completions", {"prompt": prompt}, [plain]) == {plain.key: 5}
+
+
+def test_each_pod_is_scored_with_its_own_hash_seed() -> None:
+    """Mid rollout of a new prefixHashSeed: vLLM-style keys of the two seeds differ, and each
+    pod is matched with its own."""
+    prompt = list(range(300, 316))  # 2 blocks of 8
+    keys0 = block_hasher("vllm-sha256", 8, "0").block_hashes(prompt)  # type: ignore[union-attr]
+    keys1 = block_hasher("vllm-sha256", 8, "1").block_hashes(prompt)  # type: ignore[union-attr]
+    assert keys0 != keys1
+    old = Endpoint(
+        role="prefill",
+        url="http://10.0.1.1:8000",
+        block_size=8,
+        prefix_hash="vllm-sha256",
+        prefix_hash_seed="0",
+    )
+    new = Endpoint(
+        role="prefill",
+        url="http://10.0.1.2:8000",
+        block_size=8,
+        prefix_hash="vllm-sha256",
+        prefix_hash_seed="1",
+    )
+    index = DictIndex({"10.0.1.1": set(keys0), "10.0.1.2": set(keys1[:1])})
+    scorer = PrefixScorer(index=index, hasher_factory=block_hasher)
+    assert scorer.matched_blocks("completions", {"prompt": prompt}, [old, new]) == {old.key: 2, new.key: 1}

@@ -69,7 +69,7 @@ def test_stop_string_truncates_and_aborts(llm) -> None:  # type: ignore[no-untyp
     assert completion.finish_reason == "stop"
     assert completion.stop_string == stop
     assert len(completion.token_ids) < 40
-    assert llm.core.scheduler.block_manager.num_used_blocks == 0
+    assert llm.core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def test_seeded_n_is_reproducible(llm) -> None:  # type: ignore[no-untyped-def]
@@ -78,7 +78,7 @@ def test_seeded_n_is_reproducible(llm) -> None:  # type: ignore[no-untyped-def]
     again = llm.generate([[1, 2, 3]], params)[0]
     assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
     assert first.outputs[0].token_ids != first.outputs[1].token_ids
-    assert llm.core.scheduler.block_manager.num_used_blocks == 0
+    assert llm.core.scheduler.kv_cache_manager.num_used_blocks == 0
     assert not llm.core.has_unfinished()
 
 
@@ -137,7 +137,7 @@ def test_bad_prompts_are_refused_before_the_engine_and_leave_it_usable(llm) -> N
     assert llm.generate([[1, 2, 3]], greedy)[0].outputs[0].token_ids == expected
     widest = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, top_k=2**31 - 1)
     assert llm.generate([[1, 2, 3]], widest)[0].outputs[0].token_ids == expected
-    assert llm.core.scheduler.block_manager.num_used_blocks == 0
+    assert llm.core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def test_a_failed_step_frees_its_requests_and_the_next_call_works(llm) -> None:  # type: ignore[no-untyped-def]
@@ -162,5 +162,5 @@ def test_a_failed_step_frees_its_requests_and_the_next_call_works(llm) -> None: 
         runner.execute = real_execute
     assert calls == 3
     assert not llm.core.has_unfinished()
-    assert llm.core.scheduler.block_manager.num_used_blocks == 0
+    assert llm.core.scheduler.kv_cache_manager.num_used_blocks == 0
     assert [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5]], greedy)] == expected

@@ -16,6 +16,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from baton_engine.structured.grammar import tool_call_format
 from baton_support.tiny_models import CHAT
@@ -63,6 +64,16 @@ CLOCK_CALL: dict[str, Any] = {
 }
 """A call of `CLOCK` in the llama3_json format, as a schema: the answer `response_format` forces
 when the model may answer freely (``auto``, ``none``)."""
+
+
+class Place(BaseModel):
+    city: str = Field(max_length=8)
+    zone: str = Field(pattern="^(UTC|CET)$")
+
+
+class Forecast(BaseModel):
+    where: Place
+    days: int = Field(ge=1, le=7)
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +230,26 @@ def test_max_tokens_inside_a_grammar_ends_with_length(client: openai.OpenAI) -> 
     choice = cut.choices[0]
     assert (choice.finish_reason, choice.message.tool_calls) == ("length", None)
     assert choice.message.content and '{"name": "clock"'.startswith(choice.message.content)
+
+
+def test_the_clients_parse_helpers_get_their_pydantic_models(client: openai.OpenAI) -> None:
+    """``chat.completions.parse`` with a pydantic ``response_format`` and pydantic tools (their
+    schemas refer to their own ``$defs``), as the client's users write them."""
+    placed = client.chat.completions.parse(
+        model=MODEL, messages=MESSAGES, response_format=Place, temperature=1.0, seed=5, max_tokens=100
+    )
+    assert placed.choices[0].finish_reason == "stop"
+    assert isinstance(placed.choices[0].message.parsed, Place)
+    forecast = client.chat.completions.parse(
+        model=MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        tools=[openai.pydantic_function_tool(Forecast)],
+        tool_choice={"type": "function", "function": {"name": "Forecast"}},
+        temperature=1.0,
+        seed=5,
+        max_tokens=150,
+    )
+    choice = forecast.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls is not None
+    (call,) = choice.message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Forecast)

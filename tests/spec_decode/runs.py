@@ -43,14 +43,14 @@ def generate(llm: LLM, prompts: Sequence[Prompt], params: SamplingParams | Seque
     """`llm.generate`, recording each step's sampled tokens per request (requests get sequence
     ids in prompt order, counted from the LLM's first request)."""
     runner = llm.core.runner
-    first_seq_id = llm.core._next_seq_id
+    first_req_id = llm.core._next_req_id
     steps: dict[int, list[list[int]]] = {}
     execute = runner.execute
 
     def recording_execute(step: SchedulerOutput) -> ModelRunnerOutput:
         result = execute(step)
-        for row, tokens in zip(step.sample_rows.tolist(), result.sampled_token_ids, strict=True):
-            steps.setdefault(step.seq_ids[row] - first_seq_id, []).append(list(tokens))
+        for row, tokens in zip(step.sample_rows.tolist(), result.tokens_per_row(), strict=True):
+            steps.setdefault(step.req_ids[row] - first_req_id, []).append(list(tokens))
         return result
 
     runner.execute = recording_execute  # type: ignore[method-assign]

@@ -5,6 +5,7 @@ preemption, prefix caching and chunked prefill, and every KV block comes back.""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from baton_engine.spec_decode.drafter import NgramDrafter
 from baton_engine.spec_decode.ngram_proposer import NgramProposer
 from tests.core.helpers import assert_no_leaks, check_step_invariants
 from tests.core.paged_fake_model import PagedFakeModel, reference_next_token
+from tests.core.scripted_connector import ScriptedConnector
 
 VOCAB = 3  # tiny: n-grams recur all the time, and drafts are right about half the time
 EOS = 0
@@ -42,24 +44,29 @@ class CheckedRunner:
         self.speculative_steps += bool(step.num_draft_tokens.any())
         result = self.model.run(step)
         batch = self.scheduler.batch
-        self._decoding = set(batch.seq_ids[: batch.num_decode])
+        self._decoding = set(batch.req_ids[: batch.num_decode])
         return result
 
 
 class CheckingDrafter(NgramDrafter):
-    """Before each step: no decoding sequence holds a block beyond what its tokens need (the
+    """Before each step: no decoding request holds a block beyond what its tokens need (the
     previous step's rejected slots were rolled back; the next token's block may still be missing,
-    it is taken at schedule time), and the pool counts exactly the blocks live sequences hold."""
+    it is taken at schedule time), and the pool counts exactly the blocks live requests hold."""
 
-    def before_schedule(self, scheduler: Scheduler) -> None:
-        batch, bm = scheduler.batch, scheduler.block_manager
-        for seq in batch.seqs[: batch.num_decode]:
-            needed = -(-seq.num_tokens // BLOCK)
-            assert needed - 1 <= len(seq.block_table) <= needed, seq
-        held = {b for seq in batch.seqs for b in seq.block_table}
-        held |= {b for seq in scheduler.waiting for b in seq.block_table}
-        assert bm.num_used_blocks == len(held)
-        super().before_schedule(scheduler)
+    def __init__(self, proposer: NgramProposer, scheduler: Scheduler) -> None:
+        super().__init__(proposer)
+        self.scheduler = scheduler
+
+    def propose(self, requests: Sequence[Request], max_model_len: int) -> dict[int, list[int]]:
+        scheduler = self.scheduler
+        kv = scheduler.kv_cache_manager
+        for request in requests:
+            needed = -(-request.num_tokens // BLOCK)
+            assert needed - 1 <= kv.num_blocks_of(request.req_id) <= needed, request
+        live = [*scheduler.batch.requests, *scheduler.waiting]
+        held = {b for request in live for b in kv.block_ids(request.req_id)}
+        assert kv.num_used_blocks == len(held)
+        return super().propose(requests, max_model_len)
 
 
 def reference(prompt: list[int], params: SamplingParams) -> list[int]:
@@ -114,7 +121,7 @@ def test_speculation_never_changes_tokens_and_frees_every_block(config_name: str
         num_speculative_tokens=k,
     )
     runner = CheckedRunner(scheduler, config["num_blocks"])
-    core = EngineCore(scheduler, runner, drafter=CheckingDrafter(NgramProposer(k, 1, 3)))
+    core = EngineCore(scheduler, runner, drafter=CheckingDrafter(NgramProposer(k, 1, 3), scheduler))
     requests = workload(seed=k)
     for i, (prompt, params) in enumerate(requests):
         core.add_request(f"r{i}", prompt, params)
@@ -152,30 +159,30 @@ def test_drafts_never_exceed_what_the_request_may_still_get() -> None:
         (1, 0, 100, []),
     ]
     for max_tokens, produced, max_model_len, expected in cases:
-        seq = Request(1, tokens[: len(tokens) - produced], SamplingParams(max_tokens=max_tokens))
-        seq.token_ids[:] = tokens
-        drafter.propose([seq], max_model_len)
-        assert seq.draft_token_ids == expected, (max_tokens, produced, max_model_len)
+        request = Request(1, tokens[: len(tokens) - produced], SamplingParams(max_tokens=max_tokens))
+        request.token_ids[:] = tokens
+        drafts = drafter.propose([request], max_model_len)
+        assert drafts.get(1, []) == expected, (max_tokens, produced, max_model_len)
+        assert 1 not in drafts or drafts[1], "empty drafts are left out"
 
 
 def test_token_buffers_follow_the_decoding_sequences() -> None:
     drafter = NgramDrafter(NgramProposer(2, 1, 2))
     a = Request(1, [1, 2, 1], SamplingParams(max_tokens=9))
     b = Request(2, [3, 3], SamplingParams(max_tokens=9))
-    drafter.propose([a, b], 100)
-    assert (a.draft_token_ids, b.draft_token_ids) == ([2, 1], [3, 3])
+    assert drafter.propose([a, b], 100) == {1: [2, 1], 2: [3, 3]}
     a.token_ids.append(5)
-    drafter.propose([a], 100)  # b finished or was preempted: its buffer goes
-    assert a.draft_token_ids == [] and sorted(drafter._buffers) == [1]
+    assert drafter.propose([a], 100) == {}  # b finished or was preempted: its buffer goes
+    assert sorted(drafter._buffers) == [1]
     a.token_ids.extend([1, 2])
-    drafter.propose([a], 100)
-    assert a.draft_token_ids == [1, 5]
+    assert drafter.propose([a], 100) == {1: [1, 5]}
 
 
 def test_a_pd_consumer_speculates_on_pulled_kv() -> None:
     """Decode pod: the prompt's KV arrives from a producer (written straight into the cache here),
     the producer's first token comes with it, and the consumer then decodes with drafts."""
     k, num_blocks = 4, 64
+    connector = ScriptedConnector(BLOCK)
     scheduler = Scheduler(
         num_blocks=num_blocks,
         block_size=BLOCK,
@@ -184,6 +191,7 @@ def test_a_pd_consumer_speculates_on_pulled_kv() -> None:
         max_model_len=MAX_MODEL_LEN,
         eos_token_id=EOS,
         num_speculative_tokens=k,
+        kv_connector=connector,
     )
     runner = CheckedRunner(scheduler, num_blocks)
     core = EngineCore(scheduler, runner, drafter=NgramDrafter(NgramProposer(k, 1, 3)))
@@ -193,13 +201,13 @@ def test_a_pd_consumer_speculates_on_pulled_kv() -> None:
     seq.status = RequestStatus.WAITING_FOR_REMOTE_KV
     scheduler.add(seq)
     assert scheduler.schedule().num_rows == 0  # reserves the blocks
-    (reserved,) = scheduler.take_remote_kv_reservations()
+    assert list(connector.reserved) == [0]
     positions = np.arange(len(prompt))
-    slots = np.asarray(reserved.block_table)[positions // BLOCK] * BLOCK + positions % BLOCK
+    slots = np.asarray(connector.reserved[0])[positions // BLOCK] * BLOCK + positions % BLOCK
     runner.model.kv_tokens[slots] = prompt
     runner.model.kv_positions[slots] = positions
     first = reference_next_token(prompt, VOCAB)
-    scheduler.mark_remote_kv_arrived(0, len(prompt), first_token_id=first)
+    connector.arrive(0, len(prompt), first_token_id=first)
     while scheduler.has_unfinished():
         core.step()
     assert seq.output_token_ids == reference(prompt, params)

@@ -7,7 +7,7 @@ and no grammar state or KV block outlives its request."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from baton_engine.entrypoints.llm import LLM
 from baton_engine.structured.grammar import json_schema_grammar
 from baton_engine.structured.manager import StructuredOutputManager
 from baton_support.tiny_models import CHAT
+from tests.core.scripted_connector import ScriptedConnector
 
 PERSON: dict[str, Any] = {
     "type": "object",
@@ -118,12 +119,13 @@ class _Drafts:
         self.refused = refused
         self.k = k
 
-    def before_schedule(self, scheduler: Scheduler) -> None:
-        batch = scheduler.batch
-        for seq in batch.seqs[: batch.num_decode]:
-            answer = self.answers[seq.seq_id]
-            done = seq.num_output_tokens
-            seq.draft_token_ids = answer[done : done + self.k - 1] + [self.refused]
+    def propose(self, requests: Sequence[Request], max_model_len: int) -> dict[int, list[int]]:
+        drafts = {}
+        for request in requests:
+            answer = self.answers[request.req_id]
+            done = request.num_output_tokens
+            drafts[request.req_id] = answer[done : done + self.k - 1] + [self.refused]
+        return drafts
 
 
 def test_drafts_the_grammar_refuses_are_never_verified(model_dir: Path, llm: LLM) -> None:
@@ -134,10 +136,10 @@ def test_drafts_the_grammar_refuses_are_never_verified(model_dir: Path, llm: LLM
 
     k = 4
     spec = _llm(model_dir, speculative="ngram", num_speculative_tokens=k)
-    first_seq = spec.core._next_seq_id
+    first_req = spec.core._next_req_id
     refused = llm.tokenizer.token_to_id("<|im_start|>")  # a special token: no JSON grammar takes it
     assert refused is not None
-    spec.core.drafter = _Drafts({first_seq + i: ref for i, ref in enumerate(reference)}, refused, k)
+    spec.core.drafter = _Drafts({first_req + i: ref for i, ref in enumerate(reference)}, refused, k)
     verified: list[list[int]] = []
     execute = spec.core.runner.execute
 
@@ -197,27 +199,31 @@ def test_a_decode_leg_replays_the_prefill_legs_first_token(llm: LLM) -> None:
     advances the grammar; a token the grammar refuses rejects the leg, naming the params."""
     tokenizer = llm.tokenizer
     manager = StructuredOutputManager(tokenizer.backend.to_str, llm.info.vocab_size, tokenizer.eos_token_ids)
-    scheduler = Scheduler(num_blocks=16, block_size=4, max_model_len=64, structured_output=manager)
+    connector = ScriptedConnector(block_size=4)
+    scheduler = Scheduler(
+        num_blocks=16, block_size=4, max_model_len=64, structured_output=manager, kv_connector=connector
+    )
     prompt = tokenizer.encode("Hello world")
     brace, bracket = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("{", "["))
     legs = {}
-    for seq_id in (0, 1):
-        seq = Request(seq_id, prompt, SamplingParams(grammar=json_schema_grammar(POINT)))
-        seq.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        scheduler.add(seq)
-        legs[seq_id] = seq
+    for req_id in (0, 1):
+        request = Request(req_id, prompt, SamplingParams(grammar=json_schema_grammar(POINT)))
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        scheduler.add(request)
+        legs[req_id] = request
     scheduler.schedule()  # reserves both legs' blocks
-    assert [s.seq_id for s in scheduler.take_remote_kv_reservations()] == [0, 1]
-    scheduler.mark_remote_kv_arrived(0, len(prompt), first_token_id=brace)
-    scheduler.mark_remote_kv_arrived(1, len(prompt), first_token_id=bracket)
+    assert list(connector.reserved) == [0, 1]
+    connector.arrive(0, len(prompt), first_token_id=brace)
+    connector.arrive(1, len(prompt), first_token_id=bracket)
+    scheduler.update_from_kv_connector()
     assert legs[1].finish_reason is FinishReason.REJECTED
     assert legs[1].finish_message == (
         f"kv_transfer_params: the prefill leg's first token {bracket} is refused by the request's grammar "
         "(not allowed here) (did both legs get the same response_format and tools?)"
     )
-    assert 1 not in manager and legs[1].block_table == []
+    assert 1 not in manager and scheduler.kv_cache_manager.num_blocks_of(1) == 0
     out = scheduler.schedule()  # leg 0 recomputes its last token and samples the second one
-    assert out.seq_ids == [0] and out.grammar_bitmask is not None
+    assert out.req_ids == [0] and out.grammar_bitmask is not None
     second = out.grammar_bitmask[0]
     quote = tokenizer.encode('"', add_special_tokens=False)[0]
     assert (int(second[quote // 32]) >> (quote % 32)) & 1  # after "{" a key's quote

@@ -10,6 +10,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+from pydantic import BaseModel
 
 from baton_engine.model.loader.tokenizer_loading import load_tokenizer
 from baton_engine.server.tool_calls import parse_tool_calls
@@ -216,3 +217,62 @@ def test_tool_call_format_from_the_template() -> None:
     assert tool_call_format('{% if tools %}{"name": ..., "parameters": ...}{% endif %}') == "llama3_json"
     assert tool_call_format("{{ messages }}") is None
     assert tool_call_format(None) is None
+
+
+class _Place(BaseModel):
+    city: str
+    zone: str
+
+
+class _Forecast(BaseModel):
+    where: _Place
+    days: int
+
+
+TREE: dict[str, Any] = {  # refers to itself as "#"
+    "type": "object",
+    "properties": {"label": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#"}}},
+    "required": ["label", "children"],
+    "additionalProperties": False,
+}
+NAMED_CONST: dict[str, Any] = {  # a property named like a keyword whose values are data
+    "$defs": {"Zone": {"enum": ["UTC", "CET"]}},
+    "type": "object",
+    "properties": {"const": {"$ref": "#/$defs/Zone"}},
+    "required": ["const"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+def test_tool_parameters_that_refer_to_their_own_definitions(
+    tokenizer: Tokenizer, fmt: ToolCallFormat
+) -> None:
+    """The official client's ``pydantic_function_tool`` writes ``$defs`` and ``#/$defs/...``
+    references; embedded in a call's schema they still point into the tool's parameters."""
+    import openai
+
+    forecast = openai.pydantic_function_tool(_Forecast, name="forecast")
+    assert "$defs" in forecast["function"]["parameters"]
+    tree = {"type": "function", "function": {"name": "tree", "parameters": TREE}}
+    named = {"type": "function", "function": {"name": "zone", "parameters": NAMED_CONST}}
+    grammar = tool_call_grammar(parse_tools([forecast, tree, named]), fmt, parallel=True)
+    key = "arguments" if fmt == "hermes" else "parameters"
+    calls = [
+        ("forecast", {"where": {"city": "Paris", "zone": "CET"}, "days": 3}),
+        ("tree", {"label": "a", "children": [{"label": "b", "children": []}]}),
+        ("zone", {"const": "UTC"}),
+    ]
+    texts = [json.dumps({"name": name, key: arguments}) for name, arguments in calls]
+    hermes = "\n".join(f"<tool_call>\n{t}\n</tool_call>" for t in texts)
+    text = hermes if fmt == "hermes" else "; ".join(texts)
+    matcher = _matcher(tokenizer, grammar)
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    assert matcher.accept(tokens) == len(tokens) and matcher.accepting
+    for wrong in ('{"where": {"city": "Paris"}, "days": 3}', '{"label": "a", "children": [{"label": "b"}]}'):
+        name = "forecast" if "where" in wrong else "tree"
+        bad = f'{{"name": "{name}", "{key}": {wrong}}}'
+        bad = f"<tool_call>\n{bad}\n</tool_call>" if fmt == "hermes" else bad
+        refused = _matcher(tokenizer, grammar)
+        bad_tokens = tokenizer.encode(bad, add_special_tokens=False)
+        assert refused.accept(bad_tokens) < len(bad_tokens)

@@ -50,7 +50,7 @@ def manager(tokenizer: Tokenizer) -> StructuredOutputManager:
     return StructuredOutputManager(tokenizer.backend.to_str, tokenizer.vocab_size, tokenizer.eos_token_ids)
 
 
-A, B, C = 0, 1, 2  # sequence ids: A and C follow a grammar, B is free text
+A, B, C = 0, 1, 2  # request ids: A and C follow a grammar, B is free text
 
 
 def test_a_mixed_batch_decodes_valid_documents_and_leaves_free_rows_alone(
@@ -58,8 +58,8 @@ def test_a_mixed_batch_decodes_valid_documents_and_leaves_free_rows_alone(
 ) -> None:
     eos = tokenizer.eos_token_ids[0]
     schemas = {A: PERSON, C: FLAGS}
-    for seq_id, schema in schemas.items():
-        manager.add(seq_id, _grammar(schema))
+    for req_id, schema in schemas.items():
+        manager.add(req_id, _grammar(schema))
     outputs: dict[int, list[int]] = {A: [], B: [], C: []}
     done: set[int] = set()
     generator = torch.Generator().manual_seed(1)
@@ -76,21 +76,21 @@ def test_a_mixed_batch_decodes_valid_documents_and_leaves_free_rows_alone(
         if free is not None:
             assert torch.equal(logits[live.index(B)], free)  # the free row is untouched
         tokens = logits.argmax(dim=-1).tolist()
-        for seq_id, token in zip(live, tokens, strict=True):
-            if seq_id == B:
+        for req_id, token in zip(live, tokens, strict=True):
+            if req_id == B:
                 outputs[B].append(token)
                 if len(outputs[B]) == 10:
                     done.add(B)
                 continue
-            complete = manager.accept(seq_id, [token])
+            complete = manager.accept(req_id, [token])
             assert token != eos  # a complete JSON grammar ends the request before any EOS
-            outputs[seq_id].append(token)
+            outputs[req_id].append(token)
             if complete:
-                done.add(seq_id)
-                manager.remove(seq_id)
+                done.add(req_id)
+                manager.remove(req_id)
     assert done == {A, B, C}
-    for seq_id, schema in schemas.items():
-        jsonschema.validate(json.loads(tokenizer.decode(outputs[seq_id])), schema)
+    for req_id, schema in schemas.items():
+        jsonschema.validate(json.loads(tokenizer.decode(outputs[req_id])), schema)
     assert len(manager) == 0
 
 
@@ -163,8 +163,8 @@ def test_one_grammar_compiles_once_and_its_copies_advance_independently(
     tokenizer: Tokenizer, manager: StructuredOutputManager
 ) -> None:
     grammar = _grammar(PERSON)
-    for seq_id in (A, B, C):  # the n samples of one request
-        manager.add(seq_id, grammar)
+    for req_id in (A, B, C):  # the n samples of one request
+        manager.add(req_id, grammar)
     assert manager.num_compiled == 1
     (opening,) = tokenizer.encode('{"', add_special_tokens=False)  # the one token a document starts with
     (comma,) = tokenizer.encode(",", add_special_tokens=False)

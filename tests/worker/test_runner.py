@@ -98,7 +98,7 @@ def test_a_step_without_sampling_rows_returns_no_tokens(tiny_llama: tuple[Path, 
     runner = _runner(directory)
     step = SchedulerOutput(
         step_id=41,
-        seq_ids=[0],
+        req_ids=[0],
         num_decode_rows=0,
         query_lens=np.array([3], np.int32),
         query_start_loc=np.array([0, 3], np.int32),
@@ -124,6 +124,45 @@ def test_a_step_without_sampling_rows_returns_no_tokens(tiny_llama: tuple[Path, 
     out = runner.execute(step)
     assert out.step_id == 41 and out.sampled_token_ids == [] and out.logprobs is None
     assert torch.isfinite(runner.kv_cache[:, :, 1, :3]).all()
+
+
+def test_a_step_without_drafts_returns_its_tokens_as_one_array(tiny_llama: tuple[Path, Any]) -> None:
+    """The runners' form for steps without drafts (what `Scheduler.postprocess` reads without a
+    per-row pass): one token per sampling row in `sampled_token_array`, no per-row lists."""
+    directory, model = tiny_llama
+    runner = _runner(directory)
+    prompts = [[5, 6, 7], [9, 8]]
+    step = SchedulerOutput(
+        step_id=7,
+        req_ids=[0, 1],
+        num_decode_rows=0,
+        query_lens=np.array([3, 2], np.int32),
+        query_start_loc=np.array([0, 3, 5], np.int32),
+        num_computed_tokens=np.array([0, 0], np.int32),
+        seq_lens=np.array([3, 2], np.int32),
+        input_ids=np.array([5, 6, 7, 9, 8], np.int64),
+        positions=np.array([0, 1, 2, 0, 1], np.int64),
+        slot_mapping=np.array([4, 5, 6, 8, 9], np.int64),
+        block_tables=np.array([[1], [2]], np.int32),
+        logits_indices=np.array([2, 4], np.int64),
+        sample_rows=np.array([0, 1], np.int32),
+        num_draft_tokens=np.array([0, 0], np.int32),
+        sampling=SamplingBatch(
+            temperature=np.zeros(2, np.float32),
+            top_p=np.ones(2, np.float32),
+            top_k=np.full(2, -1, np.int32),
+            seeds=np.full(2, -1, np.int64),
+            output_positions=np.zeros(2, np.int32),
+            num_logprobs=np.full(2, -1, np.int32),
+            all_greedy=True,
+        ),
+    )
+    out = runner.execute(step)
+    with torch.no_grad():
+        want = [int(model(torch.tensor([p])).logits[0, -1].argmax()) for p in prompts]
+    assert out.sampled_token_ids == [] and out.sampled_token_array is not None
+    assert out.sampled_token_array.dtype == np.int64 and out.sampled_token_array.tolist() == want
+    assert out.tokens_per_row() == [[t] for t in want]
 
 
 def test_blocks_moved_to_another_runner_continue_the_same_sequence(tiny_llama: tuple[Path, Any]) -> None:

@@ -222,7 +222,7 @@ def test_sizes_the_model_or_devices_cannot_take_are_refused(tiny_models: dict[st
 def test_step_message_round_trip_cuts_the_block_table() -> None:
     step = SchedulerOutput(
         step_id=7,
-        seq_ids=[3, 9],
+        req_ids=[3, 9],
         num_decode_rows=1,
         query_lens=np.array([1, 5], np.int32),
         query_start_loc=np.array([0, 1, 6], np.int32),
@@ -246,7 +246,7 @@ def test_step_message_round_trip_cuts_the_block_table() -> None:
         ),
         num_prefill_tokens=5,
         num_decode_tokens=1,
-        finished_seq_ids=[4],
+        finished_req_ids=[4],
     )
     frames = step_message.encode_step(step, block_size=4)
     assert frames[0] == step_message.STEP
@@ -258,7 +258,7 @@ def test_step_message_round_trip_cuts_the_block_table() -> None:
             np.array_equal(getattr(back, name), getattr(step, name)) and getattr(back, name).flags.writeable
         )
     assert np.array_equal(back.sampling.seeds, step.sampling.seeds) and back.sampling.all_greedy is False
-    assert (back.step_id, back.seq_ids, back.finished_seq_ids, back.num_tokens) == (7, [3, 9], [4], 6)
+    assert (back.step_id, back.req_ids, back.finished_req_ids, back.num_tokens) == (7, [3, 9], [4], 6)
 
 
 @pytest.fixture(autouse=True)

@@ -1,12 +1,20 @@
-"""The persistent batch: one row per running sequence, kept in numpy arrays across steps.
+"""The persistent batch: one row per running request, kept in numpy arrays across steps.
 
-Rows ``[0, num_decode)`` are decoding sequences, rows ``[num_decode, num_rows)`` are sequences
+Rows ``[0, num_decode)`` are decoding requests, rows ``[num_decode, num_rows)`` are requests
 still prefilling, in admission order. Arrays are updated incrementally — a block id written
-when a sequence crosses a block boundary, a row removed by moving the last row of its region
+when a request crosses a block boundary, a row removed by moving the last row of its region
 into the hole — so a step's inputs are numpy slices of these arrays, never rebuilt per step.
+
+The batch owns its rows: the request-id -> row map, the only block table (what the runner
+reads; the block ids themselves come from the KV-cache manager), and while a request has a row,
+its `num_computed_tokens` and `last_token_time` counters (written back by the scheduler from
+`release_row`'s result). It never writes a `Request`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -14,11 +22,20 @@ from baton_engine.core.request import Request
 from baton_engine.core.scheduler_output import Float32Array, Int32Array, Int64Array
 
 
-class BatchState:
-    def __init__(self, max_rows: int, max_blocks_per_seq: int) -> None:
+@dataclass(frozen=True)
+class ReleasedRow:
+    """The counters a row held for its request, handed back when the row goes."""
+
+    num_computed_tokens: int
+    last_token_time: float | None
+    """None when no output token was appended yet."""
+
+
+class PersistentBatch:
+    def __init__(self, max_rows: int, max_blocks_per_request: int) -> None:
         self.max_rows = max_rows
-        self.max_blocks_per_seq = max_blocks_per_seq
-        self.block_table: Int32Array = np.zeros((max_rows, max_blocks_per_seq), dtype=np.int32)
+        self.max_blocks_per_request = max_blocks_per_request
+        self.block_table: Int32Array = np.zeros((max_rows, max_blocks_per_request), dtype=np.int32)
         self.num_blocks: Int64Array = np.zeros(max_rows, dtype=np.int64)
         self.num_computed: Int64Array = np.zeros(max_rows, dtype=np.int64)
         self.num_tokens: Int64Array = np.zeros(max_rows, dtype=np.int64)
@@ -32,6 +49,7 @@ class BatchState:
         self.has_grammar = np.zeros(max_rows, dtype=np.bool_)
         """The row's request follows a grammar (structured output)."""
         self.num_drafts: Int64Array = np.zeros(max_rows, dtype=np.int64)
+        """Draft tokens the scheduler planned for the row this step (0 when not speculating)."""
         self.temperature: Float32Array = np.zeros(max_rows, dtype=np.float32)
         self.top_p: Float32Array = np.ones(max_rows, dtype=np.float32)
         self.top_k: Int32Array = np.full(max_rows, -1, dtype=np.int32)
@@ -57,33 +75,47 @@ class BatchState:
             self.num_logprobs,
             self.last_token_time,
         )
-        self.seqs: list[Request] = []
-        self.seq_ids: list[int] = []
+        self.requests: list[Request] = []
+        """Row -> its request."""
+        self.req_ids: list[int] = []
+        """Row -> its request's id (a step's `SchedulerOutput.req_ids` is a slice of it)."""
         self.token_lists: list[list[int]] = []
-        """``seqs[i].token_ids`` (the same list objects), for appends without attribute lookups."""
+        """``requests[i].token_ids`` (the same list objects), for appends without attribute
+        lookups."""
+        self._rows: dict[int, int] = {}
         self.num_decode = 0
 
     @property
     def num_rows(self) -> int:
-        return len(self.seqs)
+        return len(self.requests)
 
-    def add_row(self, seq: Request, eos_token_id: int | None, max_model_len: int) -> int:
-        """Append `seq` as the last prefill row; copies its state into the arrays."""
-        row = len(self.seqs)
+    def row_of(self, req_id: int) -> int:
+        """The row of request `req_id` (KeyError when it has none)."""
+        return self._rows[req_id]
+
+    def has_row(self, req_id: int) -> bool:
+        return req_id in self._rows
+
+    def add_row(
+        self, request: Request, block_ids: Sequence[int], eos_token_id: int | None, max_model_len: int
+    ) -> int:
+        """Append `request` as the last prefill row, its KV in `block_ids` (in table order)."""
+        if request.req_id in self._rows:
+            raise ValueError(f"request {request.req_id} already has row {self._rows[request.req_id]}")
+        row = len(self.requests)
         if row >= self.max_rows:
             raise RuntimeError("persistent batch is full")
-        if len(seq.block_table) > self.max_blocks_per_seq:
-            raise ValueError(f"sequence {seq.seq_id} has more blocks than max_blocks_per_seq")
-        params = seq.sampling_params
-        blocks = seq.block_table
-        self.block_table[row, : len(blocks)] = blocks
-        self.block_table[row, len(blocks) :] = 0
-        self.num_blocks[row] = len(blocks)
-        self.num_computed[row] = seq.num_computed_tokens
-        self.num_tokens[row] = seq.num_tokens
-        self.last_token[row] = seq.token_ids[-1]
-        self.prompt_len[row] = seq.num_prompt_tokens
-        self.stop_len[row] = min(seq.num_prompt_tokens + params.max_tokens, max_model_len)
+        if len(block_ids) > self.max_blocks_per_request:
+            raise ValueError(f"request {request.req_id} has more blocks than max_blocks_per_request")
+        params = request.sampling_params
+        self.block_table[row, : len(block_ids)] = block_ids
+        self.block_table[row, len(block_ids) :] = 0
+        self.num_blocks[row] = len(block_ids)
+        self.num_computed[row] = request.num_computed_tokens
+        self.num_tokens[row] = request.num_tokens
+        self.last_token[row] = request.token_ids[-1]
+        self.prompt_len[row] = request.num_prompt_tokens
+        self.stop_len[row] = min(request.num_prompt_tokens + params.max_tokens, max_model_len)
         self.eos[row] = -1 if (params.ignore_eos or eos_token_id is None) else eos_token_id
         self.has_stop_ids[row] = bool(params.stop_token_ids)
         self.has_grammar[row] = params.grammar is not None
@@ -93,18 +125,23 @@ class BatchState:
         self.top_k[row] = params.top_k
         self.seed[row] = -1 if params.seed is None else params.seed
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
-        self.last_token_time[row] = -1.0 if seq.last_token_time is None else seq.last_token_time
-        self.seqs.append(seq)
-        self.seq_ids.append(seq.seq_id)
-        self.token_lists.append(seq.token_ids)
-        seq._batch = self
-        seq._row = row
+        stamp = request.last_token_time
+        self.last_token_time[row] = -1.0 if stamp is None else stamp
+        self.requests.append(request)
+        self.req_ids.append(request.req_id)
+        self.token_lists.append(request.token_ids)
+        self._rows[request.req_id] = row
         return row
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+    def append_blocks(self, row: int, block_ids: Sequence[int]) -> None:
         start = int(self.num_blocks[row])
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
+
+    def append_block_per_row(self, rows: Int64Array, block_ids: Sequence[int]) -> None:
+        """One block id appended to each of `rows` (vectorised: the decode path's common case)."""
+        self.block_table[rows, self.num_blocks[rows]] = block_ids
+        self.num_blocks[rows] += 1
 
     def truncate_blocks(self, row: int, num_blocks: int) -> None:
         self.block_table[row, num_blocks:] = 0
@@ -113,11 +150,10 @@ class BatchState:
     def _move(self, src: int, dst: int) -> None:
         for column in self._columns:
             column[dst] = column[src]
-        seq = self.seqs[src]
-        self.seqs[dst] = seq
-        self.seq_ids[dst] = self.seq_ids[src]
+        self.requests[dst] = self.requests[src]
+        self.req_ids[dst] = req_id = self.req_ids[src]
         self.token_lists[dst] = self.token_lists[src]
-        seq._row = dst
+        self._rows[req_id] = dst
 
     def _swap(self, a: int, b: int) -> None:
         if a == b:
@@ -125,48 +161,46 @@ class BatchState:
         pair = [a, b]
         for column in self._columns:
             column[pair] = column[[b, a]]
-        seqs, ids, lists = self.seqs, self.seq_ids, self.token_lists
-        seqs[a], seqs[b] = seqs[b], seqs[a]
+        requests, ids, lists = self.requests, self.req_ids, self.token_lists
+        requests[a], requests[b] = requests[b], requests[a]
         ids[a], ids[b] = ids[b], ids[a]
         lists[a], lists[b] = lists[b], lists[a]
-        seqs[a]._row = a
-        seqs[b]._row = b
+        self._rows[ids[a]] = a
+        self._rows[ids[b]] = b
 
-    def promote_to_decode(self, seq: Request) -> None:
+    def promote_to_decode(self, req_id: int) -> None:
         """Move a prefill row that just finished its prompt into the decode region."""
-        row = seq._row
+        row = self._rows[req_id]
         if row < self.num_decode:
-            raise ValueError(f"sequence {seq.seq_id} is already decoding")
+            raise ValueError(f"request {req_id} is already decoding")
         self._swap(row, self.num_decode)
         self.num_decode += 1
 
     def _close_gap(self, row: int) -> None:
         """Remove row `row` by shifting the rows after it up by one (keeps their order)."""
-        last = len(self.seqs) - 1
+        last = len(self.requests) - 1
         if row < last:
             for column in self._columns:
                 column[row:last] = column[row + 1 : last + 1]
-        del self.seqs[row]
-        del self.seq_ids[row]
+        del self.requests[row]
+        del self.req_ids[row]
         del self.token_lists[row]
+        rows = self._rows
         for i in range(row, last):
-            self.seqs[i]._row = i
+            rows[self.req_ids[i]] = i
 
-    def release_row(self, seq: Request) -> None:
-        """Remove `seq`'s row (copying its counters back to it), keeping both regions dense.
+    def release_row(self, req_id: int) -> ReleasedRow:
+        """Remove request `req_id`'s row, keeping both regions dense; returns its counters.
 
         A decode row is refilled with the last decode row (decode order is irrelevant); the
         prefill rows keep their admission order (chunked prefill serves them first come, first
         served).
         """
-        row = seq._row
-        if seq._batch is not self or self.seqs[row] is not seq:
-            raise ValueError(f"sequence {seq.seq_id} has no row in this batch")
-        seq._batch = None
-        seq._row = -1
-        seq._num_computed_tokens = int(self.num_computed[row])
+        row = self._rows.pop(req_id, None)
+        if row is None:
+            raise ValueError(f"request {req_id} has no row in this batch")
         stamp = float(self.last_token_time[row])
-        seq._last_token_time = None if stamp < 0 else stamp
+        released = ReleasedRow(int(self.num_computed[row]), None if stamp < 0 else stamp)
         if row < self.num_decode:
             last_decode = self.num_decode - 1
             if row != last_decode:
@@ -174,3 +208,4 @@ class BatchState:
             self.num_decode -= 1
             row = last_decode
         self._close_gap(row)
+        return released

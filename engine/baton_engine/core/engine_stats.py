@@ -11,6 +11,8 @@ from typing import Any
 
 @dataclass
 class EngineStats:
+    """The engine core's metrics snapshot (`EngineCore.stats`; `server.metrics` exposes it)."""
+
     num_waiting: int = 0
     """Requests queued for (re)admission, including those waiting for remote KV."""
     num_running: int = 0
@@ -18,7 +20,9 @@ class EngineStats:
     kv_usage: float = 0.0
     """Fraction of KV blocks referenced by live requests (0..1)."""
     num_kv_blocks: int = 0
+    """KV blocks in the pool."""
     num_used_kv_blocks: int = 0
+    """KV blocks referenced by live requests (held producer leases included)."""
     prefix_queried_tokens: int = 0
     """Cumulative prompt tokens looked up in the prefix cache."""
     prefix_hit_tokens: int = 0
@@ -30,12 +34,15 @@ class EngineStats:
     generation_tokens: int = 0
     """Cumulative generated tokens."""
     spec_draft_tokens: int = 0
+    """Cumulative speculative draft tokens proposed (and verified)."""
     spec_accepted_tokens: int = 0
+    """Cumulative draft tokens accepted (the bonus/corrected token not counted)."""
     spec_num_drafts: int = 0
     """Verify rows: decode rows that carried at least one draft (cumulative)."""
     spec_accepted_per_position: list[int] = field(default_factory=list)
     """``[j]``: verify rows whose draft ``j`` was accepted (cumulative, length K)."""
     num_steps: int = 0
+    """Steps that ran the model (cumulative)."""
     kv_transfer: dict[str, Any] | None = None
     """Cumulative KV-transfer totals (`kv_transfer.metrics.TransferTotals`), when P/D is on."""
     num_grammar_requests: int = 0

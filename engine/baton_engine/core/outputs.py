@@ -15,10 +15,15 @@ TokenLogprobs = list[tuple[int, float]]
 
 @dataclass
 class RequestOutput:
+    """One request's progress since its previous output (the engine core returns one per request
+    that gained tokens or finished in a step)."""
+
     request_id: str
+    """The caller's request id (`EngineCore.add_request`)."""
     new_token_ids: list[int]
     """Tokens generated since the previous output of this request."""
     finished: bool = False
+    """The last output of this request: nothing follows."""
     finish_reason: str | None = None
     """``stop`` | ``length`` | ``abort`` | ``rejected`` when finished."""
     finish_message: str | None = None
@@ -26,6 +31,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] | None = None
     """Per new token, when the request asked for logprobs."""
     num_prompt_tokens: int = 0
+    """Tokens of the prompt (usage accounting)."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
     queue_time: float | None = None

@@ -1,26 +1,29 @@
-"""One request's state as the scheduler sees it."""
+"""One request as the engine core sees it: its tokens, progress and timestamps.
+
+Who owns what (docs/engine.md, "State owners"): the scheduler writes a `Request`'s fields; its
+KV blocks and their keys belong to the `KVCacheManager`; while it runs, its row (block table,
+counters, sampling parameters as arrays) belongs to the `PersistentBatch`. A `Request` holds no
+reference to either.
+"""
 
 from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from baton_engine.core.sampling_params import SamplingParams
-from baton_engine.prefix.hashing import BlockHash
-
-if TYPE_CHECKING:
-    from baton_engine.core.batch import BatchState
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     """Queued for (re)admission: needs a prefill (or the rest of one)."""
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
-    """P/D consumer: blocks reserved, KV being pulled from a producer; skipped by the scheduler."""
+    """P/D consumer: waits for blocks to pull its prompt's KV into, or for that pull to end."""
     RUNNING = "running"
     """Has a row in the persistent batch (prefilling or decoding)."""
     FINISHED = "finished"
+    """Done: `finish_reason` says why; it is reported once and then forgotten."""
 
 
 class FinishReason(enum.Enum):
@@ -29,32 +32,32 @@ class FinishReason(enum.Enum):
     LENGTH = "length"
     """max_tokens or max_model_len reached."""
     ABORT = "abort"
-    """Aborted by the client or the server."""
+    """Aborted by the client or the server, or its KV transfer failed (policy ``fail``)."""
     REJECTED = "rejected"
     """Can never be scheduled (see `Request.finish_message`)."""
 
 
 class Request:
-    """Token ids, progress, blocks and timestamps of one request (one completion of it).
-
-    While the sequence has a row in the persistent batch, `num_computed_tokens` and
-    `last_token_time` live in the batch's arrays (updated vectorised each step); the properties
-    read them there and they are copied back when the row is released.
-    """
+    """Token ids, progress and timestamps of one request (one completion of it)."""
 
     def __init__(
         self,
-        seq_id: int,
+        req_id: int,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams | None = None,
         *,
+        client_id: str | None = None,
         arrival_time: float | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
-        self.seq_id = seq_id
+        self.req_id = req_id
+        """The engine core's id of this request (rows, blocks and outputs are keyed by it)."""
+        self.client_id = str(req_id) if client_id is None else client_id
+        """The caller's id (`EngineCore.add_request`'s ``request_id``); outputs carry it."""
         self.token_ids: list[int] = list(prompt_token_ids)
+        """Prompt then output tokens. The scheduler appends to this list (through the batch's
+        reference to it while the request runs)."""
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.status = RequestStatus.WAITING
@@ -64,34 +67,25 @@ class Request:
         self.stop_token_id: int | None = None
         """The EOS / stop token id that finished the request, if any."""
 
-        self.block_table: list[int] = []
-        self.block_hashes: list[BlockHash] = []
-        """Chain keys of the leading full blocks of `token_ids` (computed lazily, kept across
-        preemption since the tokens do not change)."""
-        self.num_published_blocks = 0
-        """Leading blocks whose KV is computed and whose key has been published (or hit)."""
+        self.num_computed_tokens = 0
+        """Tokens whose KV is in the cache (prefix hits, computed chunks, decode steps). While the
+        request has a row, the batch's counter is the current one (updated vectorised each step)
+        and this field is written back when the row is released: read it through
+        `Scheduler.num_computed_tokens`."""
         self.num_cached_tokens = 0
         """Prompt tokens served from the prefix cache at the latest admission."""
-        self._num_computed_tokens = 0
-
-        self.draft_token_ids: list[int] = []
-        """Speculative drafts for the next step: set by the drafter, cleared by the scheduler
-        after each step (drafts are only valid for one position)."""
         self.num_preemptions = 0
 
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
-        self._last_token_time: float | None = None
+        self.last_token_time: float | None = None
+        """When the latest output token was appended (monotonic clock); like
+        `num_computed_tokens`, current in the batch while the request has a row."""
 
-        self.kv_transfer_params = kv_transfer_params
-        """P/D parameters as received (consumer) — interpreted by the KV-transfer layer."""
-        self.hold_blocks_for_transfer: str | None = None
-        """Producer: a transfer id; when set, the finished request keeps its blocks until
-        `Scheduler.release(transfer_id)` or its lease expires."""
-
-        self._batch: BatchState | None = None
-        self._row = -1
+        self.kv_transfer_params_out: dict[str, Any] | None = None
+        """P/D producer: the signed kv_transfer_params a consumer pulls this request's KV with,
+        set by the KV connector when the finished request's blocks were leased."""
 
     # -- counters ---------------------------------------------------------------------------
     @property
@@ -107,34 +101,11 @@ class Request:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def num_computed_tokens(self) -> int:
-        """Tokens whose KV is in the cache (prefix hits, computed chunks, decode steps)."""
-        if self._batch is not None:
-            return int(self._batch.num_computed[self._row])
-        return self._num_computed_tokens
-
-    @num_computed_tokens.setter
-    def num_computed_tokens(self, value: int) -> None:
-        if self._batch is not None:
-            self._batch.num_computed[self._row] = value
-        else:
-            self._num_computed_tokens = value
-
-    @property
-    def last_token_time(self) -> float | None:
-        """When the latest output token was appended (monotonic clock)."""
-        if self._batch is not None:
-            stamp = float(self._batch.last_token_time[self._row])
-            return None if stamp < 0 else stamp
-        return self._last_token_time
-
-    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
     def __repr__(self) -> str:
         return (
-            f"Request(id={self.seq_id}, status={self.status.value}, tokens={self.num_tokens}, "
-            f"prompt={self.num_prompt_tokens}, computed={self.num_computed_tokens}, "
-            f"blocks={self.block_table})"
+            f"Request(id={self.req_id}, status={self.status.value}, tokens={self.num_tokens}, "
+            f"prompt={self.num_prompt_tokens})"
         )

@@ -1,26 +1,31 @@
-"""The scheduler: which sequences run each step, how many tokens each, and what happens after.
+"""The scheduler: which requests run each step, how many tokens each, and what happens after.
 
-Each step is a *mixed* batch: every decoding sequence gets exactly one token (1 + K with K
-drafts), then the rest of the token budget goes to prefills — first sequences already
+Each step is a *mixed* batch: every decoding request gets exactly one token (1 + K with K
+drafts), then the rest of the token budget goes to prefills — first requests already
 prefilling (chunked prefill), then new admissions from the waiting queue (FIFO). When a decode
-step cannot get a block, the most recently admitted running sequence is preempted: its blocks
+step cannot get a block, the most recently admitted running request is preempted: its blocks
 are freed and it re-enters the waiting queue to recompute its KV later (its tokens are kept, so
 its output does not change). Requests that can never fit are finished with a rejection reason.
 
-Engine loop::
+Engine loop (`EngineCore.step`)::
 
-    out = scheduler.schedule()
+    out = scheduler.schedule(drafts)
     if out.num_rows:
-        result = runner.run(out)
+        result = runner.execute(out)
         step = scheduler.postprocess(out, result)
-    events = scheduler.block_manager.take_events()
+    events = scheduler.kv_cache_manager.take_events()
 
-The decode path is vectorised over the persistent batch (`BatchState`); per-sequence Python
-work happens only for rows that cross a block boundary, finish, or change state — and for rows
-that follow a grammar (structured output): the scheduler drives the `StructuredOutputManager`
-(a request's grammar is added when it is queued, its drafts are cut to what the grammar allows,
-each step carries the bitmasks of its constrained positions, kept tokens are accepted, and a
-request whose grammar is complete finishes with ``stop``).
+State owners: the scheduler writes `Request`s and owns the queues; the `KVCacheManager` owns
+request -> blocks (the scheduler copies what it hands out into the batch); the `PersistentBatch`
+owns rows and the block table; the `StructuredOutputManager` owns request -> grammar state (the
+scheduler drives it: a request's grammar is added when it is queued, its drafts are cut to what
+the grammar allows, each step carries the bitmasks of its constrained positions, kept tokens are
+accepted, and a request whose grammar is complete finishes with ``stop``). P/D goes through the
+`KVConnector` Protocol: the scheduler calls its hooks and applies its `KVConnectorUpdates` at the
+start of each step.
+
+The decode path is vectorised over the persistent batch; per-request Python work happens only
+for rows that cross a block boundary, finish, change state, or follow a grammar.
 """
 
 from __future__ import annotations
@@ -28,17 +33,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from baton_engine.core.batch import BatchState
-from baton_engine.core.kv_cache_manager import BlockManager
+from baton_engine.core.batch import PersistentBatch
+from baton_engine.core.kv_cache_manager import KVCacheManager
+from baton_engine.core.kv_connector import KVConnector, RemoteKVArrived, RemoteKVFailed
 from baton_engine.core.request import FinishReason, Request, RequestStatus
 from baton_engine.core.scheduler_output import Int64Array, ModelRunnerOutput, SchedulerOutput
-from baton_engine.core.scheduler_stats import PrefixCacheStats, SpecDecodeStats
+from baton_engine.core.scheduler_stats import PrefixCacheStats, SchedulerStats, SpecDecodeStats
 from baton_engine.core.step_builder import build_step
 from baton_engine.prefix.hashing import PrefixHasher, fast_prefix_hash
 from baton_engine.structured.grammar import StructuredOutputError
@@ -55,23 +61,31 @@ class StepResult:
     """What one `postprocess` produced, for streaming and metrics."""
 
     step_id: int
-    seq_ids: list[int]
-    """Sequences that gained tokens this step (the sampling rows, in row order)."""
-    new_token_ids: list[list[int]]
-    """Tokens appended to each of `seq_ids` (a speculative run is cut after a stop token)."""
+    req_ids: list[int]
+    """Requests that gained tokens this step (the sampling rows, in row order)."""
+    token_lists: list[list[int]] | None = None
+    """Speculative steps: the tokens appended to each of `req_ids` (a run is cut after a stop
+    token). None when each gained exactly one, in `token_array`."""
+    token_array: Int64Array | None = None
+    """Steps without drafts: the one token each of `req_ids` gained (the runner's array, kept
+    as is: readers that need only which requests moved pay no per-row list)."""
     logprobs: list[list[list[tuple[int, float]]]] | None = None
     """The runner's logprobs, aligned with `new_token_ids` (cut the same way); None if none."""
     finished: list[Request] = field(default_factory=list)
-    """Sequences finished since the previous `postprocess`: stopped here, or rejected or aborted
+    """Requests finished since the previous `postprocess`: stopped here, or rejected or aborted
     in between."""
     timestamp: float = 0.0
     """Clock reading when the tokens were appended (their arrival time for ITL)."""
 
-
-@dataclass
-class _HeldTransfer:
-    seq: Request
-    expires_at: float
+    @property
+    def new_token_ids(self) -> list[list[int]]:
+        """The tokens appended to each of `req_ids`, as lists (built from `token_array` when
+        that carries them)."""
+        if self.token_lists is not None:
+            return self.token_lists
+        if self.token_array is None:
+            return []
+        return [[t] for t in self.token_array.tolist()]
 
 
 class Scheduler:
@@ -88,9 +102,9 @@ class Scheduler:
         eos_token_id: int | None = None,
         scheduler_delay_factor: float = 0.0,
         num_speculative_tokens: int = 0,
-        kv_lease_seconds: float = 30.0,
         prefix_hasher: PrefixHasher = fast_prefix_hash,
         enable_kv_events: bool = True,
+        kv_connector: KVConnector | None = None,
         structured_output: StructuredOutputManager | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -101,7 +115,7 @@ class Scheduler:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({max_num_seqs}) so that every running sequence can decode in every step"
+                f"({max_num_seqs}) so that every running request can decode in every step"
             )
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -117,26 +131,27 @@ class Scheduler:
         self.eos_token_id = eos_token_id
         self.delay_factor = scheduler_delay_factor
         self.num_speculative_tokens = num_speculative_tokens
-        self.kv_lease_seconds = kv_lease_seconds
+        self.kv_connector = kv_connector
         self.structured_output = structured_output
         self.clock = clock
 
-        self.block_manager = BlockManager(
+        self.kv_cache_manager = KVCacheManager(
             num_blocks,
             block_size,
             enable_prefix_caching=enable_prefix_caching,
             hasher=prefix_hasher,
             record_events=enable_kv_events,
         )
-        max_blocks_per_seq = -(-(max_model_len + num_speculative_tokens + 1) // block_size)
-        self.batch = BatchState(max_num_seqs, max_blocks_per_seq)
+        max_blocks_per_request = -(-(max_model_len + num_speculative_tokens + 1) // block_size)
+        self.batch = PersistentBatch(max_num_seqs, max_blocks_per_request)
 
         self.waiting: deque[Request] = deque()
-        self._admitted: dict[int, Request] = {}  # running sequences in admission order
+        self._admitted: dict[int, Request] = {}  # running requests in admission order
         self._unfinished: dict[int, Request] = {}
         self._remote_pending: dict[int, Request] = {}  # blocks reserved, KV being pulled
-        self._new_remote_reservations: list[Request] = []
-        self._held: dict[str, _HeldTransfer] = {}
+        self._arrived: deque[Request] = deque()  # KV pulled into their blocks, waiting for a row
+        self._aborted_while_pulling: dict[int, str | None] = {}  # req id -> abort message
+        self._held: dict[int, Request] = {}  # producer: finished, blocks leased for a pull
         self._finished: list[Request] = []  # since the last postprocess
         self._finished_ids: list[int] = []  # since the last schedule
         self._stop_id_rows = 0  # running rows whose params have stop_token_ids
@@ -144,7 +159,7 @@ class Scheduler:
 
         self._step_id = 0
         self._in_flight: SchedulerOutput | None = None
-        self._pending_aborts: list[int] = []
+        self._pending_aborts: list[tuple[int, str | None]] = []
 
         self._prev_time = 0.0
         self._prev_prompt = False
@@ -162,6 +177,7 @@ class Scheduler:
         num_blocks: int,
         eos_token_id: int | None,
         prefix_hasher: PrefixHasher = fast_prefix_hash,
+        kv_connector: KVConnector | None = None,
         structured_output: StructuredOutputManager | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> Scheduler:
@@ -176,17 +192,17 @@ class Scheduler:
             eos_token_id=eos_token_id,
             scheduler_delay_factor=config.scheduler_delay_factor,
             num_speculative_tokens=config.num_speculative_tokens,
-            kv_lease_seconds=config.kv_lease_seconds,
             prefix_hasher=prefix_hasher,
             enable_kv_events=config.kv_events,
+            kv_connector=kv_connector,
             structured_output=structured_output,
             clock=clock,
         )
 
-    # -- queue inspection -------------------------------------------------------------------
+    # -- inspection -------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self._remote_pending)
+        return len(self.waiting) + len(self._remote_pending) + len(self._arrived)
 
     @property
     def num_running(self) -> int:
@@ -196,30 +212,55 @@ class Scheduler:
     def num_held_transfers(self) -> int:
         return len(self._held)
 
+    @property
+    def num_parked(self) -> int:
+        """P/D consumers holding KV blocks without a row: pulling, or their KV arrived. Running
+        plus parked stays within `max_num_seqs` (a parked consumer is admitted: it needs a row)."""
+        return len(self._remote_pending) + len(self._arrived)
+
     def has_unfinished(self) -> bool:
         return bool(self._unfinished) or bool(self._finished)
 
-    def get(self, seq_id: int) -> Request | None:
-        return self._unfinished.get(seq_id)
+    def get(self, req_id: int) -> Request | None:
+        return self._unfinished.get(req_id)
 
-    def stats(self) -> dict[str, float]:
-        """A snapshot for metrics (queue depth, running, KV usage, cache and speculation)."""
-        return {
-            "num_waiting": self.num_waiting,
-            "num_running": self.num_running,
-            "kv_cache_usage": self.block_manager.usage(),
-            "num_preemptions": self.num_preemptions,
-            "prefix_cache_queries": self.prefix_cache_stats.queried_tokens,
-            "prefix_cache_hits": self.prefix_cache_stats.hit_tokens,
-            "spec_draft_tokens": self.spec_stats.num_draft_tokens,
-            "spec_accepted_tokens": self.spec_stats.num_accepted_tokens,
-        }
+    def num_computed_tokens(self, request: Request) -> int:
+        """Tokens of `request` whose KV is in the cache (the batch's counter while it runs)."""
+        batch = self.batch
+        if batch.has_row(request.req_id):
+            return int(batch.num_computed[batch.row_of(request.req_id)])
+        return request.num_computed_tokens
+
+    def decoding_requests(self) -> list[Request]:
+        """The requests in decode rows, in row order (what a drafter proposes for)."""
+        return self.batch.requests[: self.batch.num_decode]
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        prefix = self.prefix_cache_stats
+        spec = self.spec_stats
+        return SchedulerStats(
+            num_waiting=self.num_waiting,
+            num_running=self.num_running,
+            num_held_transfers=self.num_held_transfers,
+            kv_cache_usage=kv.usage(),
+            num_kv_blocks=kv.num_blocks,
+            num_used_kv_blocks=kv.num_used_blocks,
+            num_preemptions=self.num_preemptions,
+            prefix_queried_tokens=prefix.queried_tokens,
+            prefix_hit_tokens=prefix.hit_tokens,
+            spec_draft_tokens=spec.num_draft_tokens,
+            spec_accepted_tokens=spec.num_accepted_tokens,
+            spec_num_drafts=spec.num_forwards,
+            spec_accepted_per_position=list(spec.accepted_per_position),
+            num_grammar_requests=len(self.structured_output or ()),
+        )
 
     # -- admission --------------------------------------------------------------------------
-    def rejection_reason(self, seq: Request) -> str | None:
-        """Why `seq` can never be (re)computed with this configuration, or None."""
-        n = seq.num_tokens
-        what = "prompt" if seq.num_output_tokens == 0 else "prompt + output"
+    def rejection_reason(self, request: Request) -> str | None:
+        """Why `request` can never be (re)computed with this configuration, or None."""
+        n = request.num_tokens
+        what = "prompt" if request.num_output_tokens == 0 else "prompt + output"
         if n > self.max_model_len:
             return (
                 f"{what} has {n} tokens, more than max_model_len={self.max_model_len}; "
@@ -231,40 +272,41 @@ class Scheduler:
                 f"{self.max_num_batched_tokens} and chunked prefill is off; enable chunked prefill "
                 "or raise --max-num-batched-tokens"
             )
-        needed = self.block_manager.blocks_needed(n)
-        if needed > self.block_manager.num_blocks:
+        kv = self.kv_cache_manager
+        needed = kv.blocks_needed(n)
+        if needed > kv.num_blocks:
             return (
                 f"{what} needs {needed} KV blocks, more than the whole pool "
-                f"({self.block_manager.num_blocks} blocks of {self.block_size} tokens)"
+                f"({kv.num_blocks} blocks of {self.block_size} tokens)"
             )
         return None
 
-    def add(self, seq: Request) -> None:
+    def add(self, request: Request) -> None:
         """Queue a new request (status WAITING, or WAITING_FOR_REMOTE_KV on a P/D consumer).
 
         A request that can never fit is finished at once with reason REJECTED; it is reported in
         the next `postprocess` / `take_finished`.
         """
-        if seq.seq_id in self._unfinished:
-            raise ValueError(f"sequence id {seq.seq_id} is already scheduled")
-        if seq.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KV):
-            raise ValueError(f"sequence {seq.seq_id} has status {seq.status.value}, expected waiting")
-        reason = self.rejection_reason(seq) or self._add_grammar(seq)
+        if request.req_id in self._unfinished:
+            raise ValueError(f"request id {request.req_id} is already scheduled")
+        if request.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KV):
+            raise ValueError(f"request {request.req_id} has status {request.status.value}, expected waiting")
+        reason = self.rejection_reason(request) or self._add_grammar(request)
         if reason is not None:
-            self._mark_finished(seq, FinishReason.REJECTED, reason)
+            self._mark_finished(request, FinishReason.REJECTED, reason)
             return
-        self._unfinished[seq.seq_id] = seq
-        self.waiting.append(seq)
+        self._unfinished[request.req_id] = request
+        self.waiting.append(request)
 
-    def _add_grammar(self, seq: Request) -> str | None:
-        """Start following `seq`'s grammar, if it has one; why it cannot be followed, or None."""
-        grammar = seq.sampling_params.grammar
+    def _add_grammar(self, request: Request) -> str | None:
+        """Start following `request`'s grammar, if it has one; why it cannot be followed, or None."""
+        grammar = request.sampling_params.grammar
         if grammar is None:
             return None
         if self.structured_output is None:
             return "grammar: this engine cannot follow grammars (its model has no tokenizer)"
         try:
-            self.structured_output.add(seq.seq_id, grammar)
+            self.structured_output.add(request.req_id, grammar)
         except StructuredOutputError as exc:
             return str(exc)  # "grammar: ..." (the server names the request field it came from)
         return None
@@ -276,11 +318,14 @@ class Scheduler:
         return manager if manager is not None and len(manager) else None
 
     # -- schedule ---------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's batch. Unless it is empty, call `postprocess` with its result
-        before the next call."""
+    def schedule(self, drafts: Mapping[int, Sequence[int]] | None = None) -> SchedulerOutput:
+        """Pick this step's batch. `drafts`: speculative draft tokens by request id (decoding
+        requests only; valid for this step). Unless the step is empty, call `postprocess` with
+        its result before the next call."""
         if self._in_flight is not None:
             raise RuntimeError("schedule() called again before postprocess() of the previous step")
+        if self.kv_connector is not None:
+            self.update_from_kv_connector()
         now = self.clock()
         self._step_id += 1
         batch = self.batch
@@ -288,7 +333,7 @@ class Scheduler:
 
         # 1. Every decode row gets its token(s); find blocks for them, preempting if needed.
         if self.num_speculative_tokens:
-            self._plan_drafts(budget)
+            self._plan_drafts(budget, drafts or {})
         preemptions_before = self.num_preemptions
         self._grow_decode_blocks()
         preempted = self.num_preemptions != preemptions_before
@@ -298,7 +343,7 @@ class Scheduler:
             num_decode_tokens += int(batch.num_drafts[:num_decode].sum())
         budget -= num_decode_tokens
 
-        # 2. Sequences already prefilling continue, in order, while the budget lasts.
+        # 2. Requests already prefilling continue, in order, while the budget lasts.
         chunks: list[int] = []
         nc, nt = batch.num_computed, batch.num_tokens
         for row in range(num_decode, batch.num_rows):
@@ -312,31 +357,45 @@ class Scheduler:
         # that had to preempt: the victim would come straight back and thrash.
         delay_passed = self.delay_factor <= 0 or self._passed_delay(now)
         all_prefills_served = num_decode + len(chunks) == batch.num_rows
-        if budget > 0 and all_prefills_served and self.waiting and delay_passed and not preempted:
+        queued = self.waiting or self._arrived
+        if budget > 0 and all_prefills_served and queued and delay_passed and not preempted:
             budget = self._admit(budget, chunks, now)
 
-        out = self._build_output(num_decode, chunks)
+        finished_ids, self._finished_ids = self._finished_ids, []
+        out = build_step(
+            batch,
+            step_id=self._step_id,
+            num_decode=num_decode,
+            chunks=chunks,
+            block_size=self.block_size,
+            drafts=drafts if self.num_speculative_tokens else None,
+            finished_req_ids=finished_ids,
+        )
+        grammars = self._grammars
+        if grammars is not None:
+            self._attach_bitmask(out, grammars, drafts if self.num_speculative_tokens else None)
         # An empty step has nothing to run or postprocess (report finishes via take_finished).
         self._in_flight = out if out.num_rows else None
         return out
 
-    def _plan_drafts(self, budget: int) -> None:
+    def _plan_drafts(self, budget: int, drafts: Mapping[int, Sequence[int]]) -> None:
         batch = self.batch
         k = self.num_speculative_tokens
         room = budget - batch.num_decode
         grammars = self._grammars
         for row in range(batch.num_decode):
-            seq = batch.seqs[row]
-            if grammars is not None and batch.has_grammar[row] and seq.draft_token_ids:
-                seq.draft_token_ids = grammars.cut_drafts(seq.seq_id, seq.draft_token_ids)
-            wanted = min(len(seq.draft_token_ids), k, self.max_model_len - seq.num_tokens, room)
+            request = batch.requests[row]
+            proposed = drafts.get(request.req_id)
+            if proposed and grammars is not None and batch.has_grammar[row]:
+                proposed = grammars.cut_drafts(request.req_id, list(proposed))
+            wanted = min(len(proposed), k, self.max_model_len - request.num_tokens, room) if proposed else 0
             wanted = max(wanted, 0)
             batch.num_drafts[row] = wanted
             room -= wanted
 
     def _grow_decode_blocks(self) -> None:
         batch = self.batch
-        bm = self.block_manager
+        kv = self.kv_cache_manager
         bs = self.block_size
         while batch.num_decode:
             d = batch.num_decode
@@ -348,29 +407,25 @@ class Scheduler:
             if not len(short_rows):
                 return
             missing_blocks = needed_blocks[short_rows] - batch.num_blocks[short_rows]
-            if bm.num_free_blocks >= len(short_rows) and (missing_blocks == 1).all():
+            if kv.num_free_blocks >= len(short_rows) and (missing_blocks == 1).all():
                 # Common case: each short row needs exactly one block and the pool has them.
-                new_blocks = bm.take_blocks(len(short_rows))
-                batch.block_table[short_rows, batch.num_blocks[short_rows]] = new_blocks
-                batch.num_blocks[short_rows] += 1
-                seqs = batch.seqs
-                for row, block_id in zip(short_rows.tolist(), new_blocks, strict=True):
-                    seqs[row].block_table.append(block_id)
+                req_ids = batch.req_ids
+                new_blocks = kv.append_one_block_each([req_ids[row] for row in short_rows.tolist()])
+                batch.append_block_per_row(short_rows, new_blocks)
                 return
             preempted = False
             for row in short_rows.tolist():
                 missing = int(needed_blocks[row] - batch.num_blocks[row])
-                if bm.num_free_blocks < missing and batch.num_drafts[row]:
+                if kv.num_free_blocks < missing and batch.num_drafts[row]:
                     # Drop this row's drafts before preempting anyone for them.
                     batch.num_drafts[row] = 0
                     missing = int((batch.num_computed[row] + bs) // bs - batch.num_blocks[row])
                     if missing <= 0:
                         continue
-                if bm.num_free_blocks >= missing:
-                    seq = batch.seqs[row]
-                    new_blocks = bm.take_blocks(missing)
-                    seq.block_table.extend(new_blocks)
-                    batch.append_blocks(row, new_blocks)
+                if kv.num_free_blocks >= missing:
+                    request = batch.requests[row]
+                    tokens = int(batch.num_blocks[row] + missing) * bs
+                    batch.append_blocks(row, kv.append_slots(request, tokens))
                     continue
                 self._preempt(next(reversed(self._admitted.values())))
                 preempted = True
@@ -379,61 +434,109 @@ class Scheduler:
                 return
 
     def _admit(self, budget: int, chunks: list[int], now: float) -> int:
+        """Give rows to queued requests, first come first served within each queue: first the P/D
+        consumers whose KV arrived (they hold blocks already), then the waiting queue (preempted
+        requests at its front, then arrivals; a consumer there gets its blocks reserved for the
+        pull). Stops at the first request that does not fit, so nobody is overtaken."""
         batch = self.batch
-        bm = self.block_manager
-        skipped: list[Request] = []
+        kv = self.kv_cache_manager
         admitted_any = False
-        while self.waiting and budget > 0 and batch.num_rows < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.status is RequestStatus.WAITING_FOR_REMOTE_KV:
-                self.waiting.popleft()
-                if not self._reserve_for_remote(seq):
-                    skipped.append(seq)
+        while self._arrived and budget > 0 and batch.num_rows < self.max_num_seqs:
+            request = self._arrived[0]
+            reason = self.rejection_reason(request)
+            if reason is not None:  # the producer's first token made it too long for this pool
+                self._arrived.popleft()
+                self._finish_unschedulable(request, "cannot run after its KV arrived", reason)
                 continue
-            reason = None if seq.block_table else self.rejection_reason(seq)
-            if reason is not None:
-                # Only a preempted sequence that grew past what can ever be recomputed gets here
-                # with output: it ends as if it hit a length limit.
-                self.waiting.popleft()
-                del self._unfinished[seq.seq_id]
-                if seq.num_output_tokens:
-                    self._mark_finished(seq, FinishReason.LENGTH, f"cannot resume after preemption: {reason}")
-                else:
-                    self._mark_finished(seq, FinishReason.REJECTED, reason)
-                continue
-            if seq.block_table:
-                # KV arrived from a producer: blocks are there, the rest is computed normally.
-                missing = bm.blocks_needed(seq.num_tokens) - len(seq.block_table)
-                if missing > bm.num_free_blocks:
-                    break
-                num_new = seq.num_tokens - seq.num_computed_tokens
-                if not self.enable_chunked_prefill and num_new > budget:
-                    break
-                bm.append_slots(seq, seq.num_tokens)
-            else:
-                hits = bm.can_allocate(seq)
-                if hits < 0:
-                    break
-                num_new = seq.num_tokens - hits * self.block_size
-                if not self.enable_chunked_prefill and num_new > budget:
-                    break
-                bm.allocate(seq, hits)
-                self.prefix_cache_stats.record(seq.num_tokens, seq.num_cached_tokens)
-            self.waiting.popleft()
-            seq.status = RequestStatus.RUNNING
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-            self._admitted[seq.seq_id] = seq
-            self._add_row(seq)
-            chunk = min(num_new, budget)
-            chunks.append(chunk)
-            budget -= chunk
+            missing = kv.blocks_needed(request.num_tokens) - kv.num_blocks_of(request.req_id)
+            if missing > kv.num_free_blocks and not self._make_room(missing):
+                break
+            num_new = request.num_tokens - request.num_computed_tokens
+            if not self.enable_chunked_prefill and num_new > budget:
+                break
+            kv.append_slots(request, request.num_tokens)
+            self._arrived.popleft()
+            budget = self._start(request, num_new, budget, chunks, now)
             admitted_any = True
-        if skipped:
-            self.waiting.extend(skipped)
+        while (
+            not self._arrived
+            and self.waiting
+            and budget > 0
+            and batch.num_rows + self.num_parked < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+                if not self._reserve_for_remote(request):
+                    break
+                self.waiting.popleft()
+                continue
+            reason = self.rejection_reason(request)
+            if reason is not None:
+                # Only a preempted request that grew past what can ever be recomputed gets here.
+                self.waiting.popleft()
+                self._finish_unschedulable(request, "cannot resume after preemption", reason)
+                continue
+            hits = kv.find_prefix_hits(request)
+            if hits is None:
+                break
+            num_new = request.num_tokens - hits * self.block_size
+            if not self.enable_chunked_prefill and num_new > budget:
+                break
+            self._allocate(request, hits)
+            self.waiting.popleft()
+            budget = self._start(request, num_new, budget, chunks, now)
+            admitted_any = True
         if admitted_any:
             self._prev_prompt = True
         return budget
+
+    def _start(self, request: Request, num_new: int, budget: int, chunks: list[int], now: float) -> int:
+        """Give admitted `request` the next prefill row and its first chunk; the budget left."""
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+        self._admitted[request.req_id] = request
+        self._add_row(request)
+        chunk = min(num_new, budget)
+        chunks.append(chunk)
+        return budget - chunk
+
+    def _finish_unschedulable(self, request: Request, what: str, reason: str) -> None:
+        """A queued request that can never be computed in this pool: one with output ends as if it
+        hit a length limit (it did: the pool's), one without is rejected."""
+        del self._unfinished[request.req_id]
+        if request.num_output_tokens:
+            self._mark_finished(request, FinishReason.LENGTH, f"{what}: {reason}")
+        else:
+            self._mark_finished(request, FinishReason.REJECTED, reason)
+
+    def _make_room(self, num_blocks: int) -> bool:
+        """Free blocks for the first arrived consumer by preempting, by recompute, the most recently
+        arrived of the other parked ones (as a local decode preempts the most recently admitted).
+        Rows of this step are already planned, so running requests are left alone: they free
+        blocks by finishing or, short of blocks themselves, by preempting each other."""
+        kv = self.kv_cache_manager
+        while kv.num_free_blocks < num_blocks and len(self._arrived) > 1:
+            victim = self._arrived.pop()
+            kv.free(victim.req_id, keep_keys=True)
+            self._to_recompute(victim)
+        return kv.num_free_blocks >= num_blocks
+
+    def _to_recompute(self, request: Request) -> None:
+        """Back to the front of the waiting queue to compute its KV again (its tokens are kept,
+        so its output does not change)."""
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _allocate(self, request: Request, num_hit_blocks: int) -> None:
+        blocks = self.kv_cache_manager.allocate(request, num_hit_blocks)
+        hit_tokens = blocks.num_hit_blocks * self.block_size
+        request.num_cached_tokens = hit_tokens
+        request.num_computed_tokens = hit_tokens
+        self.prefix_cache_stats.record(request.num_tokens, hit_tokens)
 
     def _passed_delay(self, now: float) -> bool:
         # Hold new prompts until the oldest has waited delay_factor x the last prompt step's
@@ -443,41 +546,33 @@ class Scheduler:
         self._prev_time, self._prev_prompt = now, False
         if not self.waiting or not self._admitted:
             return True
-        earliest = min(seq.arrival_time for seq in self.waiting)
+        earliest = min(request.arrival_time for request in self.waiting)
         return (now - earliest) > self.delay_factor * self._last_prompt_latency
 
-    def _add_row(self, seq: Request) -> None:
-        self.batch.add_row(seq, self.eos_token_id, self.max_model_len)
-        if seq.sampling_params.stop_token_ids:
+    def _add_row(self, request: Request) -> None:
+        block_ids = self.kv_cache_manager.block_ids(request.req_id)
+        self.batch.add_row(request, block_ids, self.eos_token_id, self.max_model_len)
+        if request.sampling_params.stop_token_ids:
             self._stop_id_rows += 1
-            union = set(self._stop_id_union.tolist()) | set(seq.sampling_params.stop_token_ids)
+            union = set(self._stop_id_union.tolist()) | set(request.sampling_params.stop_token_ids)
             self._stop_id_union = np.array(sorted(union), dtype=np.int64)
 
-    def _remove_row(self, seq: Request) -> None:
-        self.batch.release_row(seq)
-        del self._admitted[seq.seq_id]
-        if seq.sampling_params.stop_token_ids:
+    def _remove_row(self, request: Request) -> None:
+        released = self.batch.release_row(request.req_id)
+        request.num_computed_tokens = released.num_computed_tokens
+        request.last_token_time = released.last_token_time
+        del self._admitted[request.req_id]
+        if request.sampling_params.stop_token_ids:
             self._stop_id_rows -= 1
             if self._stop_id_rows == 0:
                 self._stop_id_union = np.zeros(0, dtype=np.int64)
 
-    def _build_output(self, num_decode: int, chunks: list[int]) -> SchedulerOutput:
-        finished_ids, self._finished_ids = self._finished_ids, []
-        out = build_step(
-            self.batch,
-            step_id=self._step_id,
-            num_decode=num_decode,
-            chunks=chunks,
-            block_size=self.block_size,
-            speculative=bool(self.num_speculative_tokens),
-            finished_seq_ids=finished_ids,
-        )
-        grammars = self._grammars
-        if grammars is not None:
-            self._attach_bitmask(out, grammars)
-        return out
-
-    def _attach_bitmask(self, out: SchedulerOutput, grammars: StructuredOutputManager) -> None:
+    def _attach_bitmask(
+        self,
+        out: SchedulerOutput,
+        grammars: StructuredOutputManager,
+        drafts: Mapping[int, Sequence[int]] | None,
+    ) -> None:
         """The bitmasks of the step's constrained sampled positions (`grammar_bitmask`)."""
         batch = self.batch
         num_sample = len(out.sample_rows)
@@ -486,11 +581,13 @@ class Scheduler:
             return
         counts = 1 + out.num_draft_tokens[:num_sample].astype(np.int64)
         first_logits_row = (np.cumsum(counts) - counts).tolist()
+        req_ids = batch.req_ids
         rows = []
         for row in constrained:
-            seq = batch.seqs[row]
-            drafts = tuple(seq.draft_token_ids[: int(out.num_draft_tokens[row])])
-            rows.append(SampledRow(seq.seq_id, first_logits_row[row], drafts))
+            req_id = req_ids[row]
+            num_drafts = int(out.num_draft_tokens[row])
+            row_drafts = tuple(drafts[req_id][:num_drafts]) if drafts is not None and num_drafts else ()
+            rows.append(SampledRow(req_id, first_logits_row[row], row_drafts))
         step = grammars.step_bitmask(rows)
         out.grammar_bitmask = step.bitmask
         out.grammar_rows = np.asarray(step.logits_rows, dtype=np.int64)
@@ -512,64 +609,68 @@ class Scheduler:
         batch = self.batch
         b = out.num_rows
         num_decode = out.num_decode_rows
-        prefill_rows = batch.seqs[num_decode:b]
-        completing = batch.seqs[num_decode:num_sample]
+        prefill_rows = batch.requests[num_decode:b]
+        completing = batch.requests[num_decode:num_sample]
+        token_array: Int64Array | None = None
+        token_lists: list[list[int]] | None
         if out.num_decode_tokens > num_decode:
-            finishing, new_token_ids = self._apply_speculative(out, result, now)
+            finishing, token_lists = self._apply_speculative(out, result, now)
         else:
-            finishing, new_token_ids = self._apply_tokens(out, result, now)
-            if self.num_speculative_tokens:
-                for seq in batch.seqs[:num_decode]:
-                    seq.draft_token_ids = []  # drafts are for one position only
+            finishing, token_array, token_lists = self._apply_tokens(out, result, now)
 
-        bm = self.block_manager
-        if bm.enable_prefix_caching:
+        kv = self.kv_cache_manager
+        if kv.enable_prefix_caching:
             computed = batch.num_computed
             if out.num_decode_tokens > num_decode:
                 for row in range(num_decode):
-                    bm.publish(batch.seqs[row], int(computed[row]))
+                    kv.publish(batch.requests[row], int(computed[row]))
             else:
-                crossed = np.flatnonzero(computed[:num_decode] % self.block_size == 0).tolist()
-                seqs = batch.seqs
-                bm.publish_next_block([seqs[row] for row in crossed])
-            for seq in prefill_rows:
-                bm.publish(seq, int(computed[seq._row]))
+                crossed = np.flatnonzero(computed[:num_decode] % self.block_size == 0)
+                if len(crossed):
+                    requests = batch.requests
+                    kv.publish_next_block(
+                        [requests[row] for row in crossed.tolist()], computed[crossed].tolist()
+                    )
+            for request in prefill_rows:
+                kv.publish(request, int(computed[batch.row_of(request.req_id)]))
 
-        for seq in completing:
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-        for seq, reason in finishing:
-            self._finish_running(seq, reason, now)
-        for seq in completing:
-            if seq.status is RequestStatus.RUNNING:
-                batch.promote_to_decode(seq)
-        for seq_id in self._pending_aborts:
-            self.abort(seq_id)
-        self._pending_aborts.clear()
+        for request in completing:
+            if request.first_token_time is None:
+                request.first_token_time = now
+        for request, reason in finishing:
+            self._finish_running(request, reason)
+        for request in completing:
+            if request.status is RequestStatus.RUNNING:
+                batch.promote_to_decode(request.req_id)
+        self._apply_pending_aborts()
 
         finished, self._finished = self._finished, []
         return StepResult(
             step_id=out.step_id,
-            seq_ids=out.seq_ids[:num_sample],
-            new_token_ids=new_token_ids,
-            logprobs=self._align_logprobs(result, new_token_ids),
+            req_ids=out.req_ids[:num_sample],
+            token_lists=token_lists,
+            token_array=token_array,
+            logprobs=self._align_logprobs(result, token_lists, num_sample),
             finished=finished,
             timestamp=now,
         )
 
     @staticmethod
     def _align_logprobs(
-        result: ModelRunnerOutput, new_token_ids: list[list[int]]
+        result: ModelRunnerOutput, token_lists: list[list[int]] | None, num_sample: int
     ) -> list[list[list[tuple[int, float]]]] | None:
+        """The runner's logprobs cut like the tokens (a speculative run is cut after a stop)."""
         if result.logprobs is None:
             return None
-        if len(result.logprobs) != len(new_token_ids):
+        if len(result.logprobs) != num_sample:
             raise ValueError(
-                f"runner returned logprobs for {len(result.logprobs)} rows, expected {len(new_token_ids)}"
+                f"runner returned logprobs for {len(result.logprobs)} rows, expected {num_sample}"
             )
+        if token_lists is None:
+            return [row[:1] for row in result.logprobs]
         return [
             row if len(row) == len(tokens) else row[: len(tokens)]
-            for row, tokens in zip(result.logprobs, new_token_ids, strict=True)
+            for row, tokens in zip(result.logprobs, token_lists, strict=True)
         ]
 
     def discard_step(self, out: SchedulerOutput) -> None:
@@ -578,17 +679,22 @@ class Scheduler:
         if self._in_flight is not out:
             raise RuntimeError(f"step {out.step_id} is not the step in flight")
         self._in_flight = None
-        for seq_id in self._pending_aborts:
-            self.abort(seq_id)
-        self._pending_aborts.clear()
+        self._apply_pending_aborts()
+
+    def _apply_pending_aborts(self) -> None:
+        pending, self._pending_aborts = self._pending_aborts, []
+        for req_id, message in pending:
+            self.abort(req_id, message)
 
     def _apply_tokens(
         self, out: SchedulerOutput, result: ModelRunnerOutput, now: float
-    ) -> tuple[list[tuple[Request, FinishReason]], list[list[int]]]:
-        """Vectorised path: every sampling row gained exactly one token."""
+    ) -> tuple[list[tuple[Request, FinishReason]], Int64Array, list[list[int]] | None]:
+        """Vectorised path: every sampling row gained exactly one token. Returns the finishing
+        requests, the tokens as an array, and the runner's per-row lists if it gave them."""
         batch = self.batch
         b = out.num_rows
         s = len(out.sample_rows)
+        lists: list[list[int]] | None
         if result.sampled_token_array is not None:
             tokens = np.asarray(result.sampled_token_array, dtype=np.int64)
             if tokens.shape != (s,):
@@ -605,8 +711,6 @@ class Scheduler:
         batch.last_token_time[:s] = now
         token_list = tokens.tolist()
         deque(map(list.append, batch.token_lists[:s], token_list), maxlen=0)
-        if lists is None:
-            lists = [[t] for t in token_list]
 
         stop = (tokens == batch.eos[:s]) | (batch.num_tokens[:s] >= batch.stop_len[:s])
         if self._stop_id_rows:
@@ -614,41 +718,41 @@ class Scheduler:
         grammar_ends: dict[int, FinishReason] = {}
         if out.grammar_bitmask is not None:
             for row in np.flatnonzero(batch.has_grammar[:s]).tolist():
-                end = self._accept_grammar(batch.seqs[row], token_list[row])
+                end = self._accept_grammar(batch.requests[row], token_list[row])
                 if end is not None:
                     grammar_ends[row] = end
                     stop[row] = True
         finishing: list[tuple[Request, FinishReason]] = []
         for row in np.flatnonzero(stop).tolist():
-            seq = batch.seqs[row]
-            reason = grammar_ends.get(row) or self._stop_reason(seq, token_list[row], seq.num_tokens)
+            request = batch.requests[row]
+            reason = grammar_ends.get(row) or self._stop_reason(request, token_list[row], request.num_tokens)
             if reason is not None:
-                finishing.append((seq, reason))
-        return finishing, lists
+                finishing.append((request, reason))
+        return finishing, tokens, lists
 
-    def _accept_grammar(self, seq: Request, token: int) -> FinishReason | None:
-        """Advance `seq`'s grammar by its new `token`: STOP once the grammar is complete."""
-        if self.structured_output is None or seq.seq_id not in self.structured_output:
+    def _accept_grammar(self, request: Request, token: int) -> FinishReason | None:
+        """Advance `request`'s grammar by its new `token`: STOP once the grammar is complete."""
+        if self.structured_output is None or request.req_id not in self.structured_output:
             return None
         try:
-            complete = self.structured_output.accept(seq.seq_id, [token])
+            complete = self.structured_output.accept(request.req_id, [token])
         except GrammarRefusedToken as exc:
             # The step's mask allowed only grammar tokens: this is a bug, and it ends this
             # request only (never the step loop).
-            log.error("sequence %d: sampled %s; aborting it", seq.seq_id, exc)
-            seq.finish_message = f"structured output failed: sampled {exc}"
+            log.error("request %d: sampled %s; aborting it", request.req_id, exc)
+            request.finish_message = f"structured output failed: sampled {exc}"
             return FinishReason.ABORT
         return FinishReason.STOP if complete else None
 
-    def _stop_reason(self, seq: Request, token: int, num_tokens: int) -> FinishReason | None:
-        params = seq.sampling_params
+    def _stop_reason(self, request: Request, token: int, num_tokens: int) -> FinishReason | None:
+        params = request.sampling_params
         if token == self.eos_token_id and not params.ignore_eos:
-            seq.stop_token_id = token
+            request.stop_token_id = token
             return FinishReason.STOP
         if token in params.stop_token_ids:
-            seq.stop_token_id = token
+            request.stop_token_id = token
             return FinishReason.STOP
-        if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
+        if num_tokens - request.num_prompt_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -657,7 +761,7 @@ class Scheduler:
     ) -> tuple[list[tuple[Request, FinishReason]], list[list[int]]]:
         """Per-row path for steps where some decode rows verified drafts."""
         batch = self.batch
-        bm = self.block_manager
+        kv = self.kv_cache_manager
         num_decode = out.num_decode_rows
         b = out.num_rows
         s = len(out.sample_rows)
@@ -667,165 +771,195 @@ class Scheduler:
         new_token_ids: list[list[int]] = []
         batch.num_computed[num_decode:b] += out.query_lens[num_decode:]
         for row in range(s):
-            seq = batch.seqs[row]
+            request = batch.requests[row]
             accepted = result.sampled_token_ids[row]
             drafts = int(out.num_draft_tokens[row])
             if not 1 <= len(accepted) <= drafts + 1:
                 raise ValueError(
-                    f"row {row} (sequence {seq.seq_id}) accepted {len(accepted)} tokens with "
+                    f"row {row} (request {request.req_id}) accepted {len(accepted)} tokens with "
                     f"{drafts} drafts; expected 1..{drafts + 1}"
                 )
             if row < num_decode:
                 batch.num_computed[row] += len(accepted)
                 if drafts:
                     self.spec_stats.record(drafts, len(accepted) - 1)
-                seq.draft_token_ids = []
             kept: list[int] = []
             reason = None
             constrained = out.grammar_bitmask is not None and bool(batch.has_grammar[row])
             for token in accepted:
-                seq.token_ids.append(token)
+                request.token_ids.append(token)
                 kept.append(token)
-                grammar_end = self._accept_grammar(seq, token) if constrained else None
-                reason = grammar_end or self._stop_reason(seq, token, seq.num_tokens)
+                grammar_end = self._accept_grammar(request, token) if constrained else None
+                reason = grammar_end or self._stop_reason(request, token, request.num_tokens)
                 if reason is not None:
                     break
-            batch.num_tokens[row] = seq.num_tokens
+            batch.num_tokens[row] = request.num_tokens
             batch.last_token[row] = kept[-1]
             batch.last_token_time[row] = now
             new_token_ids.append(kept if len(kept) < len(accepted) else accepted)
             if reason is not None:
-                finishing.append((seq, reason))
+                finishing.append((request, reason))
             elif row < num_decode and drafts:
-                keep_blocks = bm.blocks_needed(seq.num_tokens)
-                if len(seq.block_table) > keep_blocks:
-                    bm.truncate(seq, keep_blocks)
+                keep_blocks = kv.blocks_needed(request.num_tokens)
+                if batch.num_blocks[row] > keep_blocks:
+                    kv.truncate(request.req_id, keep_blocks)
                     batch.truncate_blocks(row, keep_blocks)
         return finishing, new_token_ids
 
     # -- finishing, preemption, abort -------------------------------------------------------
-    def _mark_finished(self, seq: Request, reason: FinishReason, message: str | None = None) -> None:
+    def _mark_finished(self, request: Request, reason: FinishReason, message: str | None = None) -> None:
+        """Finish `request`: its grammar state is dropped and its blocks freed, unless the KV
+        connector leases them (a P/D producer request), then they are freed when the lease ends."""
         if self.structured_output is not None:
-            self.structured_output.remove(seq.seq_id)
-        seq.status = RequestStatus.FINISHED
-        seq.finish_reason = reason
+            self.structured_output.remove(request.req_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
         if message is not None:
-            seq.finish_message = message
-        self._finished.append(seq)
-        self._finished_ids.append(seq.seq_id)
-
-    def _finish_running(self, seq: Request, reason: FinishReason, now: float) -> None:
-        self._remove_row(seq)
-        del self._unfinished[seq.seq_id]
-        transfer_id = seq.hold_blocks_for_transfer
-        if transfer_id is not None and reason is not FinishReason.ABORT:
-            self._held[transfer_id] = _HeldTransfer(seq, now + self.kv_lease_seconds)
+            request.finish_message = message
+        kv = self.kv_cache_manager
+        connector = self.kv_connector
+        params = (
+            None if connector is None else connector.request_finished(request, kv.block_ids(request.req_id))
+        )
+        if params is None:
+            kv.free(request.req_id)
         else:
-            self.block_manager.free(seq)
-        self._mark_finished(seq, reason)
+            request.kv_transfer_params_out = params
+            self._held[request.req_id] = request
+        self._finished.append(request)
+        self._finished_ids.append(request.req_id)
 
-    def _preempt(self, seq: Request) -> None:
-        self._remove_row(seq)
-        self.block_manager.free(seq)
-        seq.status = RequestStatus.WAITING
-        seq.num_computed_tokens = 0
-        seq.draft_token_ids = []
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+    def _finish_running(self, request: Request, reason: FinishReason) -> None:
+        self._remove_row(request)
+        del self._unfinished[request.req_id]
+        self._mark_finished(request, reason)
 
-    def abort(self, seq_id: int, message: str | None = None) -> Request | None:
+    def _preempt(self, request: Request) -> None:
+        self._remove_row(request)
+        self.kv_cache_manager.free(request.req_id, keep_keys=True)
+        self._to_recompute(request)
+
+    def abort(self, req_id: int, message: str | None = None) -> Request | None:
         """Finish a request now (client gone, stop string matched) and free its blocks.
 
-        While a step is in flight a running sequence is aborted right after that step's
-        `postprocess` (its row is part of the step). Returns the sequence, or None if unknown.
+        While a step is in flight a running request is aborted right after that step's
+        `postprocess` (its row is part of the step); a P/D consumer whose pull is running is
+        aborted once the connector reports the pull stopped writing its blocks. Returns the
+        request, or None if unknown.
         """
-        seq = self._unfinished.get(seq_id)
-        if seq is None:
+        request = self._unfinished.get(req_id)
+        if request is None:
             return None
-        if seq.status is RequestStatus.RUNNING:
+        if request.status is RequestStatus.RUNNING:
             if self._in_flight is not None:
-                self._pending_aborts.append(seq_id)
-                return seq
-            self._remove_row(seq)
-            self.block_manager.free(seq)
-        elif seq_id in self._remote_pending:
-            del self._remote_pending[seq_id]
-            self.block_manager.free(seq)
+                self._pending_aborts.append((req_id, message))
+                return request
+            self._remove_row(request)
+        elif req_id in self._remote_pending:
+            if req_id in self._aborted_while_pulling:
+                return request  # already aborting: its pull is stopping
+            if self.kv_connector is not None and self.kv_connector.abort_pull(request):
+                self._aborted_while_pulling[req_id] = message
+                return request
+            del self._remote_pending[req_id]
+        elif request in self._arrived:
+            self._arrived.remove(request)
         else:
-            self.waiting.remove(seq)
-            self.block_manager.free(seq)  # KV may already have arrived from a producer
-        del self._unfinished[seq_id]
-        self._mark_finished(seq, FinishReason.ABORT, message)
-        return seq
+            self.waiting.remove(request)
+        del self._unfinished[req_id]
+        self._mark_finished(request, FinishReason.ABORT, message)
+        return request
 
     def take_finished(self) -> list[Request]:
-        """Sequences finished (rejected, aborted) since the last `postprocess`, for loops that
+        """Requests finished (rejected, aborted) since the last `postprocess`, for loops that
         had no step to run."""
         finished, self._finished = self._finished, []
         return finished
 
-    # -- P/D: consumer ----------------------------------------------------------------------
-    def _reserve_for_remote(self, seq: Request) -> bool:
-        if seq.block_table:
-            return True
-        hits = self.block_manager.can_allocate(seq)
-        if hits < 0:
+    # -- P/D --------------------------------------------------------------------------------
+    def update_from_kv_connector(self) -> bool:
+        """Apply what the KV connector's threads did (pulls that ended, leases that ended);
+        `schedule` does it first, an idle engine loop calls it to free ended leases. True if a
+        lease's blocks were freed."""
+        if self.kv_connector is None:
             return False
-        self.block_manager.allocate(seq, hits)
-        self.prefix_cache_stats.record(seq.num_tokens, seq.num_cached_tokens)
-        self._remote_pending[seq.seq_id] = seq
-        self._new_remote_reservations.append(seq)
+        updates = self.kv_connector.take_updates()
+        for req_id in updates.pulls_stopped:
+            self._pull_stopped(req_id)
+        for arrived in updates.arrived:
+            self._remote_kv_arrived(arrived)
+        for failed in updates.failed:
+            self._remote_kv_failed(failed)
+        freed = False
+        for req_id in updates.leases_ended:
+            if self._held.pop(req_id, None) is not None:
+                self.kv_cache_manager.free(req_id)
+                freed = True
+        return freed
+
+    def _reserve_for_remote(self, request: Request) -> bool:
+        kv = self.kv_cache_manager
+        if kv.num_blocks_of(request.req_id):
+            return True
+        hits = kv.find_prefix_hits(request)
+        if hits is None:
+            return False
+        self._allocate(request, hits)
+        self._remote_pending[request.req_id] = request
+        if self.kv_connector is not None:
+            self.kv_connector.blocks_reserved(request, kv.block_ids(request.req_id))
         return True
 
-    def take_remote_kv_reservations(self) -> list[Request]:
-        """Consumer: sequences whose blocks were reserved since the last call. Pull the KV of
-        their prompt into ``block_table`` from token ``num_computed_tokens`` (the local prefix
-        hit) on, then call `mark_remote_kv_arrived` (or `mark_remote_kv_failed`)."""
-        reserved, self._new_remote_reservations = self._new_remote_reservations, []
-        return reserved
+    def _pull_stopped(self, req_id: int) -> None:
+        message = self._aborted_while_pulling.pop(req_id, None)
+        request = self._remote_pending.pop(req_id, None)
+        if request is None:
+            return
+        del self._unfinished[req_id]
+        self._mark_finished(request, FinishReason.ABORT, message)
 
-    def mark_remote_kv_arrived(
-        self, seq_id: int, num_computed_tokens: int, first_token_id: int | None = None
-    ) -> None:
-        """Consumer: the producer's KV for the first `num_computed_tokens` tokens is in our blocks.
-
-        With `first_token_id` (the producer sampled it) the sequence continues as a decode row;
-        its received full blocks become hittable.
-        """
-        seq = self._remote_pending.pop(seq_id, None)
-        if seq is None:
-            raise KeyError(f"sequence {seq_id} is not waiting for remote KV")
-        if not seq.num_computed_tokens <= num_computed_tokens <= seq.num_prompt_tokens:
-            self._remote_pending[seq_id] = seq
+    def _remote_kv_arrived(self, arrived: RemoteKVArrived) -> None:
+        """Consumer: the producer's KV for the first `num_computed_tokens` tokens is in our
+        blocks. With `first_token_id` (the producer sampled it) the request continues as a
+        decode row; its received full blocks become hittable."""
+        req_id = arrived.req_id
+        if req_id in self._aborted_while_pulling:
+            self._pull_stopped(req_id)
+            return
+        request = self._remote_pending.get(req_id)
+        if request is None:
+            raise KeyError(f"request {req_id} is not waiting for remote KV")
+        num_computed = arrived.num_computed_tokens
+        if not request.num_computed_tokens <= num_computed <= request.num_prompt_tokens:
             raise ValueError(
-                f"num_computed_tokens={num_computed_tokens} must be within "
-                f"[{seq.num_computed_tokens}, {seq.num_prompt_tokens}]"
+                f"num_computed_tokens={num_computed} must be within "
+                f"[{request.num_computed_tokens}, {request.num_prompt_tokens}]"
             )
+        del self._remote_pending[req_id]
+        first_token_id = arrived.first_token_id
         if first_token_id is not None:
-            seq.token_ids.append(first_token_id)
-            seq.first_token_time = self.clock()
+            request.token_ids.append(first_token_id)
+            request.first_token_time = self.clock()
         # At least one token must be computed here to produce logits.
-        seq.num_computed_tokens = min(num_computed_tokens, seq.num_tokens - 1)
-        self.block_manager.publish(seq, seq.num_computed_tokens)
-        seq.status = RequestStatus.WAITING
+        request.num_computed_tokens = min(num_computed, request.num_tokens - 1)
+        self.kv_cache_manager.publish(request, request.num_computed_tokens)
+        request.status = RequestStatus.WAITING
         if first_token_id is not None:
             # The grammar continues from the prefill leg's first token.
-            reason, message = self._replay_first_token(seq, first_token_id)
-            reason = reason or self._stop_reason(seq, first_token_id, seq.num_tokens)
+            reason, message = self._replay_first_token(request, first_token_id)
+            reason = reason or self._stop_reason(request, first_token_id, request.num_tokens)
             if reason is not None:
-                del self._unfinished[seq_id]
-                self.block_manager.free(seq)
-                self._mark_finished(seq, reason, message)
+                del self._unfinished[req_id]
+                self._mark_finished(request, reason, message)
                 return
-        self.waiting.appendleft(seq)
+        self._arrived.append(request)
 
-    def _replay_first_token(self, seq: Request, token: int) -> tuple[FinishReason | None, str | None]:
+    def _replay_first_token(self, request: Request, token: int) -> tuple[FinishReason | None, str | None]:
         """A P/D decode leg's grammar takes the token the prefill leg sampled."""
-        if self.structured_output is None or seq.seq_id not in self.structured_output:
+        if self.structured_output is None or request.req_id not in self.structured_output:
             return None, None
         try:
-            complete = self.structured_output.accept(seq.seq_id, [token])
+            complete = self.structured_output.accept(request.req_id, [token])
         except GrammarRefusedToken as exc:
             return FinishReason.REJECTED, (
                 f"kv_transfer_params: the prefill leg's first {exc} (did both legs get the same "
@@ -833,40 +967,23 @@ class Scheduler:
             )
         return (FinishReason.STOP if complete else None), None
 
-    def mark_remote_kv_failed(self, seq_id: int, *, recompute: bool = True) -> None:
+    def _remote_kv_failed(self, failed: RemoteKVFailed) -> None:
         """Consumer: the pull failed. Recompute the prompt locally, or fail the request."""
-        seq = self._remote_pending.pop(seq_id, None)
-        if seq is None:
-            raise KeyError(f"sequence {seq_id} is not waiting for remote KV")
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        if recompute:
-            seq.status = RequestStatus.WAITING
-            self.waiting.appendleft(seq)
+        req_id = failed.req_id
+        if req_id in self._aborted_while_pulling:
+            self._pull_stopped(req_id)
+            return
+        request = self._remote_pending.pop(req_id, None)
+        if request is None:
+            raise KeyError(f"request {req_id} is not waiting for remote KV")
+        self.kv_cache_manager.free(req_id, keep_keys=True)
+        request.num_computed_tokens = 0
+        if failed.recompute:
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
         else:
-            del self._unfinished[seq_id]
-            self._mark_finished(seq, FinishReason.ABORT, "KV transfer from the prefill pod failed")
-
-    # -- P/D: producer ----------------------------------------------------------------------
-    def release(self, transfer_id: str) -> bool:
-        """Producer: the consumer pulled transfer `transfer_id`; free its blocks."""
-        held = self._held.pop(transfer_id, None)
-        if held is None:
-            return False
-        self.block_manager.free(held.seq)
-        return True
-
-    def expire_leases(self, now: float | None = None) -> list[str]:
-        """Producer: free held blocks whose lease ran out; returns the expired transfer ids."""
-        now = self.clock() if now is None else now
-        expired = [tid for tid, held in self._held.items() if held.expires_at <= now]
-        for transfer_id in expired:
-            self.block_manager.free(self._held.pop(transfer_id).seq)
-        return expired
-
-    def held_blocks(self, transfer_id: str) -> list[int] | None:
-        held = self._held.get(transfer_id)
-        return None if held is None else list(held.seq.block_table)
+            del self._unfinished[req_id]
+            self._mark_finished(request, FinishReason.ABORT, failed.message)
 
     def reset_prefix_cache(self) -> None:
-        self.block_manager.reset_prefix_cache()
+        self.kv_cache_manager.reset_prefix_cache()

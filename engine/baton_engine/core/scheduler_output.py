@@ -3,15 +3,15 @@
 The scheduler fills a `SchedulerOutput` per step; the model runner turns it into device tensors,
 runs one forward and samples; the scheduler's `postprocess` consumes the sampled tokens. Arrays
 are numpy (the scheduler never imports torch). Row order is the persistent batch's order: rows
-of running decode sequences first, then prefill chunks (so a runner can treat the leading
+of running decode requests first, then prefill chunks (so a runner can treat the leading
 `num_decode_rows` rows as single-token queries).
 
 Vocabulary used below:
 
 * ``T`` — total query tokens in the step (``sum(query_lens)``), at most `max_num_batched_tokens`.
-* ``B`` — sequences in the step (rows), at most `max_num_seqs`.
+* ``B`` — requests in the step (rows), at most `max_num_seqs`.
 * A *slot* is ``block_id * block_size + offset``: the KV-cache position one token's K/V go to.
-* A row *samples* when its query ends at the sequence's last known token: every decode row, and
+* A row *samples* when its query ends at the request's last known token: every decode row, and
   the prefill chunk that completes a prompt. A middle prefill chunk computes KV only.
 """
 
@@ -56,8 +56,8 @@ class SchedulerOutput:
     step_id: int
     """Monotonic step counter; the runner echoes it so deferred outputs match their step."""
 
-    seq_ids: list[int]
-    """Row ``i`` belongs to sequence ``seq_ids[i]`` (length ``B``)."""
+    req_ids: list[int]
+    """Row ``i`` belongs to request ``req_ids[i]`` (length ``B``)."""
 
     num_decode_rows: int
     """Rows ``[0, num_decode_rows)`` are decode rows (query length 1, or 1 + drafts when
@@ -84,14 +84,14 @@ class SchedulerOutput:
     row follow its last real token."""
 
     positions: Int64Array
-    """Absolute position of each query token in its sequence (length ``T``)."""
+    """Absolute position of each query token in its request (length ``T``)."""
 
     slot_mapping: Int64Array
     """KV-cache slot each query token writes (length ``T``)."""
 
     block_tables: Int32Array
     """A ``[B, max_blocks_per_seq]`` view of the persistent batch's block table (rows beyond a
-    sequence's blocks hold 0 and are never read because of `seq_lens`)."""
+    request's blocks hold 0 and are never read because of `seq_lens`)."""
 
     logits_indices: Int64Array
     """Indices into the ``T`` query tokens whose hidden states become logits: the last token of
@@ -104,6 +104,7 @@ class SchedulerOutput:
     """Draft tokens per row (length ``B``); 0 when the row is not speculating."""
 
     sampling: SamplingBatch
+    """How each row samples (per-row parameters; ``all_greedy`` lets a runner skip sampling)."""
 
     num_prefill_tokens: int = 0
     """Tokens in prefill rows (for metrics and the mixed-batch invariant)."""
@@ -122,13 +123,13 @@ class SchedulerOutput:
     """The logits row (an index into `logits_indices`) each `grammar_bitmask` row applies to,
     ascending (length ``G``)."""
 
-    finished_seq_ids: list[int] = field(default_factory=list)
-    """Sequences that finished or were aborted since the last step; a runner drops any per-row
+    finished_req_ids: list[int] = field(default_factory=list)
+    """Requests that finished or were aborted since the last step; a runner drops any per-row
     state it keeps for them (e.g. captured-graph slots, drafter state)."""
 
     @property
     def num_rows(self) -> int:
-        return len(self.seq_ids)
+        return len(self.req_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -140,14 +141,21 @@ class ModelRunnerOutput:
     """What the runner returns for one `SchedulerOutput`; `Scheduler.postprocess` consumes it."""
 
     step_id: int
-    sampled_token_ids: list[list[int]]
-    """Per sampling row (aligned with `sample_rows`): the tokens accepted this step, 1 normally,
-    1..K+1 when speculating (accepted drafts plus the bonus/corrected token)."""
+    """The `SchedulerOutput.step_id` this answers."""
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    """Steps where some row verified drafts: per sampling row (aligned with `sample_rows`), the
+    tokens accepted, 1..K+1 (accepted drafts plus the bonus/corrected token). Empty when
+    `sampled_token_array` carries the step's tokens."""
     logprobs: list[list[list[tuple[int, float]]]] | None = None
     """Per sampling row, per accepted token: the sampled token's logprob first, then the top-n
     ``(token id, logprob)`` pairs; None when no row asked for logprobs."""
     sampled_token_array: Int64Array | None = None
-    """Optional fast path (added by the engine core): the same tokens as one flat array, one per
-    sampling row, when no row speculated. The runner has them as an array already; with it,
-    `postprocess` needs no per-row Python pass. When given it must agree with
-    `sampled_token_ids`."""
+    """Steps without drafts: one sampled token per sampling row, as one array — what the runners
+    return (they sample into an array; `Scheduler.postprocess` then reads the step's tokens
+    without a per-row Python pass). When `sampled_token_ids` is given too, they must agree."""
+
+    def tokens_per_row(self) -> list[list[int]]:
+        """The step's tokens per sampling row, whichever form carries them."""
+        if self.sampled_token_ids or self.sampled_token_array is None:
+            return self.sampled_token_ids
+        return [[t] for t in self.sampled_token_array.tolist()]

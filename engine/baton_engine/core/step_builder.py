@@ -2,29 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 
-from baton_engine.core.batch import BatchState
+from baton_engine.core.batch import PersistentBatch
 from baton_engine.core.scheduler_output import Int32Array, Int64Array, SamplingBatch, SchedulerOutput
 
 
 def build_step(
-    batch: BatchState,
+    batch: PersistentBatch,
     *,
     step_id: int,
     num_decode: int,
     chunks: list[int],
     block_size: int,
-    speculative: bool,
-    finished_seq_ids: list[int],
+    drafts: Mapping[int, Sequence[int]] | None,
+    finished_req_ids: list[int],
 ) -> SchedulerOutput:
     """The `SchedulerOutput` for rows ``[0, num_decode + len(chunks))`` of the persistent batch:
-    every decode row (with its planned drafts when `speculative`), then prefill chunks."""
+    every decode row, then prefill chunks. `drafts` (by request id) fills the draft tokens the
+    scheduler planned per decode row (``batch.num_drafts``); None when not speculating."""
     bs = block_size
     b = num_decode + len(chunks)
     query_lens = np.empty(b, dtype=np.int32)
     query_lens[:num_decode] = 1
-    speculating = speculative and bool(batch.num_drafts[:num_decode].any())
+    speculating = drafts is not None and bool(batch.num_drafts[:num_decode].any())
     num_drafts = np.zeros(b, dtype=np.int32)
     if speculating:
         num_drafts[:num_decode] = batch.num_drafts[:num_decode]
@@ -50,11 +53,12 @@ def build_step(
         )
         input_ids = np.empty(num_tokens, dtype=np.int64)
         input_ids[query_start_loc[:num_decode]] = batch.last_token[:num_decode]
-        if speculating:
+        if drafts is not None and speculating:
+            req_ids = batch.req_ids
             for row in np.flatnonzero(num_drafts).tolist():
                 start = int(query_start_loc[row]) + 1
                 k = int(num_drafts[row])
-                input_ids[start : start + k] = batch.seqs[row].draft_token_ids[:k]
+                input_ids[start : start + k] = drafts[req_ids[row]][:k]
         for i, chunk in enumerate(chunks):
             row = num_decode + i
             start_tok = int(computed[row])
@@ -95,7 +99,7 @@ def build_step(
     )
     return SchedulerOutput(
         step_id=step_id,
-        seq_ids=batch.seq_ids[:b],
+        req_ids=batch.req_ids[:b],
         num_decode_rows=num_decode,
         query_lens=query_lens,
         query_start_loc=query_start_loc,
@@ -111,5 +115,5 @@ def build_step(
         sampling=sampling,
         num_prefill_tokens=num_tokens - int(query_lens[:num_decode].sum()),
         num_decode_tokens=int(query_lens[:num_decode].sum()),
-        finished_seq_ids=finished_seq_ids,
+        finished_req_ids=finished_req_ids,
     )

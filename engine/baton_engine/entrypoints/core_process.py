@@ -148,7 +148,7 @@ def _start_kv_event_publisher(config: EngineConfig, model_name: str) -> Any:
     if not config.kv_events:
         return None
     from baton_engine import contract
-    from baton_engine.prefix.publisher import KVEventPublisher  # type: ignore[import-not-found]
+    from baton_engine.prefix.publisher import KVEventPublisher
 
     address = os.environ.get(contract.ENV_POD_IP) or config.host
     publisher = KVEventPublisher(
@@ -236,14 +236,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     log.info(
         "engine core ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d",
-        time.monotonic() - started, core.scheduler.block_manager.num_blocks, core.scheduler.block_size,
+        time.monotonic() - started, core.scheduler.kv_cache_manager.num_blocks, core.scheduler.block_size,
         info.max_model_len,
     )  # fmt: skip
     push.send(
         ipc.encode(
             ipc.READY,
             {
-                "num_kv_blocks": core.scheduler.block_manager.num_blocks,
+                "num_kv_blocks": core.scheduler.kv_cache_manager.num_blocks,
                 "max_model_len": info.max_model_len,
                 "block_size": core.scheduler.block_size,
                 "pid": os.getpid(),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from baton_engine.config import EngineConfig
-from baton_engine.core.engine_core import Drafter, EngineCore, KVEventSink
+from baton_engine.core.engine_core import Drafter, EngineCore, KVEventSink, SpecDecodeStatsLogger
 from baton_engine.core.sampling_params import SamplingParams
 from baton_engine.prefix.hashing import prefix_hasher
 from baton_engine.structured.manager import StructuredOutputManager
@@ -22,17 +22,24 @@ from baton_engine.structured.manager import StructuredOutputManager
 if TYPE_CHECKING:
     from baton_engine.model.loader.model_loading import LoadedModel
     from baton_engine.model.parallel import TensorParallel
+    from baton_engine.text.tokenizer import Tokenizer
     from baton_engine.worker.model_runner import ModelRunner
     from baton_engine.worker.tp_executor import TensorParallelExecutor
 
 
 @dataclass
 class ModelInfo:
+    """What an engine knows about its model once loaded (the core process reports it as ready)."""
+
     name: str
     """The name clients use (`served_model_name`, else the model's own)."""
     max_model_len: int
+    """The configured limit capped by the model's own (`max_position_embeddings`)."""
     eos_token_ids: tuple[int, ...]
+    """The model's EOS ids (config, else tokenizer); the first is the scheduler's EOS."""
     vocab_size: int
+    tokenizer: Tokenizer | None = None
+    """The checkpoint's own tokenizer, when it has one (the offline `LLM` uses it)."""
 
     def with_extra_eos(self, params: SamplingParams) -> SamplingParams:
         """The scheduler knows one EOS id; models with several stop on the others through
@@ -67,6 +74,20 @@ def build_engine_core(
     tokenizer = runner.loaded.tokenizer
     eos_ids = tuple(model_config.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer is not None else ())
     speculative_k = config.num_speculative_tokens if config.speculative != "none" else 0
+    name = config.served_model_name or runner.loaded.name
+    connector = None
+    if config.kv_role != "none":
+        from baton_engine.kv_transfer.connector import KVTransferConnector
+
+        connector = KVTransferConnector(
+            config,
+            runner.kv_cache,
+            model_name=name,
+            num_kv_heads=model_config.num_kv_heads,
+            ranks=executor,
+        )
+        if executor is not None:
+            executor.kv_result_handler = connector.on_rank_result
     structured_output = None
     if tokenizer is not None:
         # llguidance stops on every EOS the model has (the scheduler's, and the tokenizer's).
@@ -79,34 +100,23 @@ def build_engine_core(
         num_blocks=runner.num_blocks,
         eos_token_id=eos_ids[0] if eos_ids else None,
         prefix_hasher=prefix_hasher(config.prefix_hash, config.prefix_hash_seed),
+        kv_connector=connector,
         structured_output=structured_output,
     )
     info = ModelInfo(
-        name=config.served_model_name or runner.loaded.name,
+        name=name,
         max_model_len=max_model_len,
         eos_token_ids=eos_ids,
         vocab_size=model_config.vocab_size,
+        tokenizer=tokenizer,
     )
-    connector = None
-    if config.kv_role != "none":
-        from baton_engine.kv_transfer.connector import KVTransferConnector
-
-        connector = KVTransferConnector(
-            config,
-            runner.kv_cache,
-            scheduler,
-            model_name=info.name,
-            num_kv_heads=model_config.num_kv_heads,
-            ranks=executor,
-        )
-        if executor is not None:
-            executor.kv_result_handler = connector.on_rank_result
+    drafter, spec_stats_logger = _drafter(config)
     core = EngineCore(
         scheduler,
         runner if executor is None else executor,
         kv_event_sink=kv_event_sink,
-        kv_connector=connector,
-        drafter=_drafter(config),
+        drafter=drafter,
+        spec_stats_logger=spec_stats_logger,
     )
     return core, info
 
@@ -169,12 +179,12 @@ def build_model_runner(
     return ModelRunner(config, loaded, parallel=tp)
 
 
-def _drafter(config: EngineConfig) -> Drafter | None:
+def _drafter(config: EngineConfig) -> tuple[Drafter | None, SpecDecodeStatsLogger | None]:
     if config.speculative == "none":
-        return None
+        return None, None
     from baton_engine.spec_decode.drafter import NgramDrafter
     from baton_engine.spec_decode.ngram_proposer import NgramProposer
     from baton_engine.spec_decode.stats_log import SpecDecodeLogger
 
     proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
-    return NgramDrafter(proposer, logger=SpecDecodeLogger())
+    return NgramDrafter(proposer), SpecDecodeLogger()

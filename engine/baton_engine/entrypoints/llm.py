@@ -52,7 +52,7 @@ class LLM:
         an unknown or invalid one raises pydantic's ValidationError naming it."""
         self.config = EngineConfig(model=model, **engine_settings)
         self.core, self.info = build_engine_core(self.config)
-        self.tokenizer = self.core.runner.loaded.tokenizer  # type: ignore[attr-defined]
+        self.tokenizer = self.info.tokenizer
         self._next_id = 0
 
     def close(self) -> None:

@@ -100,8 +100,9 @@ class BlockGatherer:
             self.device_stage = [
                 torch.empty(flat, dtype=torch.uint8, device=self.device) for _ in range(depth)
             ]
-            self.stream = torch.cuda.Stream(device=self.device)
-            self.events = [torch.cuda.Event() for _ in range(depth)]
+            # torch's stubs leave these constructors untyped
+            self.stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+            self.events = [torch.cuda.Event() for _ in range(depth)]  # type: ignore[no-untyped-call]
 
     def _view(self, flat: torch.Tensor, n: int, heads: Heads | None) -> torch.Tensor:
         spec = self.spec
@@ -137,6 +138,7 @@ class BlockGatherer:
             return host
         if self.stream is None:
             out, cache = host.numpy(), self.kv_np
+            assert cache is not None  # a CPU cache is read through numpy
             for pos, first, count in runs:
                 out[:, :, pos : pos + count] = cache[:, :, first : first + count]
             return host

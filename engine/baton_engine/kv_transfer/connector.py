@@ -1,22 +1,25 @@
-"""Joins the engine core's step loop to KV transfer, in both roles.
+"""`KVTransferConnector`: the engine's P/D KV transfer, behind the core's `KVConnector` Protocol.
 
 Producer (``kv_role`` producer/both): a request whose ``kv_transfer_params`` is
-``{"do_remote_decode": true}`` runs its prefill with ``max_tokens`` forced to 1 and keeps its
-blocks when it finishes; `producer_finished` leases them to the serving thread and returns the
-signed params for the response. Leases that end (DONE, RELEASE, expiry) are freed in the
-scheduler at the start of the next step (`before_step`).
+``{"do_remote_decode": true}`` runs its prefill with ``max_tokens`` forced to 1; when it
+finishes, `request_finished` leases its prompt's blocks in the producer's lease table (the only
+one: `leases.LeaseTable`) and returns the signed params for the response. Leases that end (DONE,
+RELEASE, expiry) come back to the scheduler as `KVConnectorUpdates.leases_ended`.
 
 Consumer (``kv_role`` consumer/both): a request carrying signed params waits in
-WAITING_FOR_REMOTE_KV; once the scheduler reserved its blocks (minus its own prefix hit) the
-background puller fills them; the request then continues decoding after the producer's first
-token, or recomputes its prefill locally (policy ``recompute``) or fails (policy ``fail``).
+WAITING_FOR_REMOTE_KV; once the scheduler reserved its blocks (minus its own prefix hit,
+`blocks_reserved`) the background puller fills them; the outcome comes back as
+`KVConnectorUpdates.arrived` (the request continues decoding after the producer's first token)
+or `failed` (recompute the prefill locally, policy ``recompute``, or fail, policy ``fail``).
+
+The connector never calls the scheduler: the scheduler calls it and applies its updates.
 
 Tensor parallelism (`ranks`): every rank moves its own heads. A producer pod's ranks serve
 their heads on their own ports (the params carry the layout: ``tp_size``, ``rank_ports``,
-``num_kv_heads``); each rank holds the lease, and the blocks are freed once it ended on every
-rank. A consumer pod's ranks each pull the heads they need from the producer ranks holding
-them, in parallel (`kv_transfer.rank_agent`); once every rank has pulled, rank 0 ends the
-lease on every producer rank and the request continues; if one rank failed, all of it is
+``num_kv_heads``); each rank holds the lease, and it ends (``leases_ended``) once it ended on
+every rank. A consumer pod's ranks each pull the heads they need from the producer ranks
+holding them, in parallel (`kv_transfer.rank_agent`); once every rank has pulled, rank 0 ends
+the lease on every producer rank and the request continues; if one rank failed, all of it is
 recomputed (or failed).
 """
 
@@ -27,6 +30,7 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,8 +39,8 @@ import torch
 from baton_engine import contract
 from baton_engine.config import EngineConfig
 from baton_engine.contract import KVTransferParams
-from baton_engine.core.request import Request, RequestStatus
-from baton_engine.core.scheduler import Scheduler
+from baton_engine.core.kv_connector import KVConnectorUpdates, RemoteKVArrived, RemoteKVFailed
+from baton_engine.core.request import FinishReason, Request, RequestStatus
 from baton_engine.kv_transfer.cache_blocks import cache_spec
 from baton_engine.kv_transfer.consumer import RankLayout
 from baton_engine.kv_transfer.leases import LeaseEnd
@@ -93,7 +97,7 @@ class _RankLease:
 
 @dataclass
 class _RankResults:
-    """Results the ranks sent (on the executor's watchdog thread), until the step loop takes them."""
+    """Results the ranks sent (on the executor's watchdog thread), until `take_updates` takes them."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     items: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
@@ -109,11 +113,12 @@ class _RankResults:
 
 
 class KVTransferConnector:
+    """Implements `baton_engine.core.kv_connector.KVConnector`."""
+
     def __init__(
         self,
         config: EngineConfig,
         kv_cache: torch.Tensor,
-        scheduler: Scheduler,
         *,
         model_name: str,
         port: int | None = None,
@@ -128,7 +133,6 @@ class KVTransferConnector:
         env = dict(os.environ) if environ is None else environ
         self.role = config.kv_role
         self.key = require_key(env)
-        self.scheduler = scheduler
         self.model_name = model_name
         self.lease_seconds = config.kv_lease_seconds
         self.recompute_on_failure = config.kv_transfer_on_failure == "recompute"
@@ -162,11 +166,12 @@ class KVTransferConnector:
                 kv_key=self.kv_key,
                 layout=RankLayout(self.num_kv_heads, self.tp_size, 0),
             )
-        self._lease_of_request: dict[str, str] = {}  # producer: request id -> transfer id, while leased
-        self._request_of_lease: dict[str, str] = {}
-        self._consumer_params: dict[int, KVTransferParams] = {}  # seq id -> params, until pulled
+        self._transfer_of: dict[int, str] = {}  # producer: req id -> transfer id, until it finished
+        self._leases: dict[str, tuple[int, str]] = {}  # transfer id -> (req id, client id), while leased
+        self._lease_of_client: dict[str, str] = {}  # client id -> transfer id, while leased
+        self._consumer_params: dict[int, KVTransferParams] = {}  # req id -> params, until pulled
         self._pulling: set[int] = set()
-        self._aborted_while_pulling: dict[int, str | None] = {}
+        self._cancelled: set[int] = set()  # aborted while their pull ran
         self._send_ranks({"op": "start", "engine_id": self.engine_id})
 
     def _send_ranks(self, command: dict[str, Any]) -> None:
@@ -175,94 +180,47 @@ class KVTransferConnector:
                 self.ranks.send_kv(rank, command)
 
     def on_rank_result(self, rank: int, payload: Any) -> None:
-        """A rank's KV-transfer result (any thread); the step loop acts on it in `before_step`."""
+        """A rank's KV-transfer result (any thread); `take_updates` acts on it."""
         self._rank_results.put(rank, payload)
 
-    # -- requests ---------------------------------------------------------------------------
-    def prepare(self, seq: Request, raw: Any) -> None:
-        """Set a new sequence up for its P/D leg, before it reaches the scheduler.
+    # -- the engine core's hooks -------------------------------------------------------------
+    def prepare(self, request: Request, raw_params: Any) -> None:
+        """Set a new request up for its P/D leg, before it reaches the scheduler.
 
         Raises KVTransferRequestError for params this engine cannot serve.
         """
-        if is_remote_decode_request(raw):
+        if is_remote_decode_request(raw_params):
             if self.producer is None:
                 raise KVTransferRequestError(
                     f"kv_transfer_params: this engine's kv_role is {self.role!r}, not producer"
                 )
-            seq.sampling_params = dataclasses.replace(seq.sampling_params, max_tokens=1)
-            seq.hold_blocks_for_transfer = uuid.uuid4().hex
+            request.sampling_params = dataclasses.replace(request.sampling_params, max_tokens=1)
+            self._transfer_of[request.req_id] = uuid.uuid4().hex
             return
         if self.puller is None:
             raise KVTransferRequestError(
                 f"kv_transfer_params: this engine's kv_role is {self.role!r}, not consumer"
             )
-        params = verify_params(raw, self.key)  # KVTransferParamsError is a ValueError too
-        if params.num_tokens != seq.num_prompt_tokens:
+        params = verify_params(raw_params, self.key)  # KVTransferParamsError is a ValueError too
+        if params.num_tokens != request.num_prompt_tokens:
             raise KVTransferRequestError(
                 f"kv_transfer_params.num_tokens: {params.num_tokens} != this request's "
-                f"{seq.num_prompt_tokens} prompt tokens"
+                f"{request.num_prompt_tokens} prompt tokens"
             )
-        seq.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self._consumer_params[seq.seq_id] = params
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self._consumer_params[request.req_id] = params
 
-    def producer_finished(self, seq: Request, request_id: str) -> dict[str, Any] | None:
-        """Lease a finished producer request's blocks; the signed params for its response.
-
-        Until the lease ends, aborting `request_id` (`release_request`) releases it: the
-        response carrying the params may never reach the client (it went away during the
-        prefill step, or just after it), and then nobody will pull them."""
-        transfer_id = seq.hold_blocks_for_transfer
-        if self.producer is None or transfer_id is None:
-            return None
-        held = self.scheduler.held_blocks(transfer_id)
-        if held is None or not seq.output_token_ids:  # aborted or rejected: nothing kept
-            return None
-        num_blocks = -(-seq.num_prompt_tokens // self.spec.block_size)
-        block_ids = held[:num_blocks]
-        expires_at = self.producer.add_lease(transfer_id, block_ids, self.lease_seconds)
-        self._lease_of_request[request_id] = transfer_id
-        self._request_of_lease[transfer_id] = request_id
-        rank_ports: list[int] = []
-        if self.ranks is not None:
-            self._rank_leases[transfer_id] = _RankLease(set(range(1, self.tp_size)))
-            self._send_ranks(
-                {
-                    "op": "lease",
-                    "transfer_id": transfer_id,
-                    "block_ids": block_ids,
-                    "seconds": self.lease_seconds,
-                }
-            )
-            rank_ports = [self.producer.port, *self.ranks.kv_ports]
-        return sign_params(
-            key=self.key,
-            engine_id=self.engine_id,
-            host=self.advertise_host,
-            port=self.producer.port,
-            transfer_id=transfer_id,
-            block_ids=block_ids,
-            num_tokens=seq.num_prompt_tokens,
-            first_token=seq.output_token_ids[0],
-            spec=self.spec,
-            model=self.model_name,
-            lease_expires_at=expires_at,
-            kv_key=self.kv_key,
-            tp_size=self.tp_size,
-            rank_ports=rank_ports,
-            num_kv_heads=self.num_kv_heads,
-        )
-
-    def release_request(self, request_id: str) -> bool:
-        """Producer: end the lease of finished request `request_id` early (its client is gone).
+    def release_request(self, client_id: str) -> bool:
+        """Producer: end the lease of finished request `client_id` early (its client is gone).
         False if it holds none (never leased, already pulled, released or expired)."""
-        transfer_id = self._lease_of_request.get(request_id)
+        transfer_id = self._lease_of_client.get(client_id)
         if transfer_id is None or self.producer is None:
             return False
         released = self.producer.release(transfer_id)
         if transfer_id in self._rank_leases:
             self._send_ranks({"op": "release", "transfer_id": transfer_id})
         if released:
-            log.info("KV transfer: lease %s released early (request %s aborted)", transfer_id, request_id)
+            log.info("KV transfer: lease %s released early (request %s aborted)", transfer_id, client_id)
         return released
 
     def release_transfer(self, engine_id: str, transfer_id: str) -> bool:
@@ -274,79 +232,176 @@ class KVTransferConnector:
             self._send_ranks({"op": "release", "transfer_id": transfer_id})
         return self.producer.release(transfer_id)
 
-    def abort(self, seq_id: int, message: str | None) -> bool:
-        """Called before the scheduler aborts `seq_id`. True: the abort is deferred until the
-        running pull stops writing into the sequence's blocks (`before_step` finishes it)."""
-        params = self._consumer_params.pop(seq_id, None)
-        if seq_id in self._pull_parts and self.puller is not None:
-            # Some rank is still writing into the sequence's blocks: wait for every part.
-            self.puller.cancel(seq_id)
-            self._send_ranks({"op": "cancel", "seq_id": seq_id})
-            self._aborted_while_pulling[seq_id] = message
-            return True
-        if seq_id in self._pulling and self.puller is not None and self.puller.cancel(seq_id):
-            self._aborted_while_pulling[seq_id] = message
-            return True
-        if params is not None and self.puller is not None:
-            self.puller.release(params)  # never pulled: let the producer free now
-        return False
-
-    # -- the step loop ----------------------------------------------------------------------
     def busy(self) -> bool:
         """Pulls are in flight (the step loop has nothing else of these requests to run)."""
         return bool(self._pulling)
 
-    def before_step(self) -> bool:
-        """Free ended leases and take finished pulls; True if a lease's blocks were freed."""
-        freed = False
+    @property
+    def num_leases_held(self) -> int:
+        return 0 if self.producer is None else len(self.producer.leases)
+
+    @property
+    def stats_version(self) -> int:
+        return self.stats.version
+
+    def stats_totals(self) -> dict[str, Any]:
+        return self.stats.totals().to_dict()
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+        if self.puller is not None:
+            self.puller.close()
+
+    # -- the scheduler's hooks ---------------------------------------------------------------
+    def request_finished(self, request: Request, block_ids: Sequence[int]) -> dict[str, Any] | None:
+        """Lease a finished producer request's prompt blocks; the signed params for its response
+        (None for any other request, which the connector then forgets).
+
+        Until the lease ends, aborting the request (`release_request`) releases it: the
+        response carrying the params may never reach the client (it went away during the
+        prefill step, or just after it), and then nobody will pull them."""
+        transfer_id = self._transfer_of.pop(request.req_id, None)
+        unpulled = self._consumer_params.pop(request.req_id, None)
+        if unpulled is not None and self.puller is not None:
+            self.puller.release(unpulled)  # finished before its pull (rejected): free the producer
+        leasable = (
+            request.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and request.output_token_ids
+        )
+        if self.producer is None or transfer_id is None or not leasable:
+            return None
+        num_blocks = -(-request.num_prompt_tokens // self.spec.block_size)
+        leased = list(block_ids[:num_blocks])
+        expires_at = self.producer.add_lease(transfer_id, leased, self.lease_seconds)
+        self._leases[transfer_id] = (request.req_id, request.client_id)
+        self._lease_of_client[request.client_id] = transfer_id
+        rank_ports: list[int] = []
+        if self.ranks is not None:
+            self._rank_leases[transfer_id] = _RankLease(set(range(1, self.tp_size)))
+            self._send_ranks(
+                {
+                    "op": "lease",
+                    "transfer_id": transfer_id,
+                    "block_ids": leased,
+                    "seconds": self.lease_seconds,
+                }
+            )
+            rank_ports = [self.producer.port, *self.ranks.kv_ports]
+        return sign_params(
+            key=self.key,
+            engine_id=self.engine_id,
+            host=self.advertise_host,
+            port=self.producer.port,
+            transfer_id=transfer_id,
+            block_ids=leased,
+            num_tokens=request.num_prompt_tokens,
+            first_token=request.output_token_ids[0],
+            spec=self.spec,
+            model=self.model_name,
+            lease_expires_at=expires_at,
+            kv_key=self.kv_key,
+            tp_size=self.tp_size,
+            rank_ports=rank_ports,
+            num_kv_heads=self.num_kv_heads,
+        )
+
+    def blocks_reserved(self, request: Request, block_ids: Sequence[int]) -> None:
+        """Start pulling the prompt's KV into `block_ids`, past the local prefix hit."""
+        params = self._consumer_params.pop(request.req_id, None)
+        if params is None or self.puller is None:
+            raise KeyError(f"request {request.req_id} has no kv_transfer_params to pull")
+        skip = request.num_cached_tokens // self.spec.block_size
+        dst = list(block_ids[skip : len(params.block_ids)])
+        self._pulling.add(request.req_id)
+        if self.tp_size > 1:
+            self._pull_parts[request.req_id] = _PullParts(params, set(range(self.tp_size)))
+            self._send_ranks(
+                {
+                    "op": "pull",
+                    "req_id": request.req_id,
+                    "params": params.to_dict(),
+                    "dst_block_ids": dst,
+                    "skip_blocks": skip,
+                }
+            )
+        self.puller.submit(
+            PullJob(
+                req_id=request.req_id,
+                params=params,
+                dst_block_ids=dst,
+                skip_blocks=skip,
+                end_lease=self.tp_size == 1,
+            )
+        )
+
+    def abort_pull(self, request: Request) -> bool:
+        """True: the request's pull is running and stops soon (reported in `pulls_stopped`)."""
+        if request.req_id in self._pull_parts and self.puller is not None:
+            # Some rank may still write into the request's blocks: wait for every part.
+            self.puller.cancel(request.req_id)
+            self._send_ranks({"op": "cancel", "req_id": request.req_id})
+            self._cancelled.add(request.req_id)
+            return True
+        if request.req_id in self._pulling and self.puller is not None and self.puller.cancel(request.req_id):
+            self._cancelled.add(request.req_id)
+            return True
+        return False
+
+    def take_updates(self) -> KVConnectorUpdates:
+        """Ended leases and finished pulls since the last call."""
+        updates = KVConnectorUpdates()
         if self.ranks is not None:
             self.ranks.check()  # pulls may be all that runs: a dead rank must not leave them waiting
         rank_results = self._rank_results.take()
         if self.producer is not None:
             for transfer_id, how in self.producer.take_ended():
-                lease = self._rank_leases.get(transfer_id)
-                if lease is not None and lease.ranks:
-                    lease.local_end = how  # freed once every rank's lease ended too
+                rank_lease = self._rank_leases.get(transfer_id)
+                if rank_lease is not None and rank_lease.ranks:
+                    rank_lease.local_end = how  # ends once every rank's lease ended too
                     continue
                 self._rank_leases.pop(transfer_id, None)
-                freed = self._free_lease(transfer_id, how) or freed
+                self._lease_ended(transfer_id, how, updates)
             for rank, result in rank_results:
                 if result.get("op") != "ended":
                     continue
                 transfer_id = str(result["transfer_id"])
-                lease = self._rank_leases.get(transfer_id)
-                if lease is None:
+                rank_lease = self._rank_leases.get(transfer_id)
+                if rank_lease is None:
                     continue
-                lease.ranks.discard(rank)
-                if not lease.ranks and lease.local_end is not None:
+                rank_lease.ranks.discard(rank)
+                if not rank_lease.ranks and rank_lease.local_end is not None:
                     del self._rank_leases[transfer_id]
-                    freed = self._free_lease(transfer_id, lease.local_end) or freed
+                    self._lease_ended(transfer_id, rank_lease.local_end, updates)
         if self.puller is None:
-            return freed
+            return updates
         for job in self.puller.take_finished():
             if self.tp_size == 1:
-                self._pull_finished(job.seq_id, job.params, job.error)
+                self._pull_finished(job.req_id, job.params, job.error, updates)
             else:
-                self._part_finished(job.seq_id, 0, job.error)
+                self._part_finished(job.req_id, 0, job.error, updates)
         for rank, result in rank_results:
             if result.get("op") == "pulled":
                 error = result.get("error")
                 failure = None if error is None else KVTransferError(FailureReason(error[0]), str(error[1]))
-                self._part_finished(int(result["seq_id"]), rank, failure)
-        return freed
+                self._part_finished(int(result["req_id"]), rank, failure, updates)
+        return updates
 
-    def _free_lease(self, transfer_id: str, how: LeaseEnd) -> bool:
-        request_id = self._request_of_lease.pop(transfer_id, None)
-        if request_id is not None and self._lease_of_request.get(request_id) == transfer_id:
-            del self._lease_of_request[request_id]
-        if not self.scheduler.release(transfer_id):
-            log.warning("KV transfer: lease %s ended (%s) with no held blocks", transfer_id, how)
-        elif how is LeaseEnd.EXPIRED:
+    def _lease_ended(self, transfer_id: str, how: LeaseEnd, updates: KVConnectorUpdates) -> None:
+        lease = self._leases.pop(transfer_id, None)
+        if lease is None:
+            log.warning("KV transfer: lease %s ended (%s) with no request", transfer_id, how)
+            return
+        req_id, client_id = lease
+        if self._lease_of_client.get(client_id) == transfer_id:
+            del self._lease_of_client[client_id]
+        updates.leases_ended.append(req_id)
+        if how is LeaseEnd.EXPIRED:
             log.info("KV transfer: lease %s expired; blocks freed", transfer_id)
-        return True
 
-    def _part_finished(self, seq_id: int, rank: int, error: KVTransferError | None) -> None:
-        parts = self._pull_parts.get(seq_id)
+    def _part_finished(
+        self, req_id: int, rank: int, error: KVTransferError | None, updates: KVConnectorUpdates
+    ) -> None:
+        parts = self._pull_parts.get(req_id)
         if parts is None:
             return
         parts.pending.discard(rank)
@@ -354,64 +409,34 @@ class KVTransferConnector:
             parts.error = error
         if parts.pending:
             return
-        del self._pull_parts[seq_id]
+        del self._pull_parts[req_id]
         assert self.puller is not None
         if parts.error is None:
             self.puller.finish(parts.params)  # every rank has its heads: the producer may free
         else:
             self.puller.release(parts.params)
-        self._pull_finished(seq_id, parts.params, parts.error)
+        self._pull_finished(req_id, parts.params, parts.error, updates)
 
-    def _pull_finished(self, seq_id: int, params: KVTransferParams, error: KVTransferError | None) -> None:
-        self._pulling.discard(seq_id)
-        if seq_id in self._aborted_while_pulling:
-            message = self._aborted_while_pulling.pop(seq_id)
-            self.scheduler.abort(seq_id, message)
+    def _pull_finished(
+        self,
+        req_id: int,
+        params: KVTransferParams,
+        error: KVTransferError | None,
+        updates: KVConnectorUpdates,
+    ) -> None:
+        self._pulling.discard(req_id)
+        if req_id in self._cancelled:
+            self._cancelled.discard(req_id)
+            updates.pulls_stopped.append(req_id)
         elif error is None:
-            self.scheduler.mark_remote_kv_arrived(seq_id, params.num_tokens, params.first_token)
+            updates.arrived.append(RemoteKVArrived(req_id, params.num_tokens, params.first_token))
         else:
             action = "recomputing locally" if self.recompute_on_failure else "failing the request"
             log.warning("KV transfer %s failed (%s); %s", params.transfer_id, error, action)
-            seq = self.scheduler.get(seq_id)
-            self.scheduler.mark_remote_kv_failed(seq_id, recompute=self.recompute_on_failure)
-            if seq is not None and seq.is_finished:
-                seq.finish_message = f"KV transfer from the prefill engine failed: {error}"
-
-    def after_schedule(self) -> None:
-        """Start the pulls of requests whose blocks the scheduler just reserved."""
-        if self.puller is None:
-            return
-        for seq in self.scheduler.take_remote_kv_reservations():
-            params = self._consumer_params.pop(seq.seq_id, None)
-            if params is None:  # aborted meanwhile
-                continue
-            skip = seq.num_cached_tokens // self.spec.block_size
-            num_blocks = len(params.block_ids)
-            dst = list(seq.block_table[skip:num_blocks])
-            self._pulling.add(seq.seq_id)
-            if self.tp_size > 1:
-                self._pull_parts[seq.seq_id] = _PullParts(params, set(range(self.tp_size)))
-                self._send_ranks(
-                    {
-                        "op": "pull",
-                        "seq_id": seq.seq_id,
-                        "params": params.to_dict(),
-                        "dst_block_ids": dst,
-                        "skip_blocks": skip,
-                    }
-                )
-            self.puller.submit(
-                PullJob(
-                    seq_id=seq.seq_id,
-                    params=params,
-                    dst_block_ids=dst,
-                    skip_blocks=skip,
-                    end_lease=self.tp_size == 1,
+            updates.failed.append(
+                RemoteKVFailed(
+                    req_id,
+                    f"KV transfer from the prefill engine failed: {error}",
+                    recompute=self.recompute_on_failure,
                 )
             )
-
-    def close(self) -> None:
-        if self.producer is not None:
-            self.producer.close()
-        if self.puller is not None:
-            self.puller.close()

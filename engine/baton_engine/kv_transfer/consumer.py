@@ -106,7 +106,7 @@ class _Channel:
                 continue  # cannot happen on a fresh socket; ignore rather than misattribute
             if kind is Kind.ERR:
                 try:
-                    reason = FailureReason(header.get("reason"))
+                    reason = FailureReason(str(header.get("reason")))
                 except ValueError:
                     reason = FailureReason.PROTOCOL
                 raise KVTransferError(reason, f"producer {self.address}: {header.get('message', '')}")

@@ -264,7 +264,7 @@ class KVTransferProducer:
             g.wait(slot)
             header = {"pull_id": pull_id, "index": index, "first": first, "count": host.shape[2]}
             trackers[slot] = self._send(
-                ident, [*protocol.encode(Kind.DATA, header), memoryview(host.numpy()).cast("B")]
+                ident, [*protocol.encode(Kind.DATA, header), host.numpy().data.cast("B")]
             )
 
         first = 0
@@ -286,7 +286,8 @@ class KVTransferProducer:
 
     def _send(self, ident: bytes, frames: list[Any]) -> zmq.MessageTracker:
         try:
-            tracker: zmq.MessageTracker = self._sock.send_multipart([ident, *frames], copy=False, track=True)
+            tracker = self._sock.send_multipart([ident, *frames], copy=False, track=True)
+            assert tracker is not None  # track=True always returns one
             return tracker
         except zmq.Again:
             raise _ConsumerGone(f"send blocked for {self.send_timeout_s}s") from None

@@ -72,7 +72,7 @@ class CacheSpec:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # torch dtype name without the "torch." prefix
+    dtype: str  # torch dtype name without the "torch." prefix (an FP8 cache names its format)
     layout: str = contract.KV_LAYOUT
 
     @property
@@ -127,6 +127,7 @@ _ELEMENT_SIZES: Final[dict[str, int]] = {
     "bfloat16": 2,
     "float64": 8,
     "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
     "float8_e5m2": 1,
     "uint8": 1,
 }

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PullJob:
-    seq_id: int
+    req_id: int
     params: KVTransferParams
     dst_block_ids: list[int]
     skip_blocks: int
@@ -60,13 +60,13 @@ class BackgroundPuller:
 
     def submit(self, job: PullJob) -> None:
         with self._lock:
-            self._active[job.seq_id] = job
+            self._active[job.req_id] = job
         self._jobs.put(job)
 
-    def cancel(self, seq_id: int) -> bool:
+    def cancel(self, req_id: int) -> bool:
         """Stop a submitted job; True if it was still running (it will be reported finished)."""
         with self._lock:
-            job = self._active.get(seq_id)
+            job = self._active.get(req_id)
         if job is None:
             return False
         job.cancelled.set()
@@ -74,17 +74,17 @@ class BackgroundPuller:
 
     def release(self, params: KVTransferParams) -> None:
         """Ask a producer to drop a lease nobody will pull (on this thread; fire and forget)."""
-        self._jobs.put(PullJob(seq_id=-1, params=params, dst_block_ids=[], skip_blocks=0, action="release"))
+        self._jobs.put(PullJob(req_id=-1, params=params, dst_block_ids=[], skip_blocks=0, action="release"))
 
     def finish(self, params: KVTransferParams) -> None:
         """Tell a producer every rank pulled its lease (DONE, on this thread; fire and forget)."""
-        self._jobs.put(PullJob(seq_id=-1, params=params, dst_block_ids=[], skip_blocks=0, action="finish"))
+        self._jobs.put(PullJob(req_id=-1, params=params, dst_block_ids=[], skip_blocks=0, action="finish"))
 
     def take_finished(self) -> list[PullJob]:
         with self._lock:
             done, self._finished = self._finished, []
             for job in done:
-                self._active.pop(job.seq_id, None)
+                self._active.pop(job.req_id, None)
             return done
 
     def close(self) -> None:

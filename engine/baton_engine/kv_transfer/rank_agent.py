@@ -8,12 +8,12 @@ blocks); a rank's agent only moves its own heads' bytes. It runs in the rank pro
 * ``{"op": "start", "engine_id"}``: rank 0's engine id (pulls must name it).
 * ``{"op": "lease", "transfer_id", "block_ids", "seconds"}`` / ``{"op": "release", "transfer_id"}``:
   the producer side, served on this rank's own port (``kv_transfer_port + rank``).
-* ``{"op": "pull", "seq_id", "params", "dst_block_ids", "skip_blocks"}`` / ``{"op": "cancel", "seq_id"}``:
+* ``{"op": "pull", "req_id", "params", "dst_block_ids", "skip_blocks"}`` / ``{"op": "cancel", "req_id"}``:
   the consumer side: this rank's heads from the producer ranks holding them; the lease is left
   for rank 0 to end once every rank has pulled.
 
 It reports to rank 0 (`send`, from its own thread) ``{"op": "ended", "transfer_id", "how"}`` when a
-lease ends here and ``{"op": "pulled", "seq_id", "error"}`` (error: None or [reason, message])
+lease ends here and ``{"op": "pulled", "req_id", "error"}`` (error: None or [reason, message])
 when a pull finished.
 """
 
@@ -43,7 +43,7 @@ LEASE_WAIT_S = 10.0
 
 @dataclass
 class _Pull:
-    seq_id: int
+    req_id: int
     params: KVTransferParams
     dst_block_ids: list[int]
     skip_blocks: int
@@ -107,17 +107,17 @@ class RankTransferAgent:
             self.producer.release(str(command["transfer_id"]))
         elif op == "pull" and self.consumer is not None:
             pull = _Pull(
-                int(command["seq_id"]),
+                int(command["req_id"]),
                 KVTransferParams.from_dict(command["params"]),
                 list(command["dst_block_ids"]),
                 int(command["skip_blocks"]),
             )
             with self._lock:
-                self._active[pull.seq_id] = pull
+                self._active[pull.req_id] = pull
             self._pulls.put(pull)
         elif op == "cancel":
             with self._lock:
-                active = self._active.get(int(command["seq_id"]))
+                active = self._active.get(int(command["req_id"]))
             if active is not None:
                 active.cancelled.set()
         else:
@@ -169,5 +169,5 @@ class RankTransferAgent:
             log.exception("KV transfer: rank %d's pull of %s crashed", self.rank, pull.params.transfer_id)
             error = [FailureReason.PROTOCOL.value, f"{type(exc).__name__}: {exc}"]
         with self._lock:
-            self._active.pop(pull.seq_id, None)
-        self._send({"op": "pulled", "seq_id": pull.seq_id, "error": error})
+            self._active.pop(pull.req_id, None)
+        self._send({"op": "pulled", "req_id": pull.req_id, "error": error})

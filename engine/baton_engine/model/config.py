@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-ModelFamily = Literal["llama", "qwen2", "qwen3"]
+ModelFamily = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
 
 #: Hugging Face `architectures` entries (and GGUF `general.architecture` values) we can run.
 SUPPORTED_ARCHITECTURES: dict[str, ModelFamily] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 #: RoPE variants the rotary table implements.
@@ -22,6 +24,31 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 class UnsupportedArchitectureError(ValueError):
     """The checkpoint describes a model this engine cannot run."""
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The sparse mixture-of-experts layers of a model (see `model.moe` for the routing rules)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    """Experts each token is routed to (top k)."""
+    moe_intermediate_size: int
+    """Each expert's MLP width."""
+    norm_topk_prob: bool
+    """Renormalise the k chosen probabilities to sum to 1."""
+    routing_in_float32: bool
+    """Keep the routing weights in float32 when scaling the experts' outputs (Mixtral) instead of
+    casting them to the model dtype first (Qwen3-MoE)."""
+    sparse_layers: tuple[int, ...]
+    """Layers whose MLP is the MoE block; the others have a dense MLP of `intermediate_size`."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts "
+                f"({self.num_experts})]"
+            )
 
 
 @dataclass(frozen=True)
@@ -48,7 +75,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    moe: MoeConfig | None = None
+    """The mixture-of-experts layers (None: every layer has a dense MLP)."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) on flattened tokens.
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3; Qwen3-MoE and Mixtral, whose
+sparse layers' MLP is `moe.SparseMoeBlock`) on flattened tokens.
 
 Module names follow the Hugging Face checkpoints (``model.layers.N.self_attn.o_proj`` ...),
 except for the merged ``qkv_proj`` and ``gate_up_proj`` (see `weights.py`). One forward runs a
@@ -25,6 +26,7 @@ from baton_engine.model.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from baton_engine.model.moe import SparseMoeBlock
 from baton_engine.model.parallel import SINGLE, TensorParallel, check_model_shape
 from baton_engine.model.rope import RotaryTable, apply_rotary
 from baton_engine.model.weight_source import WeightSource, as_source
@@ -71,7 +73,9 @@ class SelfAttention(nn.Module):
         backend: AttentionBackend,
         batch: AttentionBatch,
         plan: object,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """kv_scale: the layer's [2] (K, V) scales of an FP8 cache (None: a 16-bit cache)."""
         tokens = hidden.shape[0]
         q_flat, k_flat, v_flat = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
         q = q_flat.reshape(tokens, self.num_heads, self.head_dim)
@@ -82,13 +86,13 @@ class SelfAttention(nn.Module):
             k = self.k_norm(k)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        out = backend.forward(q, k, v, layer_cache, batch, plan, self.scale)
+        out = backend.forward(q, k, v, layer_cache, batch, plan, self.scale, kv_scale)
         projected: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
         return projected
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, ctx: BuildContext, prefix: str) -> None:
+    def __init__(self, ctx: BuildContext, prefix: str, index: int) -> None:
         super().__init__()
         config = ctx.config
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.device)
@@ -96,6 +100,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.device
         )
+        self.mlp: GatedMLP | SparseMoeBlock
+        if config.moe is not None and config.is_sparse_layer(index):
+            self.mlp = SparseMoeBlock(ctx, f"{prefix}.mlp", config.moe)
+            return
         self.mlp = GatedMLP(
             config.hidden_size,
             config.intermediate_size,
@@ -116,9 +124,11 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         batch: AttentionBatch,
         plan: object,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         residual = hidden
-        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, layer_cache, backend, batch, plan)
+        normed = self.input_layernorm(hidden)
+        hidden = self.self_attn(normed, cos, sin, layer_cache, backend, batch, plan, kv_scale)
         hidden = residual + hidden
         residual = hidden
         hidden = self.mlp(self.post_attention_layernorm(hidden))
@@ -137,7 +147,9 @@ class DecoderStack(nn.Module):
             device=ctx.device,
             parallel=ctx.parallel,
         )
-        self.layers = nn.ModuleList(DecoderLayer(ctx, f"model.layers.{i}") for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(ctx, f"model.layers.{i}", i) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.device)
 
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -195,13 +207,16 @@ class CausalLM(nn.Module):
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
         batch: AttentionBatch,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids: [T]; kv_cache: [layers, 2, blocks, block_size, local kv_heads, head_dim]."""
+        """input_ids: [T]; kv_cache: [layers, 2, blocks, block_size, local kv_heads, head_dim];
+        kv_scales: [layers, 2] (K, V) scales of an FP8 cache (None: a 16-bit cache)."""
         plan = backend.prepare(batch)
         cos, sin = self.rotary.lookup(batch.positions)
         hidden = self.model.embed_tokens(input_ids)
         for index, layer in enumerate(self.model.decoder_layers()):
-            hidden = layer(hidden, cos, sin, kv_cache[index], backend, batch, plan)
+            scale = None if kv_scales is None else kv_scales[index]
+            hidden = layer(hidden, cos, sin, kv_cache[index], backend, batch, plan, scale)
         normed: torch.Tensor = self.model.norm(hidden)
         return normed
 

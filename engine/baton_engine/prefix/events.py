@@ -1,4 +1,4 @@
-"""Baton's internal KV-cache event records, drained from the block manager once per step.
+"""Baton's internal KV-cache event records, drained from the KV-cache manager once per step.
 
 These are plain frozen records; the wire encoding (vLLM's msgpack format) lives in its own
 module. Block hashes are whatever the configured `PrefixHasher` returns (int or bytes).
@@ -13,14 +13,16 @@ from baton_engine.prefix.hashing import BlockHash
 
 @dataclass(frozen=True)
 class BlocksStored:
-    """Consecutive full blocks of one sequence became hittable (their KV is computed)."""
+    """Consecutive full blocks of one request became hittable (their KV is computed)."""
 
     block_hashes: tuple[BlockHash, ...]
+    """The blocks' chain keys, in order."""
     parent_block_hash: BlockHash | None
-    """Hash of the block before the first one here; None when the run starts the sequence."""
+    """Key of the block before the first one here; None when the run starts the request."""
     token_ids: tuple[int, ...]
     """The tokens of all blocks in `block_hashes`, concatenated (``len == block_size * n``)."""
     block_size: int
+    """Tokens per block."""
 
     @classmethod
     def fast(
@@ -46,6 +48,7 @@ class BlocksRemoved:
     """Cached blocks were evicted (their storage reused for other content)."""
 
     block_hashes: tuple[BlockHash, ...]
+    """The evicted blocks' keys."""
 
 
 @dataclass(frozen=True)

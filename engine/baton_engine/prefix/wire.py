@@ -26,9 +26,9 @@ Block hashes in events are unsigned 64-bit ints: vLLM's default
 ``int.from_bytes(digest, "big") & (2**64 - 1)``, i.e. the digest's last 8 bytes; digests sent as
 bytes are folded the same way on reading. The parent of a run that starts a sequence is ``nil``.
 
-The encoder accepts any objects shaped like Baton's records in ``kv_cache_events``
+The encoder accepts any objects shaped like Baton's records in ``prefix.events``
 (``block_hashes``, ``parent_block_hash``, ``token_ids``, ``block_size``), dispatching on those
-attribute names, so this module does not depend on the block manager.
+attribute names, so this module does not depend on the KV-cache manager.
 """
 
 from __future__ import annotations

@@ -282,12 +282,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from baton_engine.router.app import create_app
     from baton_engine.router.kv_index import KVEventIndex
-    from baton_engine.router.prefix import BlockHasher, PrefixScorer
+    from baton_engine.router.prefix import PrefixScorer
 
-    def pod_hasher(prefix_hash: str, block_size: int) -> BlockHasher | None:
-        return block_hasher(prefix_hash, block_size, args.prefix_hash_seed)
-
-    hasher = pod_hasher(args.prefix_hash, args.block_size)
+    hasher = block_hasher(args.prefix_hash, args.block_size, args.prefix_hash_seed)
     # Discovered pods declare their own hashing (annotations), so they may be prefix-routed even
     # when the flags' hash is none; static pods use the flags'.
     prefix_capable = hasher is not None or bool(discovery)
@@ -296,9 +293,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         tokenizer=request_tokenizer,
         hasher=hasher,
         index=kv_index,
-        hasher_factory=pod_hasher,
+        hasher_factory=block_hasher,
         default_prefix_hash=args.prefix_hash,
         default_block_size=args.block_size,
+        default_seed=args.prefix_hash_seed,
     )
     app = create_app(settings, registry, discovery=discovery, scorer=scorer, kv_index=kv_index)
     uvicorn.run(

@@ -82,7 +82,7 @@ def endpoint_from_pod(pod: Mapping[str, Any], role: str) -> Endpoint | None:
     host = f"[{ip}]" if ":" in ip else ip
     http_port = ports.get(contract.PORT_HTTP, contract.DEFAULT_HTTP_PORT)
     labels = metadata.get("labels") or {}
-    block_size, prefix_hash = pod_hashing(metadata)
+    block_size, prefix_hash, seed = pod_hashing(metadata)
     return Endpoint(
         role=role,
         url=f"http://{host}:{http_port}",
@@ -92,12 +92,13 @@ def endpoint_from_pod(pod: Mapping[str, Any], role: str) -> Endpoint | None:
         kv_key=str(labels.get(contract.LABEL_KV_COMPAT, "")),
         block_size=block_size,
         prefix_hash=prefix_hash,
+        prefix_hash_seed=seed,
     )
 
 
-def pod_hashing(metadata: Mapping[str, Any]) -> tuple[int | None, str | None]:
-    """The block size and prefix hash a pod's annotations declare (None where absent or not
-    usable: the router's own settings apply then)."""
+def pod_hashing(metadata: Mapping[str, Any]) -> tuple[int | None, str | None, str | None]:
+    """The block size, prefix hash and hash seed a pod's annotations declare (None where absent
+    or not usable: the router's own settings apply then)."""
     annotations = metadata.get("annotations") or {}
     size = str(annotations.get(contract.ANNOTATION_BLOCK_SIZE, ""))
     block_size = int(size) if size.isdigit() and int(size) > 0 else None
@@ -106,7 +107,8 @@ def pod_hashing(metadata: Mapping[str, Any]) -> tuple[int | None, str | None]:
         name, annotation = metadata.get("name"), contract.ANNOTATION_PREFIX_HASH
         log.warning("pod %s: unknown %s %r ignored", name, annotation, prefix_hash)
         prefix_hash = None
-    return block_size, prefix_hash
+    seed = annotations.get(contract.ANNOTATION_PREFIX_HASH_SEED)
+    return block_size, prefix_hash, seed if isinstance(seed, str) and seed else None
 
 
 def selector_string(labels: Mapping[str, str]) -> str:

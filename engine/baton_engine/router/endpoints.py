@@ -32,6 +32,7 @@ class Endpoint:
     #: How the pod hashes prompt blocks (its annotations); None: the router's own settings.
     block_size: int | None = None
     prefix_hash: str | None = None
+    prefix_hash_seed: str | None = None  # the vllm-* hashes' root seed (None: the router's own)
 
     def __post_init__(self) -> None:
         if self.role not in contract.ENGINE_ROLES:

@@ -63,8 +63,8 @@ def literal_token_ids(api: Api, body: Mapping[str, Any]) -> list[int] | None:
     return None
 
 
-#: ``(prefix hash name, block size) -> hasher`` (None: that pod is routed by load only).
-HasherFactory = Callable[[str, int], BlockHasher | None]
+#: ``(prefix hash name, block size, seed) -> hasher`` (None: that pod is routed by load only).
+HasherFactory = Callable[[str, int, str | None], BlockHasher | None]
 
 
 class PrefixScorer:
@@ -83,6 +83,7 @@ class PrefixScorer:
         hasher_factory: HasherFactory | None = None,
         default_prefix_hash: str = "none",
         default_block_size: int = 16,
+        default_seed: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.hasher = hasher
@@ -90,15 +91,18 @@ class PrefixScorer:
         self.hasher_factory = hasher_factory
         self.default_prefix_hash = default_prefix_hash
         self.default_block_size = default_block_size
-        self._hashers: dict[tuple[str, int], BlockHasher | None] = {}
+        self.default_seed = default_seed
+        self._hashers: dict[tuple[str, int, str | None], BlockHasher | None] = {}
 
     def hasher_for(self, endpoint: Endpoint) -> BlockHasher | None:
         """The hasher of the endpoint's own settings, or the scorer's default one."""
-        if self.hasher_factory is None or (endpoint.block_size is None and endpoint.prefix_hash is None):
+        own = (endpoint.block_size, endpoint.prefix_hash, endpoint.prefix_hash_seed)
+        if self.hasher_factory is None or own == (None, None, None):
             return self.hasher
         settings = (
             endpoint.prefix_hash or self.default_prefix_hash,
             endpoint.block_size or self.default_block_size,
+            endpoint.prefix_hash_seed or self.default_seed,
         )
         if settings not in self._hashers:
             self._hashers[settings] = self.hasher_factory(*settings)

@@ -62,4 +62,5 @@ class NgramProposer:
             return []
         end = int(ends[match_len == best][-1])
         period = length - 1 - end
-        return tokens[end + 1 + np.arange(k) % period].tolist()
+        drafts: list[int] = tokens[end + 1 + np.arange(k) % period].tolist()
+        return drafts

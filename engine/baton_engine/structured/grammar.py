@@ -123,7 +123,10 @@ def tool_call_grammar(tools: list[Tool], fmt: ToolCallFormat, *, parallel: bool)
     for i, tool in enumerate(tools):
         schema = {
             "type": "object",
-            "properties": {"name": {"const": tool.name}, arguments_key: tool.parameters},
+            "properties": {
+                "name": {"const": tool.name},
+                arguments_key: _rebased(tool.parameters, f"#/properties/{arguments_key}"),
+            },
             "required": ["name", arguments_key],
             "additionalProperties": False,
             "x-guidance": JSON_OPTIONS,
@@ -144,6 +147,34 @@ def tool_call_grammar(tools: list[Tool], fmt: ToolCallFormat, *, parallel: bool)
         ]
     )
     return _validated(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+"""Keywords whose values are JSON data, not schemas: a ``$ref`` in them is left alone."""
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+"""Keywords whose values map names (any, ``const`` included) to schemas."""
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """`schema` with its local references (``#``, ``#/$defs/...``) pointing into the document it
+    is embedded in at JSON pointer `root`: a tool's parameters become one property of the
+    call's schema, and pydantic-made parameters (``openai.pydantic_function_tool``) refer to
+    their own ``$defs``."""
+    if isinstance(schema, list):
+        return [_rebased(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _rebased(sub, root) for name, sub in value.items()}
+        else:
+            out[key] = _rebased(value, root)
+    return out
 
 
 def tool_call_format(chat_template: str | None) -> ToolCallFormat | None:

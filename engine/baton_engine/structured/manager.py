@@ -47,7 +47,7 @@ class SampledRow:
     step's logits rows, and the drafts it verifies (empty for a plain decode or a prompt's
     last chunk)."""
 
-    seq_id: int
+    req_id: int
     logits_row: int
     drafts: tuple[int, ...] = ()
 
@@ -76,16 +76,16 @@ class StructuredOutputManager:
         self._compiled: OrderedDict[str, GrammarMatcher] = OrderedDict()
         """Grammar text -> a matcher that never advanced, least recently used first."""
 
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._matchers
+    def __contains__(self, req_id: int) -> bool:
+        return req_id in self._matchers
 
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def add(self, seq_id: int, grammar: str) -> None:
-        """Follow `seq_id`'s output with `grammar`; raises `StructuredOutputError`."""
-        if seq_id in self._matchers:
-            raise ValueError(f"sequence {seq_id} already has a grammar")
+    def add(self, req_id: int, grammar: str) -> None:
+        """Follow `req_id`'s output with `grammar`; raises `StructuredOutputError`."""
+        if req_id in self._matchers:
+            raise ValueError(f"request {req_id} already has a grammar")
         if self._tokenizer is None:
             self._tokenizer = grammar_tokenizer(self._tokenizer_json(), self.vocab_size, self.eos_token_ids)
         fresh = self._compiled.get(grammar)
@@ -96,19 +96,19 @@ class StructuredOutputManager:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(grammar)
-        self._matchers[seq_id] = fresh.copy()
+        self._matchers[req_id] = fresh.copy()
 
     @property
     def num_compiled(self) -> int:
         """Compiled grammars kept to copy from (at most `COMPILED_GRAMMARS_KEPT`)."""
         return len(self._compiled)
 
-    def remove(self, seq_id: int) -> None:
-        self._matchers.pop(seq_id, None)
+    def remove(self, req_id: int) -> None:
+        self._matchers.pop(req_id, None)
 
-    def cut_drafts(self, seq_id: int, drafts: list[int]) -> list[int]:
+    def cut_drafts(self, req_id: int, drafts: list[int]) -> list[int]:
         """The leading `drafts` the grammar can take from the request's current state."""
-        matcher = self._matchers.get(seq_id)
+        matcher = self._matchers.get(req_id)
         if matcher is None or not drafts:
             return drafts
         return drafts[: matcher.valid_prefix(drafts)]
@@ -120,16 +120,16 @@ class StructuredOutputManager:
         logits_rows: list[int] = []
         at = 0
         for row in rows:
-            self._matchers[row.seq_id].fill_draft_bitmasks(list(row.drafts), bitmask, at)
+            self._matchers[row.req_id].fill_draft_bitmasks(list(row.drafts), bitmask, at)
             logits_rows.extend(range(row.logits_row, row.logits_row + 1 + len(row.drafts)))
             at += 1 + len(row.drafts)
         return StepBitmask(bitmask, logits_rows)
 
-    def accept(self, seq_id: int, tokens: list[int]) -> bool:
+    def accept(self, req_id: int, tokens: list[int]) -> bool:
         """Advance by the tokens the request kept; True once the grammar is complete (it allows
         nothing but EOS: a final EOS is taken as that end). Raises `GrammarRefusedToken` for a
         token the grammar does not allow (the state then holds the tokens before it)."""
-        matcher = self._matchers[seq_id]
+        matcher = self._matchers[req_id]
         taken = matcher.accept(tokens)
         rest = tokens[taken:]
         if rest and not (len(rest) == 1 and rest[0] in self.eos_token_ids and matcher.accepting):

@@ -42,7 +42,7 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL while it runs (encode holds it): a long prompt tokenized
         # in a worker thread then leaves the server's event loop free.
-        ids = list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        ids: list[int] = list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)

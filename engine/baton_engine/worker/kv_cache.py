@@ -1,4 +1,5 @@
-"""The engine's one KV-cache tensor (layout: `contract.KV_LAYOUT`) and how many blocks it gets.
+"""The engine's one KV-cache tensor (layout: `contract.KV_LAYOUT`), its dtype and per-layer FP8
+scales, and how many blocks it gets.
 
 With tensor parallelism each rank's cache holds its own KV heads (`num_kv_heads` of the rank);
 block ids mean the same on every rank (one scheduler allocates them).
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from baton_engine.model.config import ModelConfig
+from baton_engine.model.quantization.fp8 import FP8_DTYPES, fp8_dtype_for_device
 
 CPU_KV_CACHE_BYTES = 4 << 30
 
@@ -67,3 +69,36 @@ def allocate_kv_cache(
     # until used.
     shape = kv_cache_shape(config, num_blocks, block_size, num_kv_heads)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """`EngineConfig.kv_cache_dtype` as a torch dtype: auto = the model dtype; fp8 = the device's
+    FP8 format (e4m3fnuz on MI300, e4m3fn elsewhere)."""
+    if name == "auto":
+        return model_dtype
+    if name == "fp8":
+        return fp8_dtype_for_device(device)
+    raise ValueError(f"unknown KV-cache dtype {name!r} (choose one of: auto, fp8)")
+
+
+def is_fp8_cache(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype in FP8_DTYPES
+
+
+def kv_cache_scales(
+    num_layers: int, checkpoint_scales: torch.Tensor | None, kv_dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """Per-layer (K, V) scales of an FP8 cache, [num_layers, 2] float32 (None: a 16-bit cache).
+
+    A value is stored as ``value / scale`` rounded to FP8. The checkpoint's calibrated scales are
+    for OCP e4m3fn (max 448); fnuz (max 240) stores the same values with twice the scale. Without
+    calibrated scales every scale is 1.0 (K and V of a normed model stay far below 240).
+    """
+    if kv_dtype not in FP8_DTYPES:
+        return None
+    if checkpoint_scales is None:
+        return torch.ones(num_layers, 2, dtype=torch.float32, device=device)
+    if tuple(checkpoint_scales.shape) != (num_layers, 2):
+        raise ValueError(f"KV-cache scales: expected [{num_layers}, 2], got {tuple(checkpoint_scales.shape)}")
+    factor = 2.0 if kv_dtype == torch.float8_e4m3fnuz else 1.0
+    return (checkpoint_scales.to(torch.float32) * factor).to(device)

@@ -20,7 +20,12 @@ from baton_engine.model.loader.model_loading import LoadedModel, load_model
 from baton_engine.model.parallel import SINGLE, TensorParallel
 from baton_engine.text.tokenizer import Tokenizer
 from baton_engine.worker.distributed import agree_min, rank_device
-from baton_engine.worker.kv_cache import allocate_kv_cache, default_num_blocks
+from baton_engine.worker.kv_cache import (
+    allocate_kv_cache,
+    default_num_blocks,
+    kv_cache_scales,
+    resolve_kv_cache_dtype,
+)
 from baton_engine.worker.sampler import Sampler, SamplingParamsBatch
 from baton_engine.worker.token_bitmask import apply_token_bitmask, apply_token_bitmask_host
 
@@ -59,7 +64,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if loaded is None:
             loaded = load_model(
-                config.model, self.device, self.dtype, parallel=parallel, load_tokenizer=parallel.rank == 0
+                config.model,
+                self.device,
+                self.dtype,
+                parallel=parallel,
+                requested_quantization=config.quantization,
+                load_tokenizer=parallel.rank == 0,
             )
         self.loaded = loaded
         self.model = self.loaded.model
@@ -73,12 +83,17 @@ class ModelRunner:
             pack_linears(self.model)
         self.model_config = self.loaded.config
         self.block_size = config.block_size
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        self.kv_scales = kv_cache_scales(
+            self.model_config.num_layers, self.loaded.kv_scales, self.kv_dtype, self.device
+        )
+        """[layers, 2] (K, V) scales of an FP8 cache; None for a 16-bit one."""
         self.num_kv_heads = self.model.num_local_kv_heads
         """KV heads of this rank's cache (the model's on one rank)."""
         num_blocks = config.num_kv_blocks or default_num_blocks(
             self.model_config,
             self.block_size,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             config.gpu_memory_utilization,
             self.num_kv_heads,
@@ -86,7 +101,7 @@ class ModelRunner:
         # One scheduler allocates block ids for every rank: they all get the smallest count.
         self.num_blocks = agree_min(num_blocks, parallel, self.device)
         self.kv_cache = allocate_kv_cache(
-            self.model_config, self.num_blocks, self.block_size, self.dtype, self.device, self.num_kv_heads
+            self.model_config, self.num_blocks, self.block_size, self.kv_dtype, self.device, self.num_kv_heads
         )
         self.backend = get_attention_backend(attention_backend, self.device)
         self.sampler = Sampler(config.seed, self.device)
@@ -115,8 +130,11 @@ class ModelRunner:
         expected = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
         if tuple(data.shape) != expected:
             raise ValueError(f"KV block data has shape {tuple(data.shape)}, expected {expected}")
+        if data.dtype != self.kv_cache.dtype:
+            raise ValueError(f"KV block data is {data.dtype}, the cache {self.kv_cache.dtype}")
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        self.kv_cache.index_copy_(2, index, data.to(device=self.device, dtype=self.kv_cache.dtype))
+        # Byte views: the same copy for every dtype (CPU torch has no FP8 index_copy_).
+        self.kv_cache.view(torch.uint8).index_copy_(2, index, data.to(self.device).view(torch.uint8))
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -128,13 +146,20 @@ class ModelRunner:
         self.apply_grammar(logits, step)
         params, spans = self._expand_sampling(step)
         result = self.sampler.sample(logits, params)
+        if not np.any(np.asarray(step.num_draft_tokens) > 0):
+            # One token per row: the array form (the scheduler applies it without a per-row pass).
+            return ModelRunnerOutput(
+                step_id=step.step_id,
+                sampled_token_array=np.asarray(result.token_ids, dtype=np.int64),
+                logprobs=None if result.logprobs is None else [[row] for row in result.logprobs],
+            )
         return self._accept(step, spans, result.token_ids, result.logprobs)
 
     def compute_logits(self, step: SchedulerOutput) -> torch.Tensor:
         """Run the forward for `step`, writing its KV; logits at `logits_indices` ([N, vocab])."""
         input_ids = torch.from_numpy(np.ascontiguousarray(step.input_ids, dtype=np.int64)).to(self.device)
         batch = AttentionBatch.from_scheduler_output(step, self.block_size, self.device)
-        hidden = self.model(input_ids, self.kv_cache, self.backend, batch)
+        hidden = self.model(input_ids, self.kv_cache, self.backend, batch, self.kv_scales)
         indices = torch.from_numpy(np.ascontiguousarray(step.logits_indices, dtype=np.int64)).to(self.device)
         return self.model.compute_logits(hidden[indices])
 

@@ -64,11 +64,11 @@ def encode_step(step: SchedulerOutput, block_size: int) -> list[Any]:
     contiguous = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
     header = {
         "step_id": step.step_id,
-        "seq_ids": list(step.seq_ids),
+        "req_ids": list(step.req_ids),
         "num_decode_rows": step.num_decode_rows,
         "num_prefill_tokens": step.num_prefill_tokens,
         "num_decode_tokens": step.num_decode_tokens,
-        "finished_seq_ids": list(step.finished_seq_ids),
+        "finished_req_ids": list(step.finished_req_ids),
         "all_greedy": step.sampling.all_greedy,
         "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in contiguous.items()],
     }
@@ -91,12 +91,12 @@ def decode_step(frames: list[Any]) -> SchedulerOutput:
     )
     return SchedulerOutput(
         step_id=header["step_id"],
-        seq_ids=header["seq_ids"],
+        req_ids=header["req_ids"],
         num_decode_rows=header["num_decode_rows"],
         sampling=sampling,
         num_prefill_tokens=header["num_prefill_tokens"],
         num_decode_tokens=header["num_decode_tokens"],
-        finished_seq_ids=header["finished_seq_ids"],
+        finished_req_ids=header["finished_req_ids"],
         **arrays,
     )
 

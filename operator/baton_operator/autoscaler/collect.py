@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 
-from .metrics import scrape_pods
-from .pods import view_pods
+from .metrics import scrape_pods, scrape_routers
+from .pods import router_targets, view_pods
 from .policy_types import Observations
 
 
@@ -22,11 +22,14 @@ async def collect(
     concurrency: int = 16,
     queued_tokens_metric: str | None = None,
     clock: Callable[[], float] = time.time,
+    routers: bool = False,
 ) -> Observations:
-    """Scrape the ready engine pods (the policy reads no others) and note the pending ones.
+    """Scrape the ready engine pods (the policy reads no others) and note the pending ones; with
+    `routers` (scale to zero) also the router pods' demand.
 
     ``replicas``: each role Deployment's ``spec.replicas`` as it is now.
     """
+    pods = list(pods)
     view = view_pods(pods)
     samples = await scrape_pods(
         [t for t in view.targets if t.ready],
@@ -36,4 +39,13 @@ async def collect(
         queued_tokens_metric=queued_tokens_metric,
         clock=clock,
     )
-    return Observations(replicas=dict(replicas), samples=tuple(samples), pending=view.pending)
+    demand = None
+    if routers:
+        own = client is None
+        http = client if client is not None else httpx.AsyncClient(timeout=timeout_s, trust_env=False)
+        try:
+            demand = await scrape_routers(router_targets(pods), client=http, timeout_s=timeout_s)
+        finally:
+            if own:
+                await http.aclose()
+    return Observations(replicas=dict(replicas), samples=tuple(samples), pending=view.pending, demand=demand)

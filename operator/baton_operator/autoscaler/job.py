@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_S = 2.0
 DEFAULT_INTERVAL_S = 15.0
+#: While every pool is at zero the routers are read this often: a held request wakes the pools
+#: within about this long, not an interval later.
+ZERO_POLL_S = 1.0
 
 
 def _autoscaling(body: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -51,12 +54,16 @@ class AutoscalerJob:
         self.last_at: float | None = None  # event-loop time of the last decision
         self.history: History | None = None  # None: read from status on the next decision
         self.reported: str | None = None  # message of the AutoscalerFailed Event last posted
+        self.at_zero = False  # the last decision left every pool at zero pods
 
     def due(self, lease: Lease, now: float) -> float | None:
         if _autoscaling(lease.body).get("mode") != "builtin":
             self.history = None  # a later switch to builtin starts from what status holds
             return None
-        return now if self.last_at is None else self.last_at + interval_of(lease.body)
+        if self.last_at is None:
+            return now
+        interval = interval_of(lease.body)
+        return self.last_at + (min(interval, ZERO_POLL_S) if self.at_zero else interval)
 
     async def run(self, lease: Lease) -> None:
         body = lease.body
@@ -90,6 +97,7 @@ class AutoscalerJob:
             metrics.AUTOSCALER_TICKS.labels("skipped").inc()
             return
         self.history = result.history
+        self.at_zero = all(r.desired == 0 for r in result.decision.roles)
         settled = result.settled
         metrics.AUTOSCALER.record(
             rid.namespace,

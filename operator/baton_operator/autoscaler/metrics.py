@@ -17,9 +17,16 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton_engine.contract import LOAD_METRICS, M_KV_BLOCKS_TOTAL, PATH_METRICS, VM_CACHE_CONFIG
+from baton_engine.contract import (
+    LOAD_METRICS,
+    M_KV_BLOCKS_TOTAL,
+    M_ROUTER_HELD,
+    M_ROUTER_REQUESTS,
+    PATH_METRICS,
+    VM_CACHE_CONFIG,
+)
 
-from .policy_types import EngineLoad, PodSample
+from .policy_types import EngineLoad, PodSample, RouterDemand
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 _WANTED = frozenset(name for pair in LOAD_METRICS.values() for name in pair) | {
@@ -207,3 +214,33 @@ async def scrape_pods(
     finally:
         if own:
             await http.aclose()
+
+
+def parse_router_demand(text: str) -> RouterDemand:
+    """Held requests and requests seen (every outcome) from one router's /metrics text. The
+    request counter has no sample before the first request: none seen yet."""
+    samples = _samples_by_name(text, frozenset({M_ROUTER_HELD, M_ROUTER_REQUESTS}))
+    if M_ROUTER_HELD not in samples:
+        raise MetricsParseError(f"{M_ROUTER_HELD}: missing from /metrics")
+    held = _checked(M_ROUTER_HELD, [v for _, v in samples[M_ROUTER_HELD]])
+    requests = _checked(M_ROUTER_REQUESTS, [v for _, v in samples.get(M_ROUTER_REQUESTS, [])])
+    return RouterDemand(held=sum(held), requests=sum(requests))
+
+
+async def scrape_routers(
+    targets: Sequence[ScrapeTarget], *, client: httpx.AsyncClient, timeout_s: float = 2.0
+) -> RouterDemand | None:
+    """The demand summed over the routers that answered; None when none did (unknown demand:
+    never read as no demand)."""
+
+    async def one(target: ScrapeTarget) -> RouterDemand | None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                return parse_router_demand(await _fetch(client, target.url))
+        except (TimeoutError, httpx.HTTPError, MetricsParseError, OSError):
+            return None
+
+    found = [d for d in await asyncio.gather(*(one(t) for t in targets)) if d is not None]
+    if not found:
+        return None
+    return RouterDemand(held=sum(d.held for d in found), requests=sum(d.requests for d in found))

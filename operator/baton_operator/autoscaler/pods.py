@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from baton_engine.contract import DEFAULT_HTTP_PORT, ENGINE_ROLES, LABEL_ROLE, PORT_HTTP
+from baton_engine.contract import DEFAULT_HTTP_PORT, ENGINE_ROLES, LABEL_ROLE, PORT_HTTP, ROLE_ROUTER
 
 from .metrics import ScrapeTarget, metrics_url
 from .policy_types import PendingPod
@@ -91,3 +91,22 @@ def view_pods(pods: Iterable[Mapping[str, Any]], *, port_name: str = PORT_HTTP) 
         )
         targets.append(ScrapeTarget(name, role, metrics_url(str(ip), _http_port(pod, port_name)), ready))
     return PodView(tuple(targets), tuple(pending))
+
+
+def router_targets(
+    pods: Iterable[Mapping[str, Any]], *, port_name: str = PORT_HTTP
+) -> tuple[ScrapeTarget, ...]:
+    """The deployment's running router pods (their /metrics: held requests, requests seen).
+    Ready or not: a router with no pool to send to may still be holding requests."""
+    targets = []
+    for pod in pods:
+        if _get(pod, "metadata", "labels", LABEL_ROLE) != ROLE_ROUTER:
+            continue
+        ip = _get(pod, "status", "podIP")
+        if _get(pod, "status", "phase") != "Running" or not ip or _get(pod, "metadata", "deletionTimestamp"):
+            continue
+        name = str(_get(pod, "metadata", "name") or "")
+        targets.append(
+            ScrapeTarget(name, ROLE_ROUTER, metrics_url(str(ip), _http_port(pod, port_name)), True)
+        )
+    return tuple(targets)

@@ -17,12 +17,18 @@ Per pool (role), every tick:
    history covers that window, no pod is unknown, and the last scale-down is a window ago; by at
    most ``max_step`` — so at most one scale-down per window.
 
+With scale to zero (every pool's ``min_replicas`` 0) a request seen anywhere (arriving at a
+router, held by one, queued or running on an engine) restarts the idle clock; once it has run
+``idle_s`` every pool goes to zero together, and while they are at zero a request held by a
+router brings every pool back to one pod at once. Otherwise the pools never go below one pod.
+
 Which mode applies (builtin / external / off) is the caller's business: ``decide`` is for builtin.
 Reason strings are stable: tests and users read them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -40,6 +46,7 @@ from .policy_types import (
     Recommendation,
     RoleDecision,
     ScaleAction,
+    ScaleToZero,
 )
 
 # Float noise must not add a replica: 0.9 * 2 / 0.6 is 3.0000000000000004.
@@ -116,7 +123,9 @@ def _why_no_data(m: PoolMetrics, policy: AutoscalingPolicy) -> str | None:
     )
 
 
-def _measure(pool: PoolPolicy, samples: list[PodSample], policy: AutoscalingPolicy, now: float) -> _Measured:
+def _measure(
+    pool: PoolPolicy, samples: list[PodSample], policy: AutoscalingPolicy, now: float, floor: int
+) -> _Measured:
     metrics = _pool_metrics(samples, policy, now)
     no_data = _why_no_data(metrics, policy)
     if no_data is not None:
@@ -159,9 +168,13 @@ def _measure(pool: PoolPolicy, samples: list[PodSample], policy: AutoscalingPoli
     if unusable:
         measured.notes.append(f"{unusable} of {_pods(ready, 'ready')} unknown, assumed at the known mean")
     raw = max(candidates)
-    measured.recommended = min(max(raw, pool.min_replicas), pool.max_replicas)
-    if raw < pool.min_replicas:
-        measured.notes.append(f"raised to minReplicas {pool.min_replicas}")
+    measured.recommended = min(max(raw, floor), pool.max_replicas)
+    if raw < floor:
+        measured.notes.append(
+            f"raised to minReplicas {pool.min_replicas}"
+            if floor == pool.min_replicas
+            else "kept at 1 until idle"
+        )
     elif raw > pool.max_replicas:
         measured.notes.append(f"capped at maxReplicas {pool.max_replicas}")
     return measured
@@ -267,9 +280,86 @@ def _prune(history: History, policy: AutoscalingPolicy, now: float) -> History:
         newest_older = max((r for r in mine if r.at < horizon), key=lambda r: r.at, default=None)
         recommendations += ([newest_older] if newest_older else []) + [r for r in mine if r.at >= horizon]
         actions += [a for a in history.actions if a.role == pool.role and a.at >= horizon]
-    return History(
-        tuple(sorted(recommendations, key=lambda r: r.at)), tuple(sorted(actions, key=lambda a: a.at))
+    return dataclasses.replace(
+        history,
+        recommendations=tuple(sorted(recommendations, key=lambda r: r.at)),
+        actions=tuple(sorted(actions, key=lambda a: a.at)),
     )
+
+
+@dataclass(frozen=True)
+class _Idle:
+    """Scale to zero's view of this tick."""
+
+    active_at: float | None  # when a request was last seen (None: the routers are unreadable)
+    requests: float | None  # the routers' count now
+    waking: str | None  # why the pools must come back from zero (None: no demand seen)
+
+
+def _idle(zero: ScaleToZero, observations: Observations, history: History, now: float) -> _Idle:
+    demand = observations.demand
+    engines_busy = any(
+        s.load is not None and (s.load.waiting > 0 or s.load.running > 0) for s in observations.samples
+    )
+    if demand is None:
+        # No router answered: not idle (a request may be arriving), and nothing to wake for.
+        return _Idle(None, history.router_requests, None)
+    arrived = history.router_requests is not None and demand.requests != history.router_requests
+    active = demand.held > 0 or arrived or engines_busy or history.active_at is None
+    waking = None
+    if demand.held > 0:
+        waking = f"woken by {_num(demand.held)} waiting request{'s' if demand.held != 1 else ''}"
+    elif arrived:
+        waking = "woken by requests the routers refused while at zero"
+    return _Idle(now if active else history.active_at, demand.requests, waking)
+
+
+def _zero_decision(
+    policy: AutoscalingPolicy,
+    zero: ScaleToZero,
+    observations: Observations,
+    idle: _Idle,
+    measured: dict[str, _Measured],
+    now: float,
+) -> list[RoleDecision] | None:
+    """Every pool's decision when scale to zero decides (wake, stay at zero, go to zero)."""
+    current = {pool.role: observations.replicas[pool.role] for pool in policy.pools}
+    idle_for = f"idle {_num(zero.idle_s)} s"
+
+    def each(desired: int, action: Action, reason: str) -> list[RoleDecision]:
+        return [
+            RoleDecision(
+                role,
+                n,
+                desired,
+                action if desired != n else "hold",
+                reason,
+                measured[role].recommended,
+                measured[role].metrics,
+            )  # fmt: skip
+            for role, n in current.items()
+        ]
+
+    if all(n == 0 for n in current.values()):
+        if idle.waking is not None:
+            return each(1, "up", f"scale up 0 -> 1: {idle.waking}")
+        if idle.active_at is None:
+            return each(0, "hold", "hold at 0: scaled to zero; the routers' metrics are unknown")
+        return each(0, "hold", f"hold at 0: scaled to zero ({idle_for}); no request waiting")
+    if idle.active_at is not None and now - idle.active_at >= zero.idle_s - _EPS:
+        return [
+            RoleDecision(
+                role,
+                n,
+                0,
+                "down" if n else "hold",
+                f"scale down {n} -> 0: scaled to zero ({idle_for})" if n else "hold at 0: scaled to zero",
+                measured[role].recommended,
+                measured[role].metrics,
+            )  # fmt: skip
+            for role, n in current.items()
+        ]
+    return None
 
 
 def decide(
@@ -279,11 +369,22 @@ def decide(
     for pool in policy.pools:
         if pool.role not in observations.replicas:
             raise ValueError(f"Observations.replicas: no entry for role {pool.role!r}")
+    zero = policy.scale_to_zero
+    # With scale to zero, only the idle rule takes a pool below one pod.
+    floors = {pool.role: max(pool.min_replicas, 1 if zero else 0) for pool in policy.pools}
     measured = {
-        pool.role: _measure(pool, [s for s in observations.samples if s.role == pool.role], policy, now)
+        pool.role: _measure(
+            pool, [s for s in observations.samples if s.role == pool.role], policy, now, floors[pool.role]
+        )
         for pool in policy.pools
     }
     _apply_ratio(policy, measured)
+    idle = _idle(zero, observations, history, now) if zero is not None else None
+    zero_roles = (
+        _zero_decision(policy, zero, observations, idle, measured, now)
+        if zero is not None and idle is not None
+        else None
+    )
 
     roles: list[RoleDecision] = []
     new_recs = list(history.recommendations)
@@ -291,10 +392,15 @@ def decide(
     for pool in policy.pools:
         current = observations.replicas[pool.role]
         m = measured[pool.role]
+        floor = floors[pool.role]
         action: Action
-        if current < pool.min_replicas:
-            desired, action = pool.min_replicas, "up"
-            reason = f"scale up {current} -> {desired}: below minReplicas {pool.min_replicas}"
+        if zero_roles is not None:
+            decided = next(r for r in zero_roles if r.role == pool.role)
+            desired, action, reason = decided.desired, decided.action, decided.reason
+        elif current < floor:
+            desired, action = floor, "up"
+            below = f"minReplicas {pool.min_replicas}" if floor == pool.min_replicas else "1 until idle"
+            reason = f"scale up {current} -> {desired}: below {below}"
         elif current > pool.max_replicas:
             desired, action = pool.max_replicas, "down"
             reason = f"scale down {current} -> {desired}: above maxReplicas {pool.max_replicas}"
@@ -310,4 +416,10 @@ def decide(
             new_actions.append(ScaleAction(now, pool.role, current, desired))
         roles.append(RoleDecision(pool.role, current, desired, action, reason, m.recommended, m.metrics))
     decision = Decision(now, tuple(roles))
-    return decision, _prune(History(tuple(new_recs), tuple(new_actions)), policy, now)
+    kept = History(
+        tuple(new_recs),
+        tuple(new_actions),
+        active_at=idle.active_at if idle is not None else None,
+        router_requests=idle.requests if idle is not None else None,
+    )
+    return decision, _prune(kept, policy, now)

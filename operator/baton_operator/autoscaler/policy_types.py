@@ -67,8 +67,9 @@ class PoolPolicy:
     def validate(self) -> None:
         where = f"PoolPolicy({self.role})"
         _check(self.role in ENGINE_ROLES, f"{where}.role", f"must be one of {', '.join(ENGINE_ROLES)}")
-        # From zero there is no pod to measure (queueing happens in the router): keep one.
-        _check(self.min_replicas >= 1, f"{where}.min_replicas", f"must be >= 1, got {self.min_replicas}")
+        # 0 only with AutoscalingPolicy.scale_to_zero (checked there): from zero no pod can be
+        # measured, the router's held requests wake the pools.
+        _check(self.min_replicas >= 0, f"{where}.min_replicas", f"must be >= 0, got {self.min_replicas}")
         _check(
             self.max_replicas >= self.min_replicas,
             f"{where}.max_replicas",
@@ -116,6 +117,18 @@ class RatioBounds:
 
 
 @dataclass(frozen=True)
+class ScaleToZero:
+    """Every pool goes to zero pods together after ``idle_s`` seconds without a request (none
+    arriving at the routers, none held, none queued or running on an engine), and back to one
+    pod each as soon as a router holds a request: at once, not after a stabilization window."""
+
+    idle_s: float
+
+    def validate(self) -> None:
+        _check(self.idle_s > 0, "ScaleToZero.idle_s", f"must be > 0, got {self.idle_s:g}")
+
+
+@dataclass(frozen=True)
 class AutoscalingPolicy:
     """Everything ``decide`` needs from the spec (builtin mode; the caller handles external/off)."""
 
@@ -123,6 +136,7 @@ class AutoscalingPolicy:
     ratio: RatioBounds | None = None
     max_metric_age_s: float = 60.0  # older samples are stale: not acted on
     max_unknown_fraction: float = 0.5  # hold a pool when more of its ready pods are unknown
+    scale_to_zero: ScaleToZero | None = None  # set exactly when every pool's min_replicas is 0
 
     def __post_init__(self) -> None:
         _check(len(self.pools) > 0, "AutoscalingPolicy.pools", "must not be empty")
@@ -142,6 +156,17 @@ class AutoscalingPolicy:
         )
         if self.ratio is not None:
             self.ratio.validate()
+        at_zero = [p.role for p in self.pools if p.min_replicas == 0]
+        if self.scale_to_zero is None:
+            _check(not at_zero, "AutoscalingPolicy.pools", f"min_replicas 0 needs scale_to_zero: {at_zero}")
+        else:
+            self.scale_to_zero.validate()
+            others = [p.role for p in self.pools if p.min_replicas > 0]
+            _check(
+                not others,
+                "AutoscalingPolicy.scale_to_zero",
+                f"every pool goes to zero together: min_replicas must be 0 for {others}",
+            )
 
     def pool(self, role: str) -> PoolPolicy:
         for pool in self.pools:
@@ -188,12 +213,22 @@ class PendingPod:
 
 
 @dataclass(frozen=True)
+class RouterDemand:
+    """What the deployment's routers said (summed over router pods)."""
+
+    held: float  # requests held now because a pool they need has no pod
+    requests: float  # client requests counted since the routers started (any outcome)
+
+
+@dataclass(frozen=True)
 class Observations:
-    """The current state: replicas per role (the Deployments' spec.replicas), samples, pending pods."""
+    """The current state: replicas per role (the Deployments' spec.replicas), samples, pending pods,
+    and the routers' demand (None: no router could be read)."""
 
     replicas: Mapping[str, int]
     samples: tuple[PodSample, ...] = ()
     pending: tuple[PendingPod, ...] = ()
+    demand: RouterDemand | None = None
 
 
 # --------------------------------------------------------------------------- history
@@ -220,6 +255,8 @@ class History:
 
     recommendations: tuple[Recommendation, ...] = ()
     actions: tuple[ScaleAction, ...] = ()
+    active_at: float | None = None  # scale to zero: when a request was last seen (None: never looked)
+    router_requests: float | None = None  # the routers' request count then
 
 
 # --------------------------------------------------------------------------- decision

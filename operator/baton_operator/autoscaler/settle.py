@@ -9,6 +9,7 @@ Recommendations stay whatever happened to the writes: they record the load, not 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -90,7 +91,7 @@ def settle(decision: Decision, history: History, writes: WriteResults) -> Settle
             failed.append((r, failure))
             events.append(failure_event(r, failure))
     not_written = {ScaleAction(decision.at, r.role, r.current, r.desired) for r, _ in failed}
-    kept = History(history.recommendations, tuple(a for a in history.actions if a not in not_written))
+    kept = dataclasses.replace(history, actions=tuple(a for a in history.actions if a not in not_written))
     return Settled(
         kept,
         tuple(written),

@@ -7,7 +7,8 @@ the CRD may grow: ``prefill.targetQueuedPromptTokens``, ``decode.targetRunningRe
 ``ratio.{minPrefillPerDecode,maxPrefillPerDecode}``, ``maxMetricAgeSeconds``.
 
 Aggregated mode has one pool (role ``engine``) with the decode bounds, sized by the larger of
-the queue-depth and the KV-usage recommendations.
+the queue-depth and the KV-usage recommendations. A ``minReplicas`` of 0 turns scale to zero on
+(``scaleToZeroIdleSeconds``); in disaggregated mode both pools must have it (the CRD says so).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from typing import Any, Literal
 
 from baton_engine.contract import ROLE_AGGREGATED, ROLE_DECODE, ROLE_PREFILL
 
-from .policy_types import AutoscalingPolicy, PoolPolicy, RatioBounds, StepPolicy
+from .policy_types import AutoscalingPolicy, PoolPolicy, RatioBounds, ScaleToZero, StepPolicy
 
 #: Samples older than this many decision intervals are stale (unless maxMetricAgeSeconds is set).
 STALE_AFTER_INTERVALS = 3
+#: scaleToZeroIdleSeconds when a body without the CRD's defaults leaves it out.
+DEFAULT_IDLE_S = 300.0
 
 Mode = Literal["disaggregated", "aggregated"]
 
@@ -102,4 +105,8 @@ def policy_from_spec(autoscaling: Mapping[str, Any], mode: Mode = "disaggregated
     if max_age is None:
         interval = _number(spec, "intervalSeconds", root)
         max_age = STALE_AFTER_INTERVALS * (interval or 0.0)
-    return AutoscalingPolicy(pools=pools, ratio=ratio, max_metric_age_s=max_age)
+    zero = None
+    if any(p.min_replicas == 0 for p in pools):
+        idle = _number(spec, "scaleToZeroIdleSeconds", root, required=False)
+        zero = ScaleToZero(idle_s=DEFAULT_IDLE_S if idle is None else idle)
+    return AutoscalingPolicy(pools=pools, ratio=ratio, max_metric_age_s=max_age, scale_to_zero=zero)

@@ -85,11 +85,26 @@ def status_summary(decision: Decision) -> dict[str, Any]:
 
 
 def history_to_dict(history: History) -> dict[str, Any]:
-    """Compact: recommendations as [unix time, role, replicas], actions as [time, role, from, to]."""
-    return {
+    """Compact: recommendations as [unix time, role, replicas], actions as [time, role, from, to];
+    with scale to zero also when a request was last seen and the routers' request count then."""
+    out: dict[str, Any] = {
         "recommendations": [[round(r.at, 3), r.role, r.replicas] for r in history.recommendations],
         "actions": [[round(a.at, 3), a.role, a.from_replicas, a.to_replicas] for a in history.actions],
     }
+    if history.active_at is not None:
+        out["activeAt"] = round(history.active_at, 3)
+    if history.router_requests is not None:
+        out["routerRequests"] = history.router_requests
+    return out
+
+
+def _optional_number(raw: dict[str, Any], key: str) -> float | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"history.{key}: must be a non-negative number, got {value!r}")
+    return float(value)
 
 
 def _row(raw: Any, where: str, width: int) -> tuple[float, str, list[int]]:
@@ -124,7 +139,12 @@ def history_from_dict(raw: Any) -> History:
     for i, item in enumerate(acts_raw):
         at, role, (frm, to) = _row(item, f"history.actions[{i}]", 4)
         acts.append(ScaleAction(at, role, frm, to))
-    return History(tuple(sorted(recs, key=lambda r: r.at)), tuple(sorted(acts, key=lambda a: a.at)))
+    return History(
+        tuple(sorted(recs, key=lambda r: r.at)),
+        tuple(sorted(acts, key=lambda a: a.at)),
+        active_at=_optional_number(raw, "activeAt"),
+        router_requests=_optional_number(raw, "routerRequests"),
+    )
 
 
 #: A stored decision is rewritten at least this often, so that the history a restarted operator

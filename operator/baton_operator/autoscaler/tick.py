@@ -7,9 +7,10 @@ omits replicas unless autoscaling is off) and the autoscaler never fight over th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,9 +60,10 @@ def stored_history(body: Mapping[str, Any]) -> History:
 
 def _trim(history: History, keep_s: float, now: float) -> History:
     cutoff = now - keep_s
-    return History(
-        tuple(r for r in history.recommendations if r.at >= cutoff),
-        tuple(a for a in history.actions if a.at >= cutoff),
+    return dataclasses.replace(
+        history,
+        recommendations=tuple(r for r in history.recommendations if r.at >= cutoff),
+        actions=tuple(a for a in history.actions if a.at >= cutoff),
     )
 
 
@@ -88,6 +90,18 @@ async def _write_replicas(kube: Kube, namespace: str, name: str, replicas: int) 
 
 def _no_guard() -> None:
     return None
+
+
+def rolling_out(pods: Sequence[Mapping[str, Any]], roles: Sequence[str]) -> bool:
+    """Whether a pool's pods carry more than one KV-compatibility key: a rollout of a new key is
+    under way (see `baton_operator.rollout`), which sets the replicas itself until it is done."""
+    keys: dict[str, set[str]] = {}
+    for pod in pods:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        role = labels.get(contract.LABEL_ROLE)
+        if role in roles:
+            keys.setdefault(str(role), set()).add(str(labels.get(contract.LABEL_KV_COMPAT, "")))
+    return any(len(found) > 1 for found in keys.values())
 
 
 async def autoscale_once(
@@ -127,7 +141,16 @@ async def autoscale_once(
         return None
     replicas = {role: _replicas(d) for role, d in deployments.items()}
     pods = await kube.list("v1", "Pod", namespace, {contract.LABEL_DEPLOYMENT: name})
-    observations = await collect(pods, replicas, client=client, timeout_s=scrape_timeout_s, clock=clock)
+    if rolling_out(pods, roles):
+        return None  # a KV-key rollout steps the pools' replicas until it is done
+    observations = await collect(
+        pods,
+        replicas,
+        client=client,
+        timeout_s=scrape_timeout_s,
+        clock=clock,
+        routers=policy.scale_to_zero is not None,
+    )
     now = clock()
     decision, new_history = decide(policy, observations, history, now)
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from baton_engine import contract
@@ -26,6 +27,14 @@ class Owner:
 
 
 @dataclass(frozen=True)
+class PoolOverride:
+    """What a rollout pass sets on one pool's Deployment (see `baton_operator.rollout`)."""
+
+    paused: bool = False  # the Deployment controller must not act on the new template yet
+    replicas: int | None = None  # autoscaling off: this step's replicas instead of the spec's
+
+
+@dataclass(frozen=True)
 class BuildContext:
     """Everything a builder reads: the resource, its parsed spec, and operator-level settings."""
 
@@ -33,6 +42,7 @@ class BuildContext:
     spec: InferenceDeploymentSpec
     operator_namespace: str = ""  # allowed through the engines' NetworkPolicy (metrics scraping)
     monitoring_namespace: str = ""  # likewise, e.g. where Prometheus runs
+    pools: Mapping[str, PoolOverride] = field(default_factory=dict)  # role -> a rollout's override
 
     @property
     def replicas_owned(self) -> bool:

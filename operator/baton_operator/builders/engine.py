@@ -69,6 +69,10 @@ def engine_args(ctx: BuildContext, role: str, engine: EngineSpec, model_ref: str
     ]  # fmt: skip
     if engine.num_kv_blocks is not None:
         args += [contract.FLAG_NUM_KV_BLOCKS, str(engine.num_kv_blocks)]
+    if engine.quantization is not None:
+        args += [contract.FLAG_QUANTIZATION, engine.quantization]
+    if engine.kv_cache_dtype != "auto":
+        args += [contract.FLAG_KV_CACHE_DTYPE, engine.kv_cache_dtype]
     if engine.prefix_hash_seed is not None:
         args += [contract.FLAG_PREFIX_HASH_SEED, engine.prefix_hash_seed]
     if spec.kv_events.enabled:
@@ -143,6 +147,8 @@ def engine_pod_metadata(ctx: BuildContext, role: str, engine: EngineSpec) -> tup
         contract.ANNOTATION_BLOCK_SIZE: str(engine.block_size),
         contract.ANNOTATION_PREFIX_HASH: engine.prefix_hash,
     }
+    if engine.prefix_hash_seed is not None:
+        annotations[contract.ANNOTATION_PREFIX_HASH_SEED] = engine.prefix_hash_seed
     return labels, annotations
 
 
@@ -193,16 +199,23 @@ def engine_deployment(ctx: BuildContext, role: str) -> Manifest:
         rolling_update = {"maxSurge": 0, "maxUnavailable": 1}
     else:
         rolling_update = {"maxSurge": 1, "maxUnavailable": 0}
+    override = ctx.pools.get(role)
+    replicas = role_spec.replicas if ctx.replicas_owned else None
+    if replicas is not None and override is not None and override.replicas is not None:
+        replicas = override.replicas
+    # Paused only while a KV-key rollout needs it: left out otherwise (the API's default).
+    paused = {"paused": True} if override is not None and override.paused else {}
     return deployment(
         ctx,
         name,
         role,
         pod,
         rolling_update,
-        replicas=role_spec.replicas if ctx.replicas_owned else None,
+        replicas=replicas,
         pod_labels=pod_labels,
         pod_annotations=pod_annotations,
         progressDeadlineSeconds=role_spec.startup_timeout_seconds + 300,
+        **paused,
     )
 
 

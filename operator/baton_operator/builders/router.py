@@ -41,16 +41,16 @@ def router_args(ctx: BuildContext, tokenizer: str) -> list[str]:
             contract.FLAG_ROUTER_DECODE_SELECTOR,
             contract.selector_arg(contract.pod_selector(name, contract.ROLE_DECODE)),
         ]
-    # No block size or prefix hash: the router reads each pod's from its annotations, so that a
-    # rollout of a new block size neither restarts the router nor mis-hashes either generation.
+    # No block size, prefix hash or hash seed: the router reads each pod's from its annotations,
+    # so that rolling out a new one neither restarts the router nor mis-hashes either generation.
     args += [
         contract.FLAG_ROUTER_MODEL, spec.model.name,
         contract.FLAG_ROUTER_TOKENIZER, tokenizer,
         contract.FLAG_ROUTER_HOST, f"$({contract.ENV_POD_IP})",
         contract.FLAG_ROUTER_PORT, str(spec.router.port),
+        contract.FLAG_ROUTER_HOLD_QUEUE, str(spec.router.hold_queue),
+        contract.FLAG_ROUTER_HOLD_TIMEOUT, str(spec.router.hold_timeout_seconds),
     ]  # fmt: skip
-    if spec.engine.prefix_hash_seed is not None:
-        args += [contract.FLAG_ROUTER_PREFIX_HASH_SEED, spec.engine.prefix_hash_seed]
     events = contract.FLAG_ROUTER_KV_EVENTS
     args.append(events if spec.kv_events.enabled else contract.negated(events))
     return args

@@ -37,7 +37,13 @@ class PrefillScaling(CrdModel):
 
     model_config = {"json_schema_extra": validations(_bounds_rule("prefill"))}
 
-    min_replicas: int = Field(1, ge=1, le=1024, description="Fewest prefill pods.")
+    min_replicas: int = Field(
+        1,
+        ge=0,
+        le=1024,
+        description="Fewest prefill pods; 0 (builtin mode, with decode's 0 too) scales both pools to zero "
+        "after scaleToZeroIdleSeconds without a request.",
+    )
     max_replicas: int = Field(4, ge=1, le=1024, description="Most prefill pods.")
     target_queue_depth: float = Field(
         4.0, gt=0.0, le=100000.0, description="Requests waiting per prefill pod the policy aims for."
@@ -54,7 +60,13 @@ class DecodeScaling(CrdModel):
 
     model_config = {"json_schema_extra": validations(_bounds_rule("decode"))}
 
-    min_replicas: int = Field(1, ge=1, le=1024, description="Fewest decode pods.")
+    min_replicas: int = Field(
+        1,
+        ge=0,
+        le=1024,
+        description="Fewest decode pods (of the pool in aggregated mode); 0 (builtin mode) scales to zero "
+        "after scaleToZeroIdleSeconds without a request.",
+    )
     max_replicas: int = Field(4, ge=1, le=1024, description="Most decode pods.")
     target_kv_usage: float = Field(
         0.7,
@@ -97,6 +109,14 @@ class AutoscalingSpec(CrdModel):
         "writes them; off: the operator applies spec.<role>.replicas.",
     )
     interval_seconds: int = Field(15, ge=1, le=3600, description="Seconds between two policy decisions.")
+    scale_to_zero_idle_seconds: int = Field(
+        300,
+        ge=1,
+        le=86400,
+        alias="scaleToZeroIdleSeconds",
+        description="With minReplicas 0: seconds without a request (none arriving at the router, held or "
+        "running) before every pool scales to zero; a request held by the router wakes them at once.",
+    )
     metrics_source: str = Field(
         "pods",
         max_length=2048,

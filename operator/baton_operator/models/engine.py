@@ -1,8 +1,8 @@
 """Engine settings: one set at `spec.engine`, overridable per role at `spec.<role>.engine`.
 
-Settings that must agree across one deployment's pods (block size, KV dtype, the prefix hash, the
-context length, the HTTP port) exist only at the top: a decode pod can only pull KV blocks laid
-out like its own, and the router hashes prompts with the engines' block size.
+Settings that must agree across one deployment's pods (block size, KV dtype, weight quantization,
+the prefix hash, the context length, the HTTP port) exist only at the top: a decode pod can only
+pull KV blocks laid out like its own, and the router hashes prompts with the engines' block size.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ DEFAULT_ENGINE_IMAGE = "ghcr.io/baton-llm/baton-engine:0.1.0"
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 Device = Literal["cuda", "cpu"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+KvCacheDtype = Literal["auto", "fp8"]
+Quantization = Literal["fp8"]
 PrefixHash: TypeAlias = contract.PrefixHashName
 
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -158,6 +160,16 @@ class EngineSpec(CrdModel):
     device: Device = Field("cuda", description=_D["device"])
     dtype: Dtype = Field(
         "auto", description="Weights and KV-cache dtype (shared by all roles: KV blocks move between pods)."
+    )
+    quantization: Quantization | None = Field(
+        None,
+        description="Weight quantization (shared by all roles): unset = as the checkpoint is (16-bit, "
+        "or FP8 when its config.json says so); fp8 = quantize a 16-bit checkpoint to FP8 on load.",
+    )
+    kv_cache_dtype: KvCacheDtype = Field(
+        "auto",
+        description="KV-cache dtype (shared by all roles: KV blocks move between pods): auto = dtype; "
+        "fp8 = 8-bit floats with per-layer scales, half the bytes of a 16-bit cache.",
     )
     port: int = Field(
         contract.DEFAULT_HTTP_PORT, ge=1, le=65535, description="Engine HTTP port (named 'http')."

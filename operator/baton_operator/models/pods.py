@@ -126,3 +126,17 @@ class RouterSpec(Placement):
         description="Per-pod resources.",
         json_schema_extra=object_default(RouterResources),
     )
+    hold_queue: int = Field(
+        64,
+        ge=0,
+        le=100000,
+        description="Requests a router pod holds at most while a pool they need has no ready pod (scaled "
+        "to zero, starting); beyond it, 503 with Retry-After (0: 503 at once).",
+    )
+    hold_timeout_seconds: int = Field(
+        120,
+        ge=1,
+        le=3600,
+        description="Longest a request is held for a pod before it gets 503 with Retry-After (a cold "
+        "start must fit in it).",
+    )

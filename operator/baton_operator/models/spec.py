@@ -227,6 +227,14 @@ SPEC_RULES: list[dict[str, str]] = [
         "FieldValueForbidden",
     ),
     cel("self.mode == oldSelf.mode", "spec.mode is immutable", ".mode"),
+    cel(
+        "self.mode != 'disaggregated' || "
+        "(self.autoscaling.prefill.minReplicas == 0) == (self.autoscaling.decode.minReplicas == 0)",
+        "spec.autoscaling.prefill.minReplicas and spec.autoscaling.decode.minReplicas must be 0 together "
+        "(both pools scale to zero together) or both at least 1",
+        ".autoscaling.decode.minReplicas",
+        "FieldValueInvalid",
+    ),
     *_port_rules(),
     *(rule for role in ROLE_FIELDS for rule in _override_rules(role)),
     *(_tensor_parallel_rule(role) for role in ROLE_FIELDS),
@@ -305,6 +313,14 @@ class InferenceDeploymentSpec(CrdModel):
         for (a, pa), (b, pb) in combinations(ports.items(), 2):
             if pa == pb:
                 raise ValueError(f"spec.{b} must differ from spec.{a} (one engine pod opens both)")
+        bounds = self.autoscaling
+        if self.mode == "disaggregated" and (bounds.prefill.min_replicas == 0) != (
+            bounds.decode.min_replicas == 0
+        ):
+            raise ValueError(
+                "spec.autoscaling.prefill.minReplicas and spec.autoscaling.decode.minReplicas must be 0 "
+                "together (both pools scale to zero together) or both at least 1"
+            )
         for role in ROLE_FIELDS:
             spec: RoleSpec | None = getattr(self, role)
             if spec is not None and spec.engine is not None:

@@ -32,6 +32,20 @@ class RoleStatus(CrdModel):
     desired_replicas: int = Field(0, ge=0, description="Pods wanted (the Deployment's spec.replicas).")
     ready: str = Field("0/0", description="readyReplicas/desiredReplicas, for printing.")
     selector: str = Field("", description="Label selector of the pool's pods.")
+    kv_compat_key: str | None = Field(
+        None,
+        max_length=63,
+        alias="kvCompatKey",
+        description="The KV-compatibility key the pool's pods must have (label baton.dev/kv-compat).",
+    )
+    new_key_pods: int | None = Field(
+        None, ge=0, description="Pods of that key (not terminating); during a rollout, the new generation."
+    )
+    old_key_pods: int | None = Field(
+        None,
+        ge=0,
+        description="Pods of another key that still exist (the old generation, draining ones too).",
+    )
     tensor_parallel_size: int = Field(
         1, ge=1, description="Ranks (GPUs) each pod of the pool splits the model across."
     )

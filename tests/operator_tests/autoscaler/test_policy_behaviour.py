@@ -18,6 +18,7 @@ from baton_operator.autoscaler.policy_types import (
     RatioBounds,
     Recommendation,
     ScaleAction,
+    ScaleToZero,
     StepPolicy,
 )
 
@@ -150,8 +151,23 @@ def test_missing_replicas_for_a_pool_is_an_error() -> None:
     ("build", "message"),
     [
         (
+            lambda: policy(prefill_pool(min_replicas=-1)),
+            "PoolPolicy(prefill).min_replicas: must be >= 0, got -1",
+        ),
+        (
             lambda: policy(prefill_pool(min_replicas=0)),
-            "PoolPolicy(prefill).min_replicas: must be >= 1, got 0",
+            "AutoscalingPolicy.pools: min_replicas 0 needs scale_to_zero: ['prefill']",
+        ),
+        (
+            lambda: AutoscalingPolicy(
+                pools=(prefill_pool(min_replicas=0), decode_pool()), scale_to_zero=ScaleToZero(300)
+            ),
+            "AutoscalingPolicy.scale_to_zero: every pool goes to zero together: min_replicas must be 0 "
+            "for ['decode']",
+        ),
+        (
+            lambda: AutoscalingPolicy(pools=(prefill_pool(min_replicas=0),), scale_to_zero=ScaleToZero(0)),
+            "ScaleToZero.idle_s: must be > 0, got 0",
         ),
         (
             lambda: policy(prefill_pool(min_replicas=3, max_replicas=2)),

@@ -2,8 +2,10 @@
 
 A backend writes the step's new K/V into a layer's paged cache (``[2, num_blocks, block_size,
 num_kv_heads, head_dim]``) at `AttentionBatch.slot_mapping`, then computes each row's causal
-attention over its cached positions. `prepare` runs once per step (host-side planning shared by
-all layers); `forward` runs per layer.
+attention over its cached positions. An FP8 cache comes with the layer's (K, V) scales: values
+are stored as ``value / scale`` rounded to FP8 and every row attends over the stored values, its
+own step's tokens included, so a prefix hit or a preemption never changes what a row sees.
+`prepare` runs once per step (host-side planning shared by all layers); `forward` runs per layer.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ class AttentionBackend(Protocol):
         batch: AttentionBatch,
         plan: object,
         scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; returns [T, heads, head_dim]."""
+        """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; returns [T, heads, head_dim].
+
+        kv_scale: [2] float32 (K, V) scales of an FP8 `layer_cache`; None for a 16-bit cache."""
         ...
 
 

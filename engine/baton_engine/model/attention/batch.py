@@ -54,4 +54,5 @@ class AttentionBatch:
         """Cache slots of positions ``[0, length)`` of `row`."""
         pos = np.arange(length, dtype=np.int64)
         blocks = self.block_tables_host[row, pos // self.block_size]
-        return blocks * self.block_size + pos % self.block_size
+        slots: npt.NDArray[np.int64] = blocks * self.block_size + pos % self.block_size
+        return slots

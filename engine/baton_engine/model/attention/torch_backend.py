@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from baton_engine.model.attention.batch import AttentionBatch
+from baton_engine.model.quantization.fp8 import cast_saturated
 
 GROUP_COST_IN_BLOCKS = 8
 """What one more decode group (one more gather and SDPA call per layer) costs, in gathered
@@ -161,24 +162,48 @@ class TorchAttentionBackend:
         batch: AttentionBatch,
         plan: object,
         scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert isinstance(plan, _Plan)
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache = layer_cache[0].view(-1, num_kv_heads, head_dim)
         v_cache = layer_cache[1].view(-1, num_kv_heads, head_dim)
-        if plan.fresh_blocks is not None:
-            layer_cache.index_fill_(1, plan.fresh_blocks, 0.0)
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v)
+        if kv_scale is None:
+            if plan.fresh_blocks is not None:
+                layer_cache.index_fill_(1, plan.fresh_blocks, 0.0)
+            k_cache.index_copy_(0, batch.slot_mapping, k)
+            v_cache.index_copy_(0, batch.slot_mapping, v)
+        else:
+            k = cast_saturated(k.to(torch.float32) / kv_scale[0], layer_cache.dtype)
+            v = cast_saturated(v.to(torch.float32) / kv_scale[1], layer_cache.dtype)
+            # Through byte views: CPU torch has no FP8 index_copy_ or index_fill_, and a zero
+            # byte is +0.0 in both FP8 formats.
+            cache_bytes = layer_cache.view(torch.uint8)
+            if plan.fresh_blocks is not None:
+                cache_bytes.index_fill_(1, plan.fresh_blocks, 0)
+            cache_bytes[0].view(-1, num_kv_heads, head_dim).index_copy_(
+                0, batch.slot_mapping, k.view(torch.uint8)
+            )
+            cache_bytes[1].view(-1, num_kv_heads, head_dim).index_copy_(
+                0, batch.slot_mapping, v.view(torch.uint8)
+            )
+            # Every row attends over the stored values, this step's own tokens included.
+            k, v = _dequantized(k, kv_scale[0], q.dtype), _dequantized(v, kv_scale[1], q.dtype)
         out = torch.empty_like(q)
         if plan.decode is not None:
-            self._decode(q, layer_cache, plan.decode, scale, out)
+            self._decode(q, layer_cache, plan.decode, scale, out, kv_scale)
         for row in plan.prefills:
-            out[row.start : row.end] = self._prefill(q, k, v, k_cache, v_cache, row, scale)
+            out[row.start : row.end] = self._prefill(q, k, v, k_cache, v_cache, row, scale, kv_scale)
         return out
 
     def _decode(
-        self, q: torch.Tensor, layer_cache: torch.Tensor, plan: _DecodePlan, scale: float, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        layer_cache: torch.Tensor,
+        plan: _DecodePlan,
+        scale: float,
+        out: torch.Tensor,
+        kv_scale: torch.Tensor | None,
     ) -> None:
         _, num_blocks, block_size, kv_heads, head_dim = layer_cache.shape
         heads_per_kv = q.shape[1] // kv_heads
@@ -193,6 +218,9 @@ class TorchAttentionBackend:
             torch.index_select(blocks, 1, group.block_index, out=kv)
             keys = kv[0].view(rows, length, kv_heads, head_dim).transpose(1, 2)
             values = kv[1].view(rows, length, kv_heads, head_dim).transpose(1, 2)
+            if kv_scale is not None:
+                keys = _dequantized(keys, kv_scale[0], q.dtype)
+                values = _dequantized(values, kv_scale[1], q.dtype)
             # The query heads sharing a KV head become extra query rows of it, so K/V are never
             # repeated: [rows, kv_heads, heads_per_kv * max_q, dim], head h = kv_head * g + i.
             queries = q[group.query_index].view(rows, max_q, kv_heads, heads_per_kv, head_dim)
@@ -226,6 +254,7 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         row: _PrefillRow,
         scale: float,
+        kv_scale: torch.Tensor | None,
     ) -> torch.Tensor:
         queries = q[row.start : row.end].transpose(0, 1).unsqueeze(0)
         if row.key_slots is None:
@@ -237,10 +266,17 @@ class TorchAttentionBackend:
         else:
             keys = k_cache[row.key_slots].transpose(0, 1).unsqueeze(0)
             values = v_cache[row.key_slots].transpose(0, 1).unsqueeze(0)
+            if kv_scale is not None:
+                keys = _dequantized(keys, kv_scale[0], q.dtype)
+                values = _dequantized(values, kv_scale[1], q.dtype)
             result = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=row.mask, scale=scale, enable_gqa=True
             )
         return result[0].transpose(0, 1)
+
+
+def _dequantized(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (stored.to(torch.float32) * scale).to(dtype)
 
 
 def _group_cuts(sorted_blocks: npt.NDArray[np.int64]) -> list[int]:

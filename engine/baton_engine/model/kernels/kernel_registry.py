@@ -16,6 +16,7 @@ registry follows the package wherever its modules move.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -104,6 +105,16 @@ class KernelCase:
         """One layer's paged cache, [2, num_blocks, block_size, kv_heads, head_dim]."""
         shape = (2, num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         return torch.zeros(shape, dtype=self.dtype)
+
+    def kv_caches(self, num_blocks: int = 4) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The layer caches the engine pairs with this case's activations, each with its (K, V)
+        scales: one in the activation dtype (scales None) and, for 16-bit activations on a target
+        with FP8, one in the target's FP8 format (``--kv-cache-dtype fp8``, [2] float32 scales)."""
+        caches: list[tuple[torch.Tensor, torch.Tensor | None]] = [(self.kv_cache(num_blocks), None)]
+        if self.fp8_dtype is not None and self.case_dtype in ("bfloat16", "float16"):
+            fp8_case = dataclasses.replace(self, case_dtype="fp8")
+            caches.append((fp8_case.kv_cache(num_blocks), torch.ones(2, dtype=torch.float32)))
+        return caches
 
     def qkv(self, tokens: int) -> torch.Tensor:
         """The fused qkv projection's output, [tokens, (H + 2 * KVH) * D]: q is a view of it."""

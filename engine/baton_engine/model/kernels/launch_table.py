@@ -61,6 +61,9 @@ class LaunchTable:
     rotary: Launch
     #: silu(gate) * up; `block_n` is the columns each program handles.
     silu: Launch
+    #: The MoE grouped GEMMs (gate_up with silu * up, and down); their tiles follow the step's
+    #: pairs per expert (`triton_moe.moe_tiles`).
+    moe: Launch
 
     def prefill(self, head_dim_pad: int) -> Launch:
         return self.prefill_small_head if head_dim_pad <= 64 else self.prefill_large_head
@@ -94,6 +97,7 @@ CUDA = LaunchTable(
     rms_norm=Launch(4, 3, "Triton's defaults: one row per program, memory-bound"),
     rotary=Launch(4, 3, "Triton's defaults: one token per program, memory-bound"),
     silu=Launch(4, 3, "Triton's defaults with 1024 columns per program, memory-bound", 1024),
+    moe=Launch(4, 3, "Triton's defaults for a dot loop; not yet tuned on the H200 (bench.gpu's moe section)"),
 )
 
 _ON_CDNA = "on gfx90a, gfx942 and gfx950 (bench.amd_compile)"
@@ -176,6 +180,13 @@ ROCM = LaunchTable(
         block_n=1024,
         reason="as rms_norm, with the H200's 1024 columns per program: at most 34 VGPRs, 8 waves per SIMD "
         f"{_ON_CDNA}",
+    ),
+    moe=Launch(
+        num_warps=4,
+        num_stages=1,
+        reason="float32 tiles of 16 to 64 rows with the 64 x 64 gate and up tiles need 72 to 96 KiB of LDS "
+        "at the H200's 3 stages (36 to 48 KiB per stage), over the 64 KiB of gfx90a and gfx942: 1 stage, "
+        "4 waves (bench.amd_compile)",
     ),
 )
 

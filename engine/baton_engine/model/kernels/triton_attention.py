@@ -35,6 +35,7 @@ def _decode_split_kernel(
     stride_bt,
     stride_qt,
     scale_log2,
+    kv_scale_ptr,  # [2] float32 (K, V) scales of an FP8 cache (KV_FP8 only)
     seq_lens_ptr,  # [B] int32
     out_ptr,  # [B, H, D] (NUM_SPLITS == 1) or partial [B, H, S, D] fp32
     lse_ptr,  # [B, H, S] fp32
@@ -47,6 +48,7 @@ def _decode_split_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     row, kvh, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N)
     H: tl.constexpr = KVH * GROUP
@@ -63,8 +65,9 @@ def _decode_split_kernel(
     )
     m_i, l_i, acc = attend_paged_keys(
         q, None, None, start, end,
-        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2,
+        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2, kv_scale_ptr,
         BLOCK_SIZE=BLOCK_SIZE, KVH=KVH, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION,
+        KV_FP8=KV_FP8,
     )  # fmt: skip
     store_attention_rows(
         out_ptr, lse_ptr, m_i, l_i, acc, row * H + heads, g_mask, split, NUM_SPLITS, HEAD_DIM
@@ -137,6 +140,7 @@ def launch_split_k(
     split: Launch,
     reduce: Launch,
     extra_args: tuple[Any, ...] = (),
+    kv_scale: torch.Tensor | None = None,
     programs_per_kv_head: int = 1,
     **kernel_constants: Any,
 ) -> None:
@@ -152,7 +156,7 @@ def launch_split_k(
     assert tuned.block_n is not None
     constants = paged_kernel_constants(q, layer_cache, tuned.block_n if block_n is None else block_n)
     kernel[(rows, layer_cache.shape[3] * programs_per_kv_head, splits)](
-        *paged_kernel_args(q, layer_cache, block_tables, scale),
+        *paged_kernel_args(q, layer_cache, block_tables, scale, kv_scale),
         seq_lens,
         out if splits == 1 else workspace.partial,
         workspace.lse,
@@ -190,9 +194,11 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_scale: torch.Tensor | None = None,
     launch: LaunchTable | None = None,
 ) -> torch.Tensor:
-    """One query token per row. q: [B, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32.
+    """One query token per row. q: [B, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32;
+    kv_scale: the layer's [2] (K, V) scales when the cache is FP8.
 
     A row with seq_len 0 (graph padding) yields zeros. `launch` defaults to the table of q's device;
     `block_n`, `num_warps` and `num_stages` override its entry (tuning sweeps).
@@ -204,6 +210,7 @@ def paged_decode_attention(
     launch_split_k(
         _decode_split_kernel, batch, out, workspace, q, layer_cache, block_tables, seq_lens, scale, block_n,
         num_warps, num_stages, table.decode_unsplit, table.decode_split, table.split_reduce,
+        kv_scale=kv_scale,
         GROUP_PAD=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
     )  # fmt: skip
     return out
@@ -222,10 +229,11 @@ def _decode_launches(case: KernelCase) -> None:
             batch, m.num_kv_heads, case.max_model_len, case.launch.decode_split.block_n or 64
         )
         workspace = DecodeWorkspace(batch, m.num_heads, m.head_dim, splits, torch.device("cpu"))
-        paged_decode_attention(
-            case.q(batch), case.kv_cache(), case.block_tables(batch), torch.zeros(batch, dtype=torch.int32),
-            m.head_dim**-0.5, workspace, launch=case.launch,
-        )  # fmt: skip
+        for cache, kv_scale in case.kv_caches():
+            paged_decode_attention(
+                case.q(batch), cache, case.block_tables(batch), torch.zeros(batch, dtype=torch.int32),
+                m.head_dim**-0.5, workspace, kv_scale=kv_scale, launch=case.launch,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -237,6 +245,7 @@ def _prefill_kernel(
     stride_bt,
     stride_qt,
     scale_log2,
+    kv_scale_ptr,  # [2] float32 (K, V) scales of an FP8 cache (KV_FP8 only)
     query_start_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     tile_row_ptr,  # [tiles] int32
@@ -250,6 +259,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -274,8 +284,9 @@ def _prefill_kernel(
     key_end = tl.minimum(context + q_off + BLOCK_M, seq_len)
     m_i, l_i, acc = attend_paged_keys(
         q, context + m, None, 0, key_end,
-        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2,
+        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2, kv_scale_ptr,
         BLOCK_SIZE=BLOCK_SIZE, KVH=KVH, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL=True, PRECISION=PRECISION,
+        KV_FP8=KV_FP8,
     )  # fmt: skip
     store_attention_rows(out_ptr, None, m_i, l_i, acc, (q_begin + m) * H + head, m_mask, 0, 1, HEAD_DIM)
 
@@ -309,12 +320,14 @@ def paged_prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_scale: torch.Tensor | None = None,
     launch: LaunchTable | None = None,
 ) -> torch.Tensor:
     """Causal attention of any number of query tokens per row over the row's cached positions.
 
-    q: [T, H, D]; a row's queries are its last ``query_len`` positions of ``seq_len``. `launch`
-    defaults to the table of q's device; the other keywords override its entry.
+    q: [T, H, D]; a row's queries are its last ``query_len`` positions of ``seq_len``; kv_scale:
+    the layer's [2] (K, V) scales when the cache is FP8. `launch` defaults to the table of q's
+    device; the other keywords override its entry.
     """
     num_heads, head_dim = q.shape[1:]
     out = packed_output(q, out)
@@ -326,7 +339,7 @@ def paged_prefill_attention(
     )
     assert tuned.block_n is not None
     _prefill_kernel[(num_tiles, num_heads)](
-        *paged_kernel_args(q, layer_cache, block_tables, scale),
+        *paged_kernel_args(q, layer_cache, block_tables, scale, kv_scale),
         query_start_loc,
         seq_lens,
         tile_rows,
@@ -347,8 +360,10 @@ def _prefill_launches(case: KernelCase) -> None:
     rows, starts = prefill_tiles(query_lens)
     tokens = sum(query_lens)
     query_start_loc = torch.tensor([0, query_lens[0], tokens], dtype=torch.int32)
-    paged_prefill_attention(
-        case.q(tokens), case.kv_cache(), case.block_tables(len(query_lens)), query_start_loc,
-        torch.tensor(query_lens, dtype=torch.int32), torch.tensor(rows, dtype=torch.int32),
-        torch.tensor(starts, dtype=torch.int32), case.model.head_dim**-0.5, launch=case.launch,
-    )  # fmt: skip
+    for cache, kv_scale in case.kv_caches():
+        paged_prefill_attention(
+            case.q(tokens), cache, case.block_tables(len(query_lens)), query_start_loc,
+            torch.tensor(query_lens, dtype=torch.int32), torch.tensor(rows, dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32), case.model.head_dim**-0.5, kv_scale=kv_scale,
+            launch=case.launch,
+        )  # fmt: skip

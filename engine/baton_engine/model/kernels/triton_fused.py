@@ -2,7 +2,8 @@
 
 * `fused_add_rms_norm`: ``residual += x`` then RMSNorm of the sum, one read and two writes.
 * `rotary_cache_write`: rotates q in place and k, and stores the rotated k and v in the cache
-  at each token's slot (slot < 0 = padding, skipped), in one launch instead of six.
+  at each token's slot (slot < 0 = padding, skipped), in one launch instead of six; into an FP8
+  cache divided by the layer's K/V scales and rounded as `quantization.fp8.cast_saturated` does.
 * `silu_and_mul`: ``silu(gate) * up`` from the fused gate_up projection.
 
 Rounding matches the torch reference: the norm is computed in float32 and cast to the model
@@ -17,6 +18,8 @@ import triton.language as tl
 
 from baton_engine.model.kernels.kernel_registry import KernelCase, launch_scenario
 from baton_engine.model.kernels.launch_table import LaunchTable, launch_table_for
+from baton_engine.model.kernels.triton_fp8 import min_normal_exponent, round_to_fp8_grid
+from baton_engine.model.quantization.fp8 import FP8_DTYPES, fp8_max
 
 
 @triton.jit
@@ -99,11 +102,15 @@ def _rotary_cache_kernel(
     slots_ptr,  # [T] int64
     cache_ptr,  # [2, NB, BS, KVH, D]
     v_offset,
+    kv_scale_ptr,  # [2] float32 (K, V) scales of an FP8 cache (KV_FP8 only)
     H: tl.constexpr,
     KVH: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     HEADS_PAD: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_NORMAL_EXP: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     D: tl.constexpr = 2 * HALF
@@ -131,14 +138,35 @@ def _rotary_cache_kernel(
         k_mask = (h >= H)[:, None] & rot_mask
         kv_head = h - H
         dst = cache_ptr + (slot * KVH + kv_head)[:, None] * D + j[None, :]
-        tl.store(dst, new_first, mask=k_mask)
-        tl.store(dst + HALF, new_second, mask=k_mask)
         kv = tl.arange(0, HEADS_PAD)
         v_mask = (kv < KVH)[:, None] & j_mask[None, :]
         v_src = base + ((H + KVH) + kv)[:, None] * D + j[None, :]
         v_dst = cache_ptr + v_offset + (slot * KVH + kv)[:, None] * D + j[None, :]
-        tl.store(v_dst, tl.load(v_src, mask=v_mask, other=0.0), mask=v_mask)
-        tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=v_mask, other=0.0), mask=v_mask)
+        v_first = tl.load(v_src, mask=v_mask, other=0.0)
+        v_second = tl.load(v_src + HALF, mask=v_mask, other=0.0)
+        if KV_FP8:
+            k_scale = tl.load(kv_scale_ptr)
+            v_scale = tl.load(kv_scale_ptr + 1)
+            tl.store(dst, _to_fp8(new_first, k_scale, FP8_MAX, MIN_NORMAL_EXP, cache_ptr), mask=k_mask)
+            tl.store(
+                dst + HALF, _to_fp8(new_second, k_scale, FP8_MAX, MIN_NORMAL_EXP, cache_ptr), mask=k_mask
+            )
+            tl.store(v_dst, _to_fp8(v_first, v_scale, FP8_MAX, MIN_NORMAL_EXP, cache_ptr), mask=v_mask)
+            tl.store(
+                v_dst + HALF, _to_fp8(v_second, v_scale, FP8_MAX, MIN_NORMAL_EXP, cache_ptr), mask=v_mask
+            )
+        else:
+            tl.store(dst, new_first, mask=k_mask)
+            tl.store(dst + HALF, new_second, mask=k_mask)
+            tl.store(v_dst, v_first, mask=v_mask)
+            tl.store(v_dst + HALF, v_second, mask=v_mask)
+
+
+@triton.jit
+def _to_fp8(x, scale, FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, cache_ptr):
+    """`x / scale` saturated and rounded into the cache's FP8 format."""
+    scaled = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+    return round_to_fp8_grid(scaled, MIN_NORMAL_EXP).to(cache_ptr.dtype.element_ty)
 
 
 def rotary_cache_write(
@@ -151,16 +179,21 @@ def rotary_cache_write(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    kv_scale: torch.Tensor | None = None,
     launch: LaunchTable | None = None,
 ) -> None:
     """Rotate q (in place inside `qkv`) and k; write rotated k and v to `layer_cache` at the slots.
 
-    qkv: [T, (H + 2 * KVH) * D] contiguous; cos/sin: [max_positions, D] rotary tables.
+    qkv: [T, (H + 2 * KVH) * D] contiguous; cos/sin: [max_positions, D] rotary tables; kv_scale:
+    the layer's [2] float32 (K, V) scales when `layer_cache` is FP8 (values stored divided by them).
     """
     tokens = qkv.shape[0]
     if tokens == 0:
         return
     half = head_dim // 2
+    kv_fp8 = layer_cache.dtype in FP8_DTYPES
+    if (kv_scale is None) == kv_fp8:
+        raise ValueError(f"a {layer_cache.dtype} KV cache needs (K, V) scales exactly when it is FP8")
     tuned = (launch_table_for(qkv.device) if launch is None else launch).rotary
     _rotary_cache_kernel[(tokens,)](
         qkv,
@@ -170,11 +203,15 @@ def rotary_cache_write(
         slot_mapping,
         layer_cache,
         layer_cache.stride(0),
+        layer_cache if kv_scale is None else kv_scale,
         H=num_heads,
         KVH=num_kv_heads,
         HALF=half,
         HALF_PAD=triton.next_power_of_2(half),
         HEADS_PAD=triton.next_power_of_2(num_heads + num_kv_heads),
+        KV_FP8=kv_fp8,
+        FP8_MAX=fp8_max(layer_cache.dtype) if kv_fp8 else 0.0,
+        MIN_NORMAL_EXP=min_normal_exponent(layer_cache.dtype) if kv_fp8 else 0,
         num_warps=tuned.num_warps,
         num_stages=tuned.num_stages,
     )
@@ -186,11 +223,12 @@ def _rotary_launches(case: KernelCase) -> None:
     m = case.model
     tokens = 4
     cos = torch.zeros(64, m.head_dim, dtype=case.dtype)
-    rotary_cache_write(
-        case.qkv(tokens), torch.zeros(tokens, dtype=torch.int64), cos, torch.zeros_like(cos),
-        torch.zeros(tokens, dtype=torch.int64), case.kv_cache(), m.num_heads, m.num_kv_heads, m.head_dim,
-        launch=case.launch,
-    )  # fmt: skip
+    for cache, kv_scale in case.kv_caches():
+        rotary_cache_write(
+            case.qkv(tokens), torch.zeros(tokens, dtype=torch.int64), cos, torch.zeros_like(cos),
+            torch.zeros(tokens, dtype=torch.int64), cache, m.num_heads, m.num_kv_heads, m.head_dim,
+            kv_scale, launch=case.launch,
+        )  # fmt: skip
 
 
 @triton.jit

@@ -46,6 +46,7 @@ def _multi_query_split_kernel(
     stride_bt,
     stride_qt,
     scale_log2,
+    kv_scale_ptr,  # [2] float32 (K, V) scales of an FP8 cache (KV_FP8 only)
     seq_lens_ptr,  # [B] int32
     out_ptr,  # [B * Q, H, D] (NUM_SPLITS == 1) or partial [B * Q, H, S, D] fp32
     lse_ptr,  # [B * Q, H, S] fp32
@@ -61,6 +62,7 @@ def _multi_query_split_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     row, head_tile, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N)
     H: tl.constexpr = KVH * GROUP
@@ -85,8 +87,9 @@ def _multi_query_split_kernel(
     )
     m_i, l_i, acc = attend_paged_keys(
         q, context + j, real, start, end,
-        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2,
+        cache_ptr, v_offset, block_table_ptr + row * stride_bt, kvh, scale_log2, kv_scale_ptr,
         BLOCK_SIZE=BLOCK_SIZE, KVH=KVH, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL=True, PRECISION=PRECISION,
+        KV_FP8=KV_FP8,
     )  # fmt: skip
     store_attention_rows(
         out_ptr, lse_ptr, m_i, l_i, acc, token * H + heads, in_window, split, NUM_SPLITS, HEAD_DIM
@@ -113,9 +116,11 @@ def paged_multi_query_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_scale: torch.Tensor | None = None,
     launch: LaunchTable | None = None,
 ) -> torch.Tensor:
-    """q: [B * query_len, H, D], row-major by (row, token); query_lens: [B] int32 (<= query_len).
+    """q: [B * query_len, H, D], row-major by (row, token); query_lens: [B] int32 (<= query_len);
+    kv_scale: the layer's [2] (K, V) scales when the cache is FP8.
 
     Returns [B * query_len, H, D]; padding tokens (j >= query_lens[row]) and rows with seq_len 0
     get zeros. `launch` defaults to the table of q's device; the other keywords override it.
@@ -132,10 +137,14 @@ def paged_multi_query_attention(
     tuned = table.verify_unsplit if workspace.num_splits == 1 else table.verify_split
     pairs = query_len * (num_heads // num_kv_heads)
     block_m = verify_tile_rows(pairs, tuned.block_m)
+    if kv_scale is not None and num_stages is None:
+        # FP8 keys and values are widened in registers: sm_90's 3-stage split tiles (8 warps,
+        # head dim 128, 32 rows) spill 16 bytes with them; one stage fewer does not (bench.amd_compile).
+        num_stages = max(1, tuned.num_stages - 1)
     launch_split_k(
         _multi_query_split_kernel, batch, out, workspace, q, layer_cache, block_tables, seq_lens, scale,
         block_n, num_warps, num_stages, table.verify_unsplit, table.verify_split, table.split_reduce,
-        (query_lens,), programs_per_kv_head=-(-pairs // block_m),
+        (query_lens,), kv_scale, programs_per_kv_head=-(-pairs // block_m),
         QUERY_LEN=query_len, BLOCK_M=block_m, M_TILES=-(-pairs // block_m),
     )  # fmt: skip
     return out
@@ -144,7 +153,7 @@ def paged_multi_query_attention(
 def verify_tile_rows(pairs: int, block_m: int | None) -> int:
     """Rows of a verify program's tile: a kv head's (token, head) pairs, padded to a power of two
     (at least 16, a dot's smallest side), at most `block_m`."""
-    rows = max(16, triton.next_power_of_2(pairs))
+    rows = max(16, int(triton.next_power_of_2(pairs)))
     return rows if block_m is None else min(rows, block_m)
 
 
@@ -163,8 +172,9 @@ def _verify_launches(case: KernelCase) -> None:
             workspace = multi_query_workspace(
                 batch, query_len, m.num_heads, m.head_dim, splits, torch.device("cpu")
             )
-            paged_multi_query_attention(
-                case.q(batch * query_len), case.kv_cache(), case.block_tables(batch),
-                torch.zeros(batch, dtype=torch.int32), torch.zeros(batch, dtype=torch.int32), query_len,
-                m.head_dim**-0.5, workspace, launch=case.launch,
-            )  # fmt: skip
+            for cache, kv_scale in case.kv_caches():
+                paged_multi_query_attention(
+                    case.q(batch * query_len), cache, case.block_tables(batch),
+                    torch.zeros(batch, dtype=torch.int32), torch.zeros(batch, dtype=torch.int32), query_len,
+                    m.head_dim**-0.5, workspace, kv_scale=kv_scale, launch=case.launch,
+                )  # fmt: skip

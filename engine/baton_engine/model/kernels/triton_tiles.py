@@ -32,9 +32,17 @@ def packed_output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def paged_kernel_args(
-    q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, scale: float
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    kv_scale: torch.Tensor | None = None,
 ) -> tuple[Any, ...]:
-    """The leading runtime arguments of every paged-attention kernel, in their order."""
+    """The leading runtime arguments of every paged-attention kernel, in their order.
+
+    `kv_scale`: the layer's [2] float32 (K, V) scales when `layer_cache` is FP8."""
+    if (kv_scale is None) == (layer_cache.dtype in _FP8):
+        raise ValueError(f"a {layer_cache.dtype} KV cache needs (K, V) scales exactly when it is FP8")
     return (
         q,
         layer_cache,
@@ -43,6 +51,7 @@ def paged_kernel_args(
         block_tables.stride(0),
         q.stride(0),
         scale * LOG2E,
+        layer_cache if kv_scale is None else kv_scale,
     )
 
 
@@ -50,12 +59,22 @@ def paged_kernel_constants(q: torch.Tensor, layer_cache: torch.Tensor, block_n: 
     """The compile-time arguments every paged-attention kernel takes (shared: do not modify)."""
     _, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = layer_cache.shape
-    return _constants(num_heads, head_dim, block_size, num_kv_heads, q.dtype, block_n)
+    kv_fp8 = layer_cache.dtype in _FP8
+    return _constants(num_heads, head_dim, block_size, num_kv_heads, q.dtype, block_n, kv_fp8)
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 @functools.cache
 def _constants(
-    num_heads: int, head_dim: int, block_size: int, num_kv_heads: int, dtype: torch.dtype, block_n: int
+    num_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    block_n: int,
+    kv_fp8: bool,
 ) -> dict[str, Any]:
     # Cached: host time per launch matters for the kernels launched outside captured graphs.
     return {
@@ -66,6 +85,7 @@ def _constants(
         "HEAD_DIM_PAD": triton.next_power_of_2(head_dim),
         "BLOCK_N": block_n,
         "PRECISION": dot_precision(dtype),
+        "KV_FP8": kv_fp8,
     }
 
 
@@ -94,17 +114,20 @@ def attend_paged_keys(
     table_row_ptr,  # the row's block table entries (int32)
     kvh,
     scale_log2,
+    kv_scale_ptr,  # [2] float32 (K, V) scales (KV_FP8 only)
     BLOCK_SIZE: tl.constexpr,
     KVH: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online softmax of `q` over keys ``[start, end)``: returns (row max, row sum, unnormalised acc).
 
     Without CAUSAL every query row sees every key of the range: each tile gives each row a finite
-    maximum, so the rescale needs no guard against ``-inf - -inf``.
+    maximum, so the rescale needs no guard against ``-inf - -inf``. An FP8 cache is widened to
+    q's dtype (exactly) for the dots; its K scale multiplies the scores and its V scale the result.
     """
     M: tl.constexpr = q.shape[0]
     HEAD_DIM_PAD: tl.constexpr = q.shape[1]
@@ -113,6 +136,8 @@ def attend_paged_keys(
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, HEAD_DIM_PAD], tl.float32)
     n_base = tl.arange(0, BLOCK_N)
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
     if CAUSAL:
         # The last key each row sees (its own position, inside the range; -1: not a real query),
         # so that one compare per score masks it: on AMD every live lane mask of a 64-wide
@@ -131,6 +156,8 @@ def attend_paged_keys(
         else:
             kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         if CAUSAL:
             s = tl.where(n[None, :] <= last_key[:, None], s, float("-inf"))
@@ -145,8 +172,12 @@ def attend_paged_keys(
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(cache_ptr + v_offset + kv_off, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if KV_FP8:
+        acc = acc * tl.load(kv_scale_ptr + 1)
     return m_i, l_i, acc
 
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from baton_engine.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedArchitectureError
+from baton_engine.model.config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    ModelFamily,
+    MoeConfig,
+    UnsupportedArchitectureError,
+)
 
 
 def model_config_from_hf(raw: dict[str, Any], name: str = "") -> ModelConfig:
@@ -20,6 +26,10 @@ def model_config_from_hf(raw: dict[str, Any], name: str = "") -> ModelConfig:
         )
     if raw.get("use_sliding_window"):
         raise UnsupportedArchitectureError(f"{architecture} with use_sliding_window=true is not supported")
+    if family == "mixtral" and raw.get("sliding_window") is not None:
+        raise UnsupportedArchitectureError(
+            f"{architecture} with sliding_window={raw['sliding_window']} is not supported (null is)"
+        )
     num_heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     head_dim = raw.get("head_dim") or hidden // num_heads
@@ -41,14 +51,48 @@ def model_config_from_hf(raw: dict[str, Any], name: str = "") -> ModelConfig:
         rope_scaling=rope_scaling,
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        moe=_moe(raw, family),
         qkv_bias=True if family == "qwen2" else attention_bias,
         o_bias=False if family == "qwen2" else attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)) if family == "llama" else False,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         name=name,
     )
+
+
+def _moe(raw: dict[str, Any], family: ModelFamily) -> MoeConfig | None:
+    """The MoE layers, by transformers' rules: Qwen3-MoE layer i is sparse unless it is in
+    `mlp_only_layers`, when experts exist and (i + 1) is a multiple of `decoder_sparse_step`;
+    every Mixtral layer is sparse, its experts `intermediate_size` wide, top-k always renormalised."""
+    layers = int(raw["num_hidden_layers"])
+    if family == "qwen3_moe":
+        # transformers 5 writes num_local_experts; Qwen's own configs say num_experts.
+        experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+        step = int(raw.get("decoder_sparse_step", 1))
+        dense = set(raw.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+        if not sparse:
+            return None
+        return MoeConfig(
+            num_experts=experts,
+            num_experts_per_tok=int(raw["num_experts_per_tok"]),
+            moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            routing_in_float32=False,
+            sparse_layers=sparse,
+        )
+    if family == "mixtral":
+        return MoeConfig(
+            num_experts=int(raw["num_local_experts"]),
+            num_experts_per_tok=int(raw["num_experts_per_tok"]),
+            moe_intermediate_size=int(raw["intermediate_size"]),
+            norm_topk_prob=True,
+            routing_in_float32=True,
+            sparse_layers=tuple(range(layers)),
+        )
+    return None
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -19,8 +19,13 @@ from baton_engine.model.config import ModelConfig
 from baton_engine.model.loader.hf_config import model_config_from_hf
 
 
+def read_raw_config(directory: Path) -> dict[str, Any]:
+    raw: dict[str, Any] = json.loads((directory / "config.json").read_text())
+    return raw
+
+
 def read_config(directory: Path, name: str = "") -> ModelConfig:
-    return model_config_from_hf(json.loads((directory / "config.json").read_text()), name)
+    return model_config_from_hf(read_raw_config(directory), name)
 
 
 class SafetensorsSource:

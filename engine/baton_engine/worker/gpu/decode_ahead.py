@@ -28,7 +28,7 @@ from baton_engine.core.scheduler_output import SchedulerOutput
 class AheadPlan:
     """The predicted next decode step, in the row order of the step it was derived from."""
 
-    seq_ids: npt.NDArray[np.int64]
+    req_ids: npt.NDArray[np.int64]
     input_ids: npt.NDArray[np.int64]
     positions: npt.NDArray[np.int64]
     slots: npt.NDArray[np.int64]
@@ -37,7 +37,7 @@ class AheadPlan:
 
     @property
     def num_rows(self) -> int:
-        return len(self.seq_ids)
+        return len(self.req_ids)
 
 
 def is_decode_only(step: SchedulerOutput) -> bool:
@@ -61,7 +61,7 @@ def plan_next_decode(
     rows = np.arange(len(nxt))
     slots = tables[rows, col] * block_size + nxt % block_size
     return AheadPlan(
-        seq_ids=np.asarray(step.seq_ids, dtype=np.int64),
+        req_ids=np.asarray(step.req_ids, dtype=np.int64),
         input_ids=np.asarray(sampled, dtype=np.int64),
         positions=nxt.copy(),
         slots=slots,
@@ -75,9 +75,9 @@ def match_rows(plan: AheadPlan, step: SchedulerOutput, block_size: int) -> npt.N
     restricted to some of its rows (others finished or were preempted); else None."""
     if not is_decode_only(step):
         return None
-    where = {int(s): j for j, s in enumerate(plan.seq_ids.tolist())}
+    where = {int(s): j for j, s in enumerate(plan.req_ids.tolist())}
     try:
-        index = np.array([where[int(s)] for s in step.seq_ids], dtype=np.int64)
+        index = np.array([where[int(s)] for s in step.req_ids], dtype=np.int64)
     except KeyError:
         return None
     if len(set(index.tolist())) != len(index):

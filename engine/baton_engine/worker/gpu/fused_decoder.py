@@ -2,8 +2,9 @@
 
 The model already merges q/k/v and gate/up into single projections; this forward adds the fused
 element-wise kernels, so a layer is 9 launches: add+norm, qkv, rotary+cache write, attention,
-o_proj, add+norm, gate_up, silu*mul, down. It holds no weights of its own: the projections are
-the model's layers, applied through their quantization methods.
+o_proj, add+norm, gate_up, silu*mul, down (a sparse layer's MLP is the MoE block: router, top-k,
+two grouped expert GEMMs). It holds no weights of its own: the projections are the model's
+layers, applied through their quantization methods.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from baton_engine.model.kernels.triton_fused import (
     silu_and_mul,
 )
 from baton_engine.model.kernels.triton_multi_query import paged_multi_query_attention
+from baton_engine.model.layers import GatedMLP
 from baton_engine.model.linear import ParallelLinear
 from baton_engine.model.llama import CausalLM
+from baton_engine.model.moe import SparseMoeBlock
 
 
 @dataclass
@@ -68,8 +71,9 @@ class _Layer:
     qkv_proj: ParallelLinear
     o_proj: ParallelLinear
     post_norm: torch.Tensor
-    gate_up_proj: ParallelLinear
-    down_proj: ParallelLinear
+    mlp: GatedMLP | SparseMoeBlock
+    """The dense MLP (gate_up, silu * up, down: the model's projections around the fused kernel)
+    or the MoE block (router and Triton fused experts)."""
     q_norm: nn.Module | None
     k_norm: nn.Module | None
 
@@ -98,15 +102,13 @@ class FusedDecoder:
         self.layers: list[_Layer] = []
         for layer in model.model.decoder_layers():
             attn = layer.self_attn
-            mlp = layer.mlp
             self.layers.append(
                 _Layer(
                     input_norm=layer.input_layernorm.weight,
                     qkv_proj=attn.qkv_proj,
                     o_proj=attn.o_proj,
                     post_norm=layer.post_attention_layernorm.weight,
-                    gate_up_proj=mlp.gate_up_proj,
-                    down_proj=mlp.down_proj,
+                    mlp=layer.mlp,
                     q_norm=attn.q_norm,
                     k_norm=attn.k_norm,
                 )
@@ -119,8 +121,10 @@ class FusedDecoder:
         slot_mapping: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: DecodeMeta | VerifyMeta | PrefillMeta,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
+        """Final-norm hidden states [T, hidden]; writes the step's K/V into `kv_cache` (FP8 with
+        `kv_scales` [layers, 2], else 16/32-bit)."""
         tokens = input_ids.shape[0]
         residual = self.embed(input_ids)
         mlp_out: torch.Tensor | None = None
@@ -139,20 +143,17 @@ class FusedDecoder:
                 q_view.copy_(layer.q_norm(q_view))
                 k_view.copy_(layer.k_norm(k_view))
             layer_cache = kv_cache[index]
+            kv_scale = None if kv_scales is None else kv_scales[index]
             rotary_cache_write(
-                qkv, positions, self.cos, self.sin, slot_mapping, layer_cache, h, self.num_kv_heads, d, launch
-            )
+                qkv, positions, self.cos, self.sin, slot_mapping, layer_cache, h, self.num_kv_heads, d,
+                kv_scale, launch,
+            )  # fmt: skip
             q = qkv[:, : self.q_size].view(tokens, h, d)
             if isinstance(meta, DecodeMeta):
                 attn = paged_decode_attention(
-                    q,
-                    layer_cache,
-                    meta.block_tables,
-                    meta.seq_lens,
-                    self.scale,
-                    meta.workspace,
-                    launch=launch,
-                )
+                    q, layer_cache, meta.block_tables, meta.seq_lens, self.scale, meta.workspace,
+                    kv_scale=kv_scale, launch=launch,
+                )  # fmt: skip
             elif isinstance(meta, VerifyMeta):
                 attn = paged_multi_query_attention(
                     q,
@@ -163,6 +164,7 @@ class FusedDecoder:
                     meta.query_len,
                     self.scale,
                     meta.workspace,
+                    kv_scale=kv_scale,
                     launch=launch,
                 )
             else:
@@ -175,12 +177,16 @@ class FusedDecoder:
                     meta.tile_rows,
                     meta.tile_starts,
                     self.scale,
+                    kv_scale=kv_scale,
                     launch=launch,
                 )
             attn_out = layer.o_proj(attn.view(tokens, self.q_size))
             normed = fused_add_rms_norm(attn_out, residual, layer.post_norm, self.eps, launch=launch)
-            gate_up = layer.gate_up_proj(normed)
-            mlp_out = layer.down_proj(silu_and_mul(gate_up, launch=launch))
+            mlp = layer.mlp
+            if isinstance(mlp, SparseMoeBlock):
+                mlp_out = mlp(normed)
+            else:
+                mlp_out = mlp.down_proj(silu_and_mul(mlp.gate_up_proj(normed), launch=launch))
         assert mlp_out is not None
         return fused_add_rms_norm(mlp_out, residual, self.final_norm, self.eps, launch=launch)
 

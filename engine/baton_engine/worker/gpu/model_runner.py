@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from baton_engine.config import EngineConfig
@@ -74,7 +75,7 @@ class _Staging:
         self.block_tables = pair((max_rows, max_blocks), torch.int32)
         self.tile_rows = pair((max_tiles,), torch.int32)
         self.tile_starts = pair((max_tiles,), torch.int32)
-        self.done = torch.cuda.Event()
+        self.done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         self.done.record()
 
 
@@ -106,7 +107,7 @@ class _GrammarStaging:
             torch.zeros(max_positions, dtype=torch.int64, pin_memory=True),
             torch.zeros(max_positions, dtype=torch.int64, device=device),
         )
-        self.done = torch.cuda.Event()
+        self.done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         self.done.record()
 
 
@@ -158,7 +159,10 @@ class GpuModelRunner(ModelRunner):
         self._ahead: _Ahead | None = None
         # Two pinned token buffers: the one being read and the one the next ahead step fills.
         self._ahead_slots = [
-            (torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            (
+                torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=True),
+                torch.cuda.Event(),  # type: ignore[no-untyped-call]
+            )
             for _ in range(2)
         ]
         self._ahead_turn = 0
@@ -220,7 +224,12 @@ class GpuModelRunner(ModelRunner):
 
     def _decode_forward(self, batch: int, meta: DecodeMeta) -> torch.Tensor:
         hidden = self.fused.forward(
-            self._g_ids[:batch], self._g_pos[:batch], self._g_slots[:batch], self.kv_cache, meta
+            self._g_ids[:batch],
+            self._g_pos[:batch],
+            self._g_slots[:batch],
+            self.kv_cache,
+            meta,
+            self.kv_scales,
         )
         return self.fused.logits(hidden)
 
@@ -242,7 +251,9 @@ class GpuModelRunner(ModelRunner):
 
     def _verify_forward(self, batch: int, query_len: int, meta: VerifyMeta) -> torch.Tensor:
         n = batch * query_len
-        hidden = self.fused.forward(self._v_ids[:n], self._v_pos[:n], self._v_slots[:n], self.kv_cache, meta)
+        hidden = self.fused.forward(
+            self._v_ids[:n], self._v_pos[:n], self._v_slots[:n], self.kv_cache, meta, self.kv_scales
+        )
         return self.fused.logits(hidden, out=self._v_logits[:n])
 
     @torch.inference_mode()
@@ -254,7 +265,7 @@ class GpuModelRunner(ModelRunner):
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for batch in reversed(self.graph_sizes):
@@ -312,23 +323,23 @@ class GpuModelRunner(ModelRunner):
             verified = logits.argmax(dim=-1).tolist()
             _, spans = self._expand_sampling(step)
             return self._accept(step, spans, verified, None)
-        tokens: list[int] | None = None
+        tokens: npt.NDArray[np.int64] | None = None
         constrained = step.grammar_bitmask is not None
         if ahead is not None and not constrained:
             index = match_rows(ahead.plan, step, self.block_size)
             if index is not None:
                 ahead.done.synchronize()  # the sampled tokens of the step run ahead
-                tokens = ahead.tokens_host.numpy()[: ahead.plan.num_rows][index].tolist()
+                tokens = ahead.tokens_host.numpy()[: ahead.plan.num_rows][index].astype(np.int64, copy=False)
                 self.ahead_hits += 1
             else:
                 self.ahead_misses += 1
         if tokens is None:
             logits = self.compute_logits(step)
             self.apply_grammar(logits, step)
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = logits.argmax(dim=-1).cpu().numpy().astype(np.int64, copy=False)
         if self.decode_ahead and is_decode_only(step) and not constrained:
-            self._launch_ahead(step, np.asarray(tokens, dtype=np.int64))
-        return ModelRunnerOutput(step_id=step.step_id, sampled_token_ids=[[int(t)] for t in tokens])
+            self._launch_ahead(step, tokens)
+        return ModelRunnerOutput(step_id=step.step_id, sampled_token_array=tokens)
 
     def _launch_ahead(self, step: SchedulerOutput, sampled: np.ndarray) -> None:
         graph = self._graph_for(step.num_rows)
@@ -450,10 +461,10 @@ class GpuModelRunner(ModelRunner):
             query_len, batch = verify
             inputs = plan_verify(step, query_len, batch, self.max_blocks)
             index = self._stage_verify(st, inputs)
-            graph = self._verify_graphs[verify]
-            graph.graph.replay()
+            verify_graph = self._verify_graphs[verify]
+            verify_graph.graph.replay()
             self.verify_graph_steps += 1
-            return graph.logits[index]
+            return verify_graph.logits[index]
         rows = step.num_rows
         tokens = step.num_tokens
         query_lens = np.asarray(step.query_lens)
@@ -488,6 +499,6 @@ class GpuModelRunner(ModelRunner):
             tile_rows=_put(st.tile_rows, tile_rows),
             tile_starts=_put(st.tile_starts, tile_starts),
         )
-        hidden = self.fused.forward(ids, pos, slots, self.kv_cache, meta)
+        hidden = self.fused.forward(ids, pos, slots, self.kv_cache, meta, self.kv_scales)
         indices = _put(st.logits_indices, np.asarray(step.logits_indices, np.int64))
         return self.fused.logits(hidden[indices])
