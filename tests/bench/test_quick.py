@@ -55,6 +55,7 @@ BENCHMARKS: dict[str, Bench] = {
         cluster="dev_cluster",
     ),
     "grammar_mask": Bench(("llguidance", "xgrammar", "apply", "vocab_size")),
+    "tp": Bench(("sizes", "speedup", "ideal_speedup", "tokens_identical", "skipped_sizes")),
     "soak": Bench(
         ("requests", "unexpected", "end", "rss_mib"),
         smoke_test="tests/server/test_soak.py::test_short_soak_leaks_no_block_and_leaves_no_request_stuck",
@@ -182,6 +183,14 @@ def _grammar_mask(r: dict[str, Any], stderr: str) -> None:
     assert r["llguidance"]["mask_us_per_row_token"] > 0 and r["xgrammar"]["mask_us_per_row_token"] > 0
 
 
+def _tp(r: dict[str, Any], stderr: str) -> None:
+    assert sorted(r["sizes"]) == ["1", "2"] and r["skipped_sizes"] == []
+    assert r["tokens_identical"] is True  # a split model gives one rank's tokens
+    assert r["speedup"] > 0 and 1 <= r["ideal_speedup"] <= 2
+    assert sorted(r["sizes"]["2"]["rank_rss_mib"]) == ["0", "1"]  # both ranks measured
+    assert r["sizes"]["1"]["steps"] == r["sizes"]["2"]["steps"] > 0  # the same scheduler decisions
+
+
 def _attention_kernels(r: dict[str, Any], stderr: str) -> None:
     assert sorted(r["us"]) == ["decode_1b_b1_ctx40", "mq_1b_b1_q2_ctx40", "prefill_1b_1x24"]
     assert r["splits"]["prefill_1b_1x24"] == 1
@@ -210,6 +219,7 @@ CHECKS: dict[str, Callable[[dict[str, Any], str], None]] = {
     "speculative": _speculative,
     "attention_kernels": _attention_kernels,
     "grammar_mask": _grammar_mask,
+    "tp": _tp,
     "serving": _serving,
 }
 
