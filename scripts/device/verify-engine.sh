@@ -17,9 +17,9 @@ cd "$root"
 
 # Packages the engine's GPU path needs that the GPU image (KINDS.md's list) does not hold.
 # llguidance: the scheduler imports the structured-output grammar; jsonschema (and its needs):
-# tests/gpu/test_structured_output_gpu.py validates answers against their schema.
+# tests/gpu/test_structured_output_gpu.py validates answers against their schema. pyzmq: the GPU FP8 test serves over ZMQ.
 WHEELS=(pydantic pydantic-core annotated-types typing-inspection llguidance
-  jsonschema jsonschema-specifications referencing rpds-py attrs)
+  jsonschema jsonschema-specifications referencing rpds-py attrs pyzmq)
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> "$(git rev-parse --git-path info/exclude)"
