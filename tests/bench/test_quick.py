@@ -78,6 +78,7 @@ BENCHMARKS: dict[str, Bench] = {
 #: Modules under bench/ that are not benchmarks of their own.
 HELPERS = {
     "shapes": "model shapes the GPU benchmarks share",
+    "limits": "the physical limits bench.gpu compares its steps with (pure arithmetic)",
     "gpu_moe": "bench.gpu's moe section (Qwen3-30B-A3B shape)",
     "gpu_fp8": "bench.gpu's fp8 section (8B shape, FP8 weights vs bf16)",
     "router_upstream": "the fixed-rate upstream that bench.router starts",
