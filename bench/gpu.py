@@ -387,7 +387,7 @@ class _Site:
                 )  # fmt: skip
                 return qkv[:, : fused.q_size]
         elif site in ("o", "down"):
-            self.weights = [(layer.o_proj if site == "o" else layer.down_proj).weight for layer in layers]
+            self.weights = [(layer.o_proj if site == "o" else layer.mlp.down_proj).weight for layer in layers]
             x = rand(tokens, self.weights[0].shape[1])
             residual = rand(tokens, hidden)
             start = residual.clone()
@@ -402,16 +402,16 @@ class _Site:
                     return start + F.linear(x, self.weights[i])
                 return F.linear(x, self.weights[i])
         elif site == "gate_up":
-            self.weights = [layer.gate_up_proj.weight for layer in layers]
+            self.weights = [layer.mlp.gate_up_proj.weight for layer in layers]
 
             def new(launch: GemvLaunch, i: int) -> torch.Tensor:
                 return triton_gemv.gemv_silu(
-                    x_hidden, squares, 1, layers[i].post_norm, eps, layers[i].gate_up_proj.weight, launch
+                    x_hidden, squares, 1, layers[i].post_norm, eps, layers[i].mlp.gate_up_proj.weight, launch
                 )
 
             def old(i: int) -> torch.Tensor:
                 normed = fused_add_rms_norm(delta, residual_in, layers[i].post_norm, eps)
-                return silu_and_mul(F.linear(normed, layers[i].gate_up_proj.weight))
+                return silu_and_mul(F.linear(normed, layers[i].mlp.gate_up_proj.weight))
         else:
             self.weights = [fused.lm_weight]
 

@@ -62,7 +62,7 @@ status=0
 PYTHONUNBUFFERED=1 "$py" -m pytest -o addopts=-ra -p no:baton_dev.pytest_plugin -q tests/gpu tests/gpu_kernels \
   2>&1 | tee "$out/gpu-tests.log" || status=1
 # fp8 and moe (issue 17) are not in bench.gpu's default sections: named here with the defaults.
-PYTHONUNBUFFERED=1 OUT="$out" "$py" -m bench.gpu --json --sections "${BENCH_GPU_SECTIONS:-copy,parity,kernels,8b,1b,agree,fp8,moe}" 2>&1 | tee "$out/bench-gpu.log" || status=1
+PYTHONUNBUFFERED=1 OUT="$out" "$py" -m bench.gpu --json --sections "${BENCH_GPU_SECTIONS:-copy,matmul,parity,kernels,8b,1b,agree,fp8,moe}" 2>&1 | tee "$out/bench-gpu.log" || status=1
 tail -n 1 "$out/bench-gpu.log" | "$py" -c '
 import json, sys
 result = json.loads(sys.stdin.read())
