@@ -149,6 +149,7 @@ def _prefill(producer: ServerProcess, prompt: list[int]) -> dict[str, Any]:
 def _run_pairs(
     models: dict[str, Path], tmp_path: Path, producer_tp: int, consumer_tps: list[int], want: list[list[int]]
 ) -> None:
+    before = live_children()
     prompts = _prompts()
     with _producer(models["llama"], producer_tp, tmp_path / f"producer-tp{producer_tp}.log") as producer:
         for consumer_tp in consumer_tps:
@@ -171,7 +172,7 @@ def _run_pairs(
             # Every rank ended its lease (DONE from the consumer's rank 0): all blocks free.
             producer.wait_idle()
             assert producer.stats()["num_used_kv_blocks"] == 0
-    assert live_children() == []
+    assert live_children(before) == []
 
 
 def test_a_tp1_producer_feeds_tp2_and_tp4_consumers(
@@ -189,6 +190,7 @@ def test_a_tp2_producer_feeds_tp1_tp2_and_tp4_consumers(
 def test_a_producer_of_other_kv_heads_is_refused_and_the_consumer_recomputes(
     models: dict[str, Path], single: list[list[int]], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    before = live_children()
     caplog.set_level(logging.WARNING, logger="baton_engine.kv_transfer.connector")
     prompts = _prompts()
     with (
@@ -204,4 +206,4 @@ def test_a_producer_of_other_kv_heads_is_refused_and_the_consumer_recomputes(
         "this engine's 2; refusing to pull); recomputing locally"
     )
     assert sum(refusal in r.getMessage() for r in caplog.records) == len(prompts)
-    assert live_children() == []
+    assert live_children(before) == []
