@@ -79,6 +79,12 @@ def table_entry(kernel: str, constants: dict[str, Any]) -> str:
         "_rms_norm_kernel": "rms_norm",
         "_rotary_cache_kernel": "rotary",
         "_silu_mul_kernel": "silu",
+        # The decode products take their launches from triton_gemv's GemvTable, by call site.
+        "_gemv_qkv_rope_kernel": "gemv:qkv",
+        "_gemv_residual_kernel": "gemv:o,down",
+        "_gemv_silu_kernel": "gemv:gate_up",
+        "_gemv_kernel": "gemv:lm_head",
+        "_sum_squares_kernel": "gemv:sum_squares",
         "_moe_gate_up_kernel": "moe",
         "_moe_down_kernel": "moe",
         # Not in the launch table: these pick their tiles by the step's shape (`triton_fp8`).

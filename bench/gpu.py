@@ -1,19 +1,33 @@
-"""GPU benchmark: copy bandwidth, weight sweep, batch-1 decode (8B), throughput vs transformers (1B).
+"""GPU benchmark: every figure against its physical limit, measured in the same run.
 
 ``python -m bench.gpu --json`` on one GPU, random-weight models built from configs (no downloads),
 bfloat16. Imports torch, triton, numpy, transformers (the reference) and the engine only. Each
 section records its error instead of aborting the run; partial results go to ``$OUT`` as it runs.
+
+The ceilings come first: the copy bandwidth (bytes read + written by a 4 GiB device copy) and the
+bf16 matrix rate (8192^3 products on random data). `bench.limits` turns a step's bytes and FLOPs
+into its limit: the larger of bytes / bandwidth and FLOPs / rate. Sections:
+
+* ``8b`` (Llama-3.1-8B shape): the decode products measured per call site against cuBLAS and the
+  limit, the best launch of each chosen (the table the engine runs with next); batch-1 decode
+  with cuBLAS (``_cublas``) and with the decode products, engine step and graph replay, against
+  the limit (goal: step <= 1.15x); a batch 1..256 sweep of the graph step (``step_ms_by_batch_8b``
+  vs ``limit_ms_by_batch_8b``, plotted by `bench.plots`); 64 concurrent requests 1024 -> 256.
+* ``1b`` (Llama-3.2-1B shape): 256 requests 512 -> 256 (and variable output lengths) against the
+  run's roofline and transformers, with the wall time split into decode-only and other steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +40,14 @@ from baton_engine.core.engine_core import EngineCore
 from baton_engine.core.sampling_params import SamplingParams
 from baton_engine.core.scheduler import Scheduler
 from baton_engine.model.config import ModelConfig
+from baton_engine.model.kernels import triton_gemv
+from baton_engine.model.kernels.triton_gemv import CUDA_GEMV, GemvLaunch, GemvTable
 from baton_engine.model.linear import QuantizationConfig
 from baton_engine.model.llama import Weights, build_model
 from baton_engine.model.loader.model_loading import LoadedModel
 from baton_engine.model.loader.reference import ResolvedModel
 from baton_engine.worker.gpu.model_runner import GpuModelRunner
+from bench.limits import Ceilings, DecoderCost, prefill_limit_s, run_limit_s, step_limit_s
 from bench.shapes import LLAMA_32_1B
 
 LLAMA_31_8B = ModelConfig(
@@ -101,34 +118,79 @@ def random_weights(
     return weights
 
 
+def load(
+    config: ModelConfig, weights: Weights, dtype: torch.dtype, quantization: QuantizationConfig | None = None
+) -> LoadedModel:
+    model = build_model(config, weights, dtype, "cuda", quantization=quantization)
+    return LoadedModel(
+        model, config, None, config.name, ResolvedModel("safetensors", Path("/nonexistent"), config.name)
+    )
+
+
 def make_core(
     config: ModelConfig,
-    weights: Weights,
+    weights: Weights | LoadedModel,
     dtype: torch.dtype,
     graph_sizes: tuple[int, ...],
     quantization: QuantizationConfig | None = None,
+    runner_options: dict[str, Any] | None = None,
     **settings: Any,
 ) -> tuple[EngineCore, GpuModelRunner]:
-    model = build_model(config, weights, dtype, "cuda", quantization=quantization)
-    loaded = LoadedModel(
-        model, config, None, config.name, ResolvedModel("safetensors", Path("/nonexistent"), config.name)
-    )
+    """An engine core on `weights` (checkpoint tensors, or a model already built: shared)."""
+    loaded = weights if isinstance(weights, LoadedModel) else load(config, weights, dtype, quantization)
     dtype_name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
     engine_config = EngineConfig(model=config.name, device="cuda", dtype=dtype_name, **settings)
-    runner = GpuModelRunner(engine_config, loaded, graph_batch_sizes=graph_sizes)
+    runner = GpuModelRunner(engine_config, loaded, graph_batch_sizes=graph_sizes, **(runner_options or {}))
     scheduler = Scheduler.from_config(engine_config, num_blocks=runner.num_blocks, eos_token_id=None)
     return EngineCore(scheduler, runner), runner
 
 
-def run_requests(core: EngineCore, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, list[int]]:
+@dataclass
+class StepTrace:
+    """Wall time of each engine step, split by what the runner ran."""
+
+    decode_s: list[float] = field(default_factory=list)
+    other_s: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            kind: {"steps": len(times), "seconds": round(sum(times), 4), "ms_median": _median_ms(times)}
+            for kind, times in (("decode_only", self.decode_s), ("prefill_or_mixed", self.other_s))
+        }
+
+
+def _median_ms(times: list[float]) -> float | None:
+    return round(statistics.median(times) * 1e3, 3) if times else None
+
+
+def run_requests(
+    core: EngineCore, prompts: list[list[int]], max_tokens: list[int], trace: StepTrace | None = None
+) -> dict[str, list[int]]:
     outputs: dict[str, list[int]] = {}
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
         rid = f"r{i}"
         outputs[rid] = []
         core.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    while core.has_unfinished():
-        for out in core.step():
-            outputs[out.request_id].extend(out.new_token_ids)
+    decode_only = [False]
+    if trace is not None:
+        execute = core.runner.execute
+
+        def traced(step: Any) -> Any:
+            decode_only[0] = step.num_tokens == step.num_rows == step.num_decode_rows
+            return execute(step)
+
+        core.runner.execute = traced  # type: ignore[method-assign]
+    try:
+        while core.has_unfinished():
+            t0 = time.perf_counter()
+            step_outputs = core.step()
+            if trace is not None:
+                (trace.decode_s if decode_only[0] else trace.other_s).append(time.perf_counter() - t0)
+            for out in step_outputs:
+                outputs[out.request_id].extend(out.new_token_ids)
+    finally:
+        if trace is not None:
+            del core.runner.execute  # type: ignore[attr-defined]
     return outputs
 
 
@@ -153,6 +215,36 @@ def copy_bandwidth() -> dict[str, Any]:
     ms = statistics.median(cuda_time_ms(lambda: dst.copy_(src), 10))
     nbytes = src.numel() * src.element_size()
     return {"copy_bandwidth_gbps": round(2 * nbytes / (ms * 1e-3) / 1e9, 1), "copy_ms_4gib": round(ms, 3)}
+
+
+def matmul_rate() -> dict[str, Any]:
+    """The bf16 matrix rate: 8192^3 products on random data (zeros would run faster)."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    ms = statistics.median(cuda_time_ms(lambda: a @ b, 10))
+    return {"bf16_matmul_tflops": round(2 * n**3 / (ms * 1e-3) / 1e12, 1)}
+
+
+def ceilings(result: dict[str, Any]) -> Ceilings:
+    return Ceilings(result["copy_bandwidth_gbps"] * 1e9, result["bf16_matmul_tflops"] * 1e12)
+
+
+def decoder_cost(config: ModelConfig, weight_bytes: int) -> DecoderCost:
+    return DecoderCost.of(
+        weight_bytes, 2, config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim
+    )
+
+
+def step_weight_bytes(runner: GpuModelRunner) -> int:
+    """What a decode step reads of the weights: every parameter but the embedding table (its
+    rows are gathered), which is read whole when it is also the LM head."""
+    model = runner.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    return total if model.lm_head is None else total - embed.numel() * embed.element_size()
 
 
 def parity() -> dict[str, Any]:
@@ -215,26 +307,238 @@ def hf_model(
     return model.eval().requires_grad_(False)
 
 
-def eight_b(result: dict[str, Any]) -> None:
-    weights = random_weights(LLAMA_31_8B, torch.bfloat16, "cuda", seed=1)
-    core, runner = make_core(
-        LLAMA_31_8B,
-        weights,
-        torch.bfloat16,
-        (1,),
-        max_num_seqs=8,
-        max_model_len=1024,
-        max_num_batched_tokens=1024,
-        gpu_memory_utilization=0.5,
+def graph_ms(fn: Callable[[], object], repeats: int = 10) -> float:
+    """Median device time of `fn` replayed from a captured graph (its launches back to back)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(2):
+        graph.replay()
+    ms = statistics.median(cuda_time_ms(graph.replay, repeats))
+    del graph
+    return ms
+
+
+#: Decode-product launches measured per call site: 1 token (FMA loops), 8 tokens (dots, FMA).
+#: The one-token candidates with 2 warps give the small products (qkv, o: 384-512 programs of 8
+#: rows on 132 SMs) twice the programs at the same 32 accumulators a thread.
+CANDIDATES_ONE = (
+    GemvLaunch(8, 512, 4, 2, False, ""),
+    GemvLaunch(4, 1024, 4, 2, False, ""),
+    GemvLaunch(16, 512, 8, 2, False, ""),
+    GemvLaunch(8, 1024, 8, 3, False, ""),
+    GemvLaunch(4, 512, 2, 2, False, ""),
+    GemvLaunch(8, 256, 2, 3, False, ""),
+    GemvLaunch(2, 1024, 2, 2, False, ""),
+)
+CANDIDATES_FEW = (
+    GemvLaunch(16, 256, 4, 3, True, ""),
+    GemvLaunch(32, 128, 4, 4, True, ""),
+    GemvLaunch(4, 256, 4, 2, False, ""),
+)
+
+
+class _Site:
+    """One call site of the decoder on the 8B model's 32 layers: the decode product (any launch)
+    and what the matmul path runs for the same work, each over all layers."""
+
+    def __init__(self, runner: GpuModelRunner, site: str, tokens: int) -> None:
+        from baton_engine.model.kernels.triton_fused import (
+            fused_add_rms_norm,
+            rotary_cache_write,
+            silu_and_mul,
+        )
+
+        fused, cfg = runner.fused, runner.model_config
+        gen = torch.Generator(device="cuda").manual_seed(11)
+        hidden = cfg.hidden_size
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+        layers = fused.layers
+        x_hidden, delta = rand(tokens, hidden), rand(tokens, hidden)
+        squares = torch.zeros(tokens, 4096, device="cuda")  # room for 2-row programs of an 8192-wide product
+        squares[:, 0] = x_hidden.float().pow(2).sum(1)
+        positions = torch.arange(500, 500 + tokens, device="cuda")
+        slots = torch.arange(tokens, device="cuda")
+        eps = fused.eps
+        # The matmul path adds the previous product (delta) into the residual inside its norm.
+        residual_in = torch.empty_like(x_hidden)
+        self.reset = lambda: residual_in.copy_(x_hidden - delta)
+        if site == "qkv":
+            self.weights = [layer.qkv_proj.weight for layer in layers]
+
+            def new(launch: GemvLaunch, i: int) -> torch.Tensor:
+                return triton_gemv.gemv_qkv_rope(
+                    x_hidden, squares, 1, layers[i].input_norm, eps, layers[i].qkv_proj.weight, positions,
+                    fused.cos, fused.sin, slots, runner.kv_cache[i], cfg.num_heads, cfg.num_kv_heads,
+                    cfg.head_dim, launch,
+                )  # fmt: skip
+
+            def old(i: int) -> torch.Tensor:
+                normed = fused_add_rms_norm(delta, residual_in, layers[i].input_norm, eps)
+                qkv = F.linear(normed, layers[i].qkv_proj.weight)
+                rotary_cache_write(
+                    qkv, positions, fused.cos, fused.sin, slots, runner.kv_cache[i], cfg.num_heads,
+                    cfg.num_kv_heads, cfg.head_dim,
+                )  # fmt: skip
+                return qkv[:, : fused.q_size]
+        elif site in ("o", "down"):
+            self.weights = [(layer.o_proj if site == "o" else layer.mlp.down_proj).weight for layer in layers]
+            x = rand(tokens, self.weights[0].shape[1])
+            residual = rand(tokens, hidden)
+            start = residual.clone()
+            self.reset = lambda: residual.copy_(start)
+
+            def new(launch: GemvLaunch, i: int) -> torch.Tensor:
+                triton_gemv.gemv_residual(x, self.weights[i], residual, squares, launch)
+                return residual
+
+            def old(i: int) -> torch.Tensor:
+                if i == 0 and self.checking:  # what the residual should become
+                    return start + F.linear(x, self.weights[i])
+                return F.linear(x, self.weights[i])
+        elif site == "gate_up":
+            self.weights = [layer.mlp.gate_up_proj.weight for layer in layers]
+
+            def new(launch: GemvLaunch, i: int) -> torch.Tensor:
+                return triton_gemv.gemv_silu(
+                    x_hidden, squares, 1, layers[i].post_norm, eps, layers[i].mlp.gate_up_proj.weight, launch
+                )
+
+            def old(i: int) -> torch.Tensor:
+                normed = fused_add_rms_norm(delta, residual_in, layers[i].post_norm, eps)
+                return silu_and_mul(F.linear(normed, layers[i].mlp.gate_up_proj.weight))
+        else:
+            self.weights = [fused.lm_weight]
+
+            def new(launch: GemvLaunch, i: int) -> torch.Tensor:
+                return triton_gemv.gemv(x_hidden, fused.lm_weight, launch)
+
+            def old(i: int) -> torch.Tensor:
+                return F.linear(x_hidden, fused.lm_weight)
+
+        self.new, self.old = new, old
+        self.bytes = sum(w.numel() * w.element_size() for w in self.weights)
+        self.checking = False
+
+    def time_new(self, launch: GemvLaunch) -> float:
+        return graph_ms(lambda: [self.new(launch, i) for i in range(len(self.weights))])
+
+    def time_old(self) -> float:
+        return graph_ms(lambda: [self.old(i) for i in range(len(self.weights))])
+
+    def error(self, launch: GemvLaunch) -> float:
+        """The decode product's relative difference from the matmul path (layer 0)."""
+        self.checking = True
+        self.reset()
+        old = self.old(0).float()
+        self.reset()
+        new = self.new(launch, 0).float()
+        self.checking = False
+        return float((new - old).norm() / old.norm())
+
+
+def tune_decode_products(runner: GpuModelRunner, result: dict[str, Any], copy_bps: float) -> GemvTable:
+    """Each call site's candidates at 1 and 8 tokens against the matmul path: the best (within
+    bf16 agreement) becomes the table entry (8 tokens' also for 2 and 4)."""
+    report: dict[str, Any] = {}
+    changes: dict[tuple[str, int], GemvLaunch] = {}
+    for site in triton_gemv.SITES:
+        for tokens, candidates in ((1, CANDIDATES_ONE), (8, CANDIDATES_FEW)):
+            case = _Site(runner, site, tokens)
+            old_ms = case.time_old()
+            timed: dict[str, Any] = {}
+            for launch in candidates:
+                name = f"n{launch.block_n}_k{launch.block_k}_w{launch.num_warps}_s{launch.num_stages}" + (
+                    "_dot" if launch.use_dot else ""
+                )
+                try:
+                    err = case.error(launch)
+                    timed[name] = (
+                        round(case.time_new(launch) * 1e3 / len(case.weights), 2),
+                        round(err, 4),
+                        launch,
+                    )
+                except Exception as exc:  # a launch that fails to compile is reported, not fatal
+                    timed[name] = repr(exc)[:120]
+            ok = {k: v for k, v in timed.items() if isinstance(v, tuple) and v[1] < 0.05}
+            entry: dict[str, Any] = {
+                "matmul_path_us": round(old_ms * 1e3 / len(case.weights), 2),
+                "limit_us": round(case.bytes / copy_bps / len(case.weights) * 1e6, 2),
+                "candidates_us_err": {k: (v[:2] if isinstance(v, tuple) else v) for k, v in timed.items()},
+            }
+            if ok:
+                best = min(ok, key=lambda k: ok[k][0])
+                best_us = ok[best][0]
+                entry.update(best=best, best_us=best_us, best_of_limit=round(entry["limit_us"] / best_us, 3))
+                entry["matmul_path_of_limit"] = round(entry["limit_us"] / entry["matmul_path_us"], 3)
+                chosen: GemvLaunch = ok[best][2]
+                reason = (
+                    f"measured on the H200 (bench.gpu 8b, {tokens} token{'s' if tokens > 1 else ''}): "
+                    f"{best_us} us a layer, {entry['best_of_limit']} of the copy-bandwidth limit"
+                )
+                for bucket in (1,) if tokens == 1 else (2, 4, 8):
+                    changes[(site, bucket)] = dataclasses.replace(chosen, reason=reason)
+            report[f"{site}_t{tokens}"] = entry
+            del case
+    result["decode_products_8b"] = report
+    table = CUDA_GEMV.replaced("cuda-tuned", changes)
+    result["decode_product_table_8b"] = {
+        f"{site}_t{bucket}": dataclasses.asdict(table.entries[(site, bucket)])
+        for site in triton_gemv.SITES
+        for bucket in (1, 8)
+    }
+    return table
+
+
+def b1_step_ms(core: EngineCore, prompt: list[int], request_id: str) -> float:
+    """One request, 512-token prompt, then timed engine steps (each ends with the token read)."""
+    core.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))
+    core.step()  # prefill + first token
+    times = []
+    while core.has_unfinished():
+        t0 = time.perf_counter()
+        core.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times[8:])
+
+
+def graph_step_ms(runner: GpuModelRunner, batch: int, context: int) -> float:
+    """Device time of the captured decode graph of `batch` rows, each at `context` positions on
+    blocks of its own (no padding rows read anything, no slot written)."""
+    blocks = -(-context // runner.block_size)
+    runner._g_seq_lens.zero_()
+    runner._g_seq_lens[:batch].fill_(context)
+    runner._g_slots.fill_(-1)
+    runner._g_tables[:batch, :blocks].copy_(
+        torch.arange(batch * blocks, device="cuda", dtype=torch.int32).view(batch, blocks)
     )
-    del weights
-    model = runner.model
+    graph = runner._graphs[batch].graph
+    graph.replay()
+    return statistics.median(cuda_time_ms(graph.replay, 10))
+
+
+def eight_b(result: dict[str, Any], quick: bool) -> None:
+    cfg = LLAMA_31_8B
+    limits = ceilings(result)
+    copy_bps = limits.copy_bytes_per_s
+    loaded = load(cfg, random_weights(cfg, torch.bfloat16, "cuda", seed=1), torch.bfloat16)
+    small = dict(max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=1024, gpu_memory_utilization=0.5)
+    core, runner = make_core(
+        cfg, loaded, torch.bfloat16, (1, 2, 4, 8), runner_options={"decode_gemv": False}, **small
+    )
+    weight_bytes = step_weight_bytes(runner)
+    cost = decoder_cost(cfg, weight_bytes)
+    result["weight_bytes_8b"] = weight_bytes
     # The sweep: every linear layer's weight as a batch-1 matrix-vector product, then the lm_head.
     # The model stores q/k/v and gate/up fused; the sweep multiplies each part on its own.
-    cfg = LLAMA_31_8B
     q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     mats = []
-    for layer in model.model.layers:
+    for layer in runner.model.model.layers:
         qkv, gate_up = layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight
         mats += list(qkv.split([q_rows, kv_rows, kv_rows])) + [layer.self_attn.o_proj.weight]
         mats += list(gate_up.chunk(2)) + [layer.mlp.down_proj.weight]
@@ -246,43 +550,67 @@ def eight_b(result: dict[str, Any]) -> None:
         for w, o in zip(mats, outs, strict=True):
             torch.matmul(xs[w.shape[1]], w.t(), out=o)
 
-    sweep()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sweep()
-    for _ in range(3):
-        graph.replay()
-    sweep_ms = statistics.median(cuda_time_ms(graph.replay, 20))
-    weight_bytes = sum(w.numel() * w.element_size() for w in mats)
+    sweep_ms = graph_ms(sweep, 20)
+    sweep_bytes = sum(w.numel() * w.element_size() for w in mats)
     result["weight_sweep_ms_8b"] = round(sweep_ms, 3)
-    result["weight_bytes_8b"] = weight_bytes
-    result["weight_sweep_gbps_8b"] = round(weight_bytes / (sweep_ms * 1e-3) / 1e9, 1)
-    # Baton: one request, 512-token prompt, then timed engine steps (each ends with the token read).
-    prompt = np.random.default_rng(0).integers(0, LLAMA_31_8B.vocab_size, size=512).tolist()
-
-    def b1_step_ms(request_id: str) -> float:
-        core.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))
-        core.step()  # prefill + first token
-        times = []
-        while core.has_unfinished():
-            t0 = time.perf_counter()
-            core.step()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times[8:])
-
+    result["weight_sweep_gbps_8b"] = round(sweep_bytes / (sweep_ms * 1e-3) / 1e9, 1)
+    result["weight_sweep_of_copy_8b"] = round(sweep_bytes / copy_bps / (sweep_ms * 1e-3), 3)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, size=512).tolist()
+    # Batch 1 with torch's matmul (cuBLAS): the engine step and the graph replay.
+    result["b1_decode_ms_8b_cublas"] = round(b1_step_ms(core, prompt, "b1-cublas"), 3)
+    result["b1_decode_graph_ms_8b_cublas"] = round(graph_step_ms(runner, 1, 552), 3)
+    result["step_ms_by_batch_8b_cublas"] = {b: round(graph_step_ms(runner, b, 512), 3) for b in (1, 2, 4, 8)}
+    table = tune_decode_products(runner, result, copy_bps) if not quick else CUDA_GEMV
+    del core, runner
+    torch.cuda.empty_cache()
+    sizes = (1, 2, 4, 8) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    core, runner = make_core(
+        cfg, loaded, torch.bfloat16, sizes, runner_options={"gemv_table": table},
+        max_num_seqs=max(sizes), max_model_len=2048, max_num_batched_tokens=16384, gpu_memory_utilization=0.6,
+    )  # fmt: skip
     runner.decode_ahead = False
-    result["b1_decode_ms_8b_no_ahead"] = round(b1_step_ms("b1-plain"), 3)
+    result["b1_decode_ms_8b_no_ahead"] = round(b1_step_ms(core, prompt, "b1-plain"), 3)
     runner.decode_ahead = True
     hits = runner.ahead_hits
-    step_ms = b1_step_ms("b1")
+    step_ms = b1_step_ms(core, prompt, "b1")
     result["ahead_hits_8b_of_79"] = runner.ahead_hits - hits
-    graph_ms = statistics.median(cuda_time_ms(runner._graphs[1].graph.replay, 20))
+    graph_ms_b1 = graph_step_ms(runner, 1, 552)
+    # The limit of a batch-1 step at the measured steps' mean context (512 + 8..79 tokens).
+    limit_ms = step_limit_s(cost, limits, [552]) * 1e3
     result["b1_decode_ms_8b"] = round(step_ms, 3)
-    result["b1_decode_graph_ms_8b"] = round(graph_ms, 3)
+    result["b1_decode_graph_ms_8b"] = round(graph_ms_b1, 3)
+    result["b1_limit_ms_8b"] = round(limit_ms, 3)
+    result["b1_step_vs_limit_8b"] = round(step_ms / limit_ms, 3)
+    result["b1_graph_vs_limit_8b"] = round(graph_ms_b1 / limit_ms, 3)
+    result["b1_step_vs_limit_8b_cublas"] = round(result["b1_decode_ms_8b_cublas"] / limit_ms, 3)
     result["engine_vs_sweep"] = round(sweep_ms / step_ms, 3)
-    result["graph_vs_sweep"] = round(sweep_ms / graph_ms, 3)
+    result["graph_vs_sweep"] = round(sweep_ms / graph_ms_b1, 3)
     result["kv_blocks_8b"] = runner.num_blocks
+    # Batch sweep: the graph step at 512 positions a row against its limit.
+    steps = {b: graph_step_ms(runner, b, 512) for b in sizes}
+    result["step_ms_by_batch_8b"] = {b: round(ms, 3) for b, ms in steps.items()}
+    result["limit_ms_by_batch_8b"] = {b: round(step_limit_s(cost, limits, [512] * b) * 1e3, 3) for b in sizes}
+    result["step_vs_limit_by_batch_8b"] = {
+        b: round(steps[b] / result["limit_ms_by_batch_8b"][b], 3) for b in sizes
+    }
+    # 64 concurrent requests, 1024 -> 256, against the run's roofline.
+    n_req, n_in, n_out = (8, 128, 16) if quick else (64, 1024, 256)
+    rng = np.random.default_rng(4)
+    run_requests(core, [rng.integers(0, cfg.vocab_size, size=n_in).tolist() for _ in range(2)], [4, 4])
+    prompts = [rng.integers(0, cfg.vocab_size, size=n_in).tolist() for _ in range(n_req)]
+    trace = StepTrace()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    produced = sum(len(v) for v in run_requests(core, prompts, [n_out] * n_req, trace).values())
+    elapsed = time.perf_counter() - t0
+    assert produced == n_req * n_out, produced
+    limit_s = run_limit_s(cost, limits, [n_in] * n_req, [n_out] * n_req)
+    result["c64_tokens_per_s_8b"] = round(produced / elapsed, 1)
+    result["c64_seconds_8b"] = round(elapsed, 3)
+    result["c64_roofline_tokens_per_s_8b"] = round(produced / limit_s, 1)
+    result["c64_of_roofline_8b"] = round(limit_s / elapsed, 3)
+    result["c64_prefill_limit_s_8b"] = round(prefill_limit_s(cost, limits, [n_in] * n_req), 3)
+    result["c64_steps_8b"] = trace.summary()
 
 
 def one_b(result: dict[str, Any], quick: bool) -> None:
@@ -317,19 +645,33 @@ def one_b(result: dict[str, Any], quick: bool) -> None:
         core, runner = make_core(LLAMA_32_1B, weights, torch.bfloat16, graph_sizes, **settings)
     runner.sync_debug = False
     prompts = [rng.integers(0, LLAMA_32_1B.vocab_size, size=n_in).tolist() for _ in range(n_req)]
+    cost = decoder_cost(LLAMA_32_1B, step_weight_bytes(runner))
+    limits = ceilings(result)
+    trace = StepTrace()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    baton = run_requests(core, prompts, [n_out] * n_req)
+    baton = run_requests(core, prompts, [n_out] * n_req, trace)
     elapsed = time.perf_counter() - t0
     produced = sum(len(v) for v in baton.values())
     assert produced == n_req * n_out, produced
     result["baton_tokens_per_s_1b"] = round(produced / elapsed, 1)
     result["baton_seconds_1b"] = round(elapsed, 3)
+    limit_s = run_limit_s(cost, limits, [n_in] * n_req, [n_out] * n_req)
+    result["roofline_tokens_per_s_1b"] = round(produced / limit_s, 1)
+    result["of_roofline_1b"] = round(limit_s / elapsed, 3)
+    result["prefill_limit_s_1b"] = round(prefill_limit_s(cost, limits, [n_in] * n_req), 3)
+    result["steps_1b"] = trace.summary()
     lengths = rng.integers(64, 513, size=n_req).tolist()
+    trace_var = StepTrace()
     t0 = time.perf_counter()
-    var = run_requests(core, prompts, lengths)
+    var = run_requests(core, prompts, lengths, trace_var)
     elapsed_var = time.perf_counter() - t0
-    result["baton_tokens_per_s_1b_var"] = round(sum(len(v) for v in var.values()) / elapsed_var, 1)
+    produced_var = sum(len(v) for v in var.values())
+    result["baton_tokens_per_s_1b_var"] = round(produced_var / elapsed_var, 1)
+    limit_var_s = run_limit_s(cost, limits, [n_in] * n_req, lengths)
+    result["roofline_tokens_per_s_1b_var"] = round(produced_var / limit_var_s, 1)
+    result["of_roofline_1b_var"] = round(limit_var_s / elapsed_var, 3)
+    result["steps_1b_var"] = trace_var.summary()
     result["ahead_hits_1b"] = runner.ahead_hits
     result["ahead_misses_1b"] = runner.ahead_misses
     runner.decode_ahead = False
@@ -346,10 +688,12 @@ def one_b(result: dict[str, Any], quick: bool) -> None:
         torch.arange(256 * blocks, device="cuda", dtype=torch.int32).view(256, blocks)
     )
     graph_ms = statistics.median(cuda_time_ms(runner._graphs[256].graph.replay, 20))
-    kv_bytes = 256 * ctx * runner.kv_cache[:, :, 0, 0].numel() * runner.kv_cache.element_size()
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_bytes = 256 * ctx * cost.kv_bytes_per_token
     result["decode_graph_ms_1b_b256_ctx640"] = round(graph_ms, 3)
-    result["decode_graph_gbps_1b_b256_ctx640"] = round((kv_bytes + weight_bytes) / (graph_ms * 1e-3) / 1e9, 1)
+    result["decode_graph_gbps_1b_b256_ctx640"] = round(
+        (kv_bytes + cost.weight_bytes) / (graph_ms * 1e-3) / 1e9, 1
+    )
+    result["decode_graph_limit_ms_1b_b256_ctx640"] = round(step_limit_s(cost, limits, [ctx] * 256) * 1e3, 3)
     # transformers on the same weights (shared tensors), all requests in one generate() call.
     # `weights` holds the checkpoint-named tensors the engine's fused ones were built from.
     hf = hf_model(LLAMA_32_1B, weights, torch.bfloat16, LlamaConfig, LlamaForCausalLM)
@@ -410,14 +754,53 @@ def kernels(result: dict[str, Any]) -> None:
     def triton_decode() -> None:
         paged_decode_attention(q, cache, tables, lens, dim**-0.5, ws)
 
-    for fn in (torch_decode, triton_decode):
+    def triton_head_major() -> None:
+        paged_decode_attention(q, cache, tables, lens, dim**-0.5, ws, head_major=True)
+
+    for fn in (torch_decode, triton_decode, triton_head_major):
         fn()
-    result["attn_decode_torch_ms_b256_ctx640"] = round(statistics.median(cuda_time_ms(torch_decode, 20)), 3)
-    result["attn_decode_triton_ms_b256_ctx640"] = round(statistics.median(cuda_time_ms(triton_decode, 20)), 3)
+    copy_bps = result["copy_bandwidth_gbps"] * 1e9
     kv_bytes = batch * ctx * 2 * kv_heads * dim * 2
+    result["attn_decode_limit_ms_b256_ctx640"] = round(kv_bytes / copy_bps * 1e3, 3)
+    result["attn_decode_torch_ms_b256_ctx640"] = round(statistics.median(cuda_time_ms(torch_decode, 20)), 3)
+    for name, fn in (("", triton_decode), ("_head_major", triton_head_major)):
+        ms = statistics.median(cuda_time_ms(fn, 20))
+        result[f"attn_decode_triton{name}_ms_b256_ctx640"] = round(ms, 3)
+        result[f"attn_decode_triton{name}_of_limit"] = round(kv_bytes / copy_bps / (ms * 1e-3), 3)
     result["attn_decode_triton_gbps"] = round(
         kv_bytes / (result["attn_decode_triton_ms_b256_ctx640"] * 1e-3) / 1e9, 1
     )
+    # The same with each row's blocks in order (a freshly filled cache) and at the 8B shape's
+    # 64-request decode (head dim 128, 1152 positions).
+    in_order = torch.arange(batch * blocks, device="cuda", dtype=torch.int32).view(batch, blocks)
+    for major in (False, True):
+
+        def ordered(m: bool = major) -> None:
+            paged_decode_attention(q, cache, in_order, lens, dim**-0.5, ws, head_major=m)
+
+        ordered()
+        ms = statistics.median(cuda_time_ms(ordered, 20))
+        result[f"attn_decode_in_order{'_head_major' if major else ''}_of_limit"] = round(
+            kv_bytes / copy_bps / (ms * 1e-3), 3
+        )
+    b8, ctx8, dim8 = 64, 1152, 128
+    blocks8 = ctx8 // bs
+    cache8 = torch.randn(2, b8 * blocks8, bs, kv_heads, dim8, device="cuda", dtype=torch.bfloat16)
+    tables8 = torch.randperm(b8 * blocks8, device="cuda", dtype=torch.int32).view(b8, blocks8)
+    lens8 = torch.full((b8,), ctx8, device="cuda", dtype=torch.int32)
+    q8 = torch.randn(b8, heads, dim8, device="cuda", dtype=torch.bfloat16)
+    ws8 = DecodeWorkspace(b8, heads, dim8, decode_num_splits(b8, kv_heads, 2048), torch.device("cuda"))
+    kv8 = b8 * ctx8 * 2 * kv_heads * dim8 * 2
+    for major in (False, True):
+
+        def eight(m: bool = major) -> None:
+            paged_decode_attention(q8, cache8, tables8, lens8, dim8**-0.5, ws8, head_major=m)
+
+        eight()
+        ms = statistics.median(cuda_time_ms(eight, 20))
+        tag = "_head_major" if major else ""
+        result[f"attn_decode_8b_b64_ctx1152{tag}_ms"] = round(ms, 3)
+        result[f"attn_decode_8b_b64_ctx1152{tag}_of_limit"] = round(kv8 / copy_bps / (ms * 1e-3), 3)
     # Prefill: 32 fresh prompts of 512 tokens. SDPA gets them as one padded dense batch (its best case).
     n, length = 32, 512
     pblocks = length // bs
@@ -506,7 +889,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--quick", action="store_true", help="small workload (smoke test)")
-    parser.add_argument("--sections", default="copy,parity,kernels,8b,1b,agree")
+    parser.add_argument("--sections", default="copy,matmul,parity,kernels,8b,1b,agree")
     args = parser.parse_args()
     import triton
 
@@ -522,9 +905,10 @@ def main() -> None:
     out_dir = os.environ.get("OUT")
     sections: dict[str, Callable[[], None]] = {
         "copy": lambda: result.update(copy_bandwidth()),
+        "matmul": lambda: result.update(matmul_rate()),
         "parity": lambda: result.update(parity()),
         "kernels": lambda: kernels(result),
-        "8b": lambda: eight_b(result),
+        "8b": lambda: eight_b(result, args.quick),
         "agree": lambda: agreement(result),
         "1b": lambda: one_b(result, args.quick),
         "fp8": lambda: _fp8_section(result),
@@ -543,9 +927,9 @@ def main() -> None:
         if out_dir:
             Path(out_dir, "bench_gpu.json").write_text(json.dumps(result, indent=1))
     targets = {
-        "engine_vs_sweep>=0.88": result.get("engine_vs_sweep", 0) >= 0.88,
+        "b1_step_vs_limit_8b<=1.15": result.get("b1_step_vs_limit_8b", 99) <= 1.15,
+        "baton_tok_s_1b>=65000": result.get("baton_tokens_per_s_1b", 0) >= 65000,
         "ratio>=8": result.get("throughput_ratio_vs_hf_1b", 0) >= 8,
-        "baton_tok_s>=30000": result.get("baton_tokens_per_s_1b", 0) >= 30000,
     }
     result["targets_met"] = targets
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))

@@ -161,10 +161,4 @@ class EngineConfig(BaseModel):
             raise ValueError("ngram_min must be <= ngram_max")
         if self.speculative == "ngram" and self.num_speculative_tokens == 0:
             raise ValueError("--speculative ngram needs --num-speculative-tokens >= 1")
-        if self.kv_role != "none" and self.tensor_parallel_size > 1:
-            # Rank 0's cache holds only its heads: moving it alone would hand the peer wrong KV.
-            raise ValueError(
-                f"--kv-role {self.kv_role} needs --tensor-parallel-size 1 (KV transfer between "
-                f"tensor-parallel pods is not built yet; got {self.tensor_parallel_size})"
-            )
         return self

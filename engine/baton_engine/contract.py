@@ -374,14 +374,26 @@ class KVTransferParams:
     version: int = KV_TRANSFER_SCHEMA_VERSION  # this schema's version (KV_TRANSFER_SCHEMA_VERSION)
     #: The producer's KV-compatibility key (LABEL_KV_COMPAT); "" when it was started without one.
     kv_key: str = ""
+    #: The producer's tensor-parallel layout: its rank r holds the KV heads
+    #: ``model.parallel.kv_head_shard(num_kv_heads, tp_size, r)`` and serves them on
+    #: ``rank_ports[r]`` (one rank: ``port`` alone, every head). ``num_kv_heads`` is the model's
+    #: total (0 in params from before the layout existed: one rank).
+    tp_size: int = 1
+    rank_ports: list[int] = field(default_factory=list)
+    num_kv_heads: int = 0
     signature: str = field(default="", compare=False)  # HMAC-SHA256 hex over the other fields
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def payload(self) -> bytes:
-        # An empty kv_key is left out, so params signed before the field existed still verify.
-        body = {k: v for k, v in asdict(self).items() if k != "signature" and (k != "kv_key" or v)}
+        # Fields at their defaults that came after the first schema (kv_key, the layout) are
+        # left out, so params signed before they existed still verify.
+        body = {
+            k: v
+            for k, v in asdict(self).items()
+            if k != "signature" and not (k in _LATER_FIELDS and v == _LATER_FIELDS[k])
+        }
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
     def signed(self, key: bytes) -> KVTransferParams:
@@ -420,6 +432,9 @@ class KVTransferParams:
             "lease_expires_at": (int, float),
             "version": (int,),
             "kv_key": (str,),
+            "tp_size": (int,),
+            "rank_ports": (list,),
+            "num_kv_heads": (int,),
             "signature": (str,),
         }
         required = [n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING]
@@ -440,7 +455,23 @@ class KVTransferParams:
             raise KVTransferParamsError("kv_transfer_params.num_tokens: inconsistent with block_ids")
         if raw.get("version", KV_TRANSFER_SCHEMA_VERSION) != KV_TRANSFER_SCHEMA_VERSION:
             raise KVTransferParamsError("kv_transfer_params.version: unsupported")
+        tp_size = raw.get("tp_size", 1)
+        if not 1 <= tp_size <= 64:
+            raise KVTransferParamsError("kv_transfer_params.tp_size: must be in [1, 64]")
+        ports = raw.get("rank_ports", [])
+        if len(ports) != (tp_size if tp_size > 1 else 0):
+            raise KVTransferParamsError(
+                f"kv_transfer_params.rank_ports: {len(ports)} ports for tp_size {tp_size} "
+                "(one per rank when tp_size > 1, none otherwise)"
+            )
+        if not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in ports):
+            raise KVTransferParamsError("kv_transfer_params.rank_ports: must be integers in [1, 65535]")
+        if raw.get("num_kv_heads", 0) < 0 or (tp_size > 1 and raw.get("num_kv_heads", 0) == 0):
+            raise KVTransferParamsError("kv_transfer_params.num_kv_heads: must be > 0 when tp_size > 1")
         return cls(**raw)
+
+
+_LATER_FIELDS: dict[str, Any] = {"kv_key": "", "tp_size": 1, "rank_ports": [], "num_kv_heads": 0}
 
 
 def sign_dict(params: dict[str, Any], key: bytes) -> dict[str, Any]:

@@ -25,6 +25,17 @@ STATUS_KEY: dict[str, str] = {
 }
 
 
+def _tensor_parallel_size(deployment: Mapping[str, Any]) -> int:
+    """The `--tensor-parallel-size` the pool's engine container runs with (1 when absent)."""
+    containers = deployment.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
+    for container in containers:
+        args = list(container.get("args", []))
+        if contract.FLAG_TENSOR_PARALLEL_SIZE in args[:-1]:
+            value = args[args.index(contract.FLAG_TENSOR_PARALLEL_SIZE) + 1]
+            return int(value) if str(value).isdigit() and int(value) >= 1 else 1
+    return 1
+
+
 def role_status(deployment: Mapping[str, Any] | None, selector: Mapping[str, str]) -> RoleStatus:
     """Counts of one pool; a Deployment not created yet counts as zero of zero."""
     if deployment is None:
@@ -38,6 +49,7 @@ def role_status(deployment: Mapping[str, Any] | None, selector: Mapping[str, str
         desired_replicas=desired,
         ready=f"{ready}/{desired}",
         selector=contract.selector_arg(dict(selector)),
+        tensor_parallel_size=_tensor_parallel_size(deployment),
     )
 
 

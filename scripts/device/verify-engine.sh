@@ -16,7 +16,10 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 
 # Packages the engine's GPU path needs that the GPU image (KINDS.md's list) does not hold.
-WHEELS=(pydantic pydantic-core annotated-types typing-inspection)
+# llguidance: the scheduler imports the structured-output grammar; jsonschema (and its needs):
+# tests/gpu/test_structured_output_gpu.py validates answers against their schema. pyzmq: the GPU FP8 test serves over ZMQ.
+WHEELS=(pydantic pydantic-core annotated-types typing-inspection llguidance
+  jsonschema jsonschema-specifications referencing rpds-py attrs pyzmq)
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> "$(git rev-parse --git-path info/exclude)"
@@ -25,7 +28,8 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
   for name in "${WHEELS[@]}"; do
     version=$("$python" -c "import importlib.metadata as m; print(m.version('$name'))")
     "$python" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
-      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+      --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 -d .whl "$name==$version"
   done
   ls -1 .whl
@@ -58,7 +62,7 @@ status=0
 PYTHONUNBUFFERED=1 "$py" -m pytest -o addopts=-ra -p no:baton_dev.pytest_plugin -q tests/gpu tests/gpu_kernels \
   2>&1 | tee "$out/gpu-tests.log" || status=1
 # fp8 and moe (issue 17) are not in bench.gpu's default sections: named here with the defaults.
-PYTHONUNBUFFERED=1 OUT="$out" "$py" -m bench.gpu --json --sections "${BENCH_GPU_SECTIONS:-copy,parity,kernels,8b,1b,agree,fp8,moe}" 2>&1 | tee "$out/bench-gpu.log" || status=1
+PYTHONUNBUFFERED=1 OUT="$out" "$py" -m bench.gpu --json --sections "${BENCH_GPU_SECTIONS:-copy,matmul,parity,kernels,8b,1b,agree,fp8,moe}" 2>&1 | tee "$out/bench-gpu.log" || status=1
 tail -n 1 "$out/bench-gpu.log" | "$py" -c '
 import json, sys
 result = json.loads(sys.stdin.read())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 
@@ -24,6 +25,34 @@ def free_port() -> int:
             if port not in _handed_out:
                 _handed_out.add(port)
                 return port
+
+
+def free_port_range(count: int) -> int:
+    """The first of `count` consecutive TCP ports free on 127.0.0.1 a moment ago (a
+    tensor-parallel producer's ranks bind ``kv_transfer_port + rank``), none handed out before.
+
+    Drawn below the kernel's ephemeral range (32768 and up on Linux): `free_port`'s ports and
+    outgoing connections take theirs from that range, and a port just above one of them is
+    likely the next one taken.
+    """
+    rng = random.Random()
+    with _lock:
+        while True:
+            base = rng.randrange(20000, 32768 - count)
+            ports = range(base, base + count)
+            if any(p in _handed_out for p in ports):
+                continue
+            sockets = [socket.socket() for _ in ports]
+            try:
+                for sock, port in zip(sockets, ports, strict=True):
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            finally:
+                for sock in sockets:
+                    sock.close()
+            _handed_out.update(ports)
+            return base
 
 
 def bound_socket() -> socket.socket:

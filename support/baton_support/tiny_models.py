@@ -58,7 +58,8 @@ class TinyModel:
     """Token ids are ``[0, vocab_size)``; with `chat_tokenizer` the trained tokenizer's size wins
     (this is only its target)."""
     hidden_size: int = 64
-    """The MLP is twice as wide; 4 attention heads share 2 KV heads."""
+    """The MLP is twice as wide; 4 attention heads share `num_kv_heads` KV heads."""
+    num_kv_heads: int = 2
     num_layers: int = 2
     max_positions: int = 512
     """``max_position_embeddings``: the engine caps ``max_model_len`` by it."""
@@ -94,7 +95,7 @@ class TinyModel:
             intermediate_size=2 * self.hidden_size,
             num_hidden_layers=self.num_layers,
             num_attention_heads=4,
-            num_key_value_heads=2,
+            num_key_value_heads=self.num_kv_heads,
             max_position_embeddings=self.max_positions,
             rms_norm_eps=1e-6,
             initializer_range=self.init_range,

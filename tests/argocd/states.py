@@ -116,7 +116,12 @@ async def produce(cluster: DevCluster, namespace: str) -> dict[str, dict[str, An
         deployments = [f"{n}-{r}" for n in ("h", "z", "p") for r in ("prefill", "decode", "router")]
         deployments += ["a-engine", "a-router"]
         await asyncio.to_thread(
-            wait_for, lambda: _ready(cluster, namespace, deployments), 180.0, 0.1, "every Deployment Ready"
+            lambda: wait_for(
+                lambda: _ready(cluster, namespace, deployments),
+                180.0,
+                interval=0.1,
+                message="every Deployment Ready",
+            )
         )
         for name in ("h", "z", "p", "a"):
             await reconcile(kube, cluster.admin.get(f"{infds}/{name}"), cfg)  # reads the Deployments' status

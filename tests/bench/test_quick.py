@@ -55,6 +55,7 @@ BENCHMARKS: dict[str, Bench] = {
         cluster="dev_cluster",
     ),
     "grammar_mask": Bench(("llguidance", "xgrammar", "apply", "vocab_size")),
+    "tp": Bench(("sizes", "speedup", "ideal_speedup", "tokens_identical", "skipped_sizes")),
     "soak": Bench(
         ("requests", "unexpected", "end", "rss_mib"),
         smoke_test="tests/server/test_soak.py::test_short_soak_leaks_no_block_and_leaves_no_request_stuck",
@@ -77,6 +78,7 @@ BENCHMARKS: dict[str, Bench] = {
 #: Modules under bench/ that are not benchmarks of their own.
 HELPERS = {
     "shapes": "model shapes the GPU benchmarks share",
+    "limits": "the physical limits bench.gpu compares its steps with (pure arithmetic)",
     "gpu_moe": "bench.gpu's moe section (Qwen3-30B-A3B shape)",
     "gpu_fp8": "bench.gpu's fp8 section (8B shape, FP8 weights vs bf16)",
     "router_upstream": "the fixed-rate upstream that bench.router starts",
@@ -182,6 +184,14 @@ def _grammar_mask(r: dict[str, Any], stderr: str) -> None:
     assert r["llguidance"]["mask_us_per_row_token"] > 0 and r["xgrammar"]["mask_us_per_row_token"] > 0
 
 
+def _tp(r: dict[str, Any], stderr: str) -> None:
+    assert sorted(r["sizes"]) == ["1", "2"] and r["skipped_sizes"] == []
+    assert r["tokens_identical"] is True  # a split model gives one rank's tokens
+    assert r["speedup"] > 0 and 1 <= r["ideal_speedup"] <= 2
+    assert sorted(r["sizes"]["2"]["rank_rss_mib"]) == ["0", "1"]  # both ranks measured
+    assert r["sizes"]["1"]["steps"] == r["sizes"]["2"]["steps"] > 0  # the same scheduler decisions
+
+
 def _attention_kernels(r: dict[str, Any], stderr: str) -> None:
     assert sorted(r["us"]) == ["decode_1b_b1_ctx40", "mq_1b_b1_q2_ctx40", "prefill_1b_1x24"]
     assert r["splits"]["prefill_1b_1x24"] == 1
@@ -210,6 +220,7 @@ CHECKS: dict[str, Callable[[dict[str, Any], str], None]] = {
     "speculative": _speculative,
     "attention_kernels": _attention_kernels,
     "grammar_mask": _grammar_mask,
+    "tp": _tp,
     "serving": _serving,
 }
 

@@ -64,6 +64,13 @@ def test_fp8_weights_fast_path_matches_reference_runner(
         reference = _generate(tmp_path, False, monkeypatch, quantization="fp8", kv_cache_dtype=kv)
         fast = _generate(tmp_path, True, monkeypatch, quantization="fp8", kv_cache_dtype=kv)
         assert fast == reference, kv
-    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", quantization="fp8", num_kv_blocks=16)
-    formats = {m.weight.dtype for m in llm.core.runner.model.modules() if isinstance(m, ParallelLinear)}
+    llm = LLM(
+        str(tmp_path), device="cuda", dtype="bfloat16", quantization="fp8", max_num_seqs=4, max_model_len=128,
+        block_size=16, num_kv_blocks=16,
+    )  # fmt: skip
+    try:
+        modules = llm.core.runner.model.modules()
+        formats = {m.weight.dtype for m in modules if isinstance(m, ParallelLinear)}
+    finally:
+        llm.close()
     assert formats == {fp8_dtype_for_device(torch.device("cuda"))}

@@ -68,7 +68,7 @@ def _prefill_step(prompt: list[int], block_size: int) -> SchedulerOutput:
     slots = np.asarray(blocks, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
     return SchedulerOutput(
         step_id=0,
-        seq_ids=[0],
+        req_ids=[0],
         num_decode_rows=0,
         query_lens=np.asarray([n], dtype=np.int32),
         query_start_loc=np.asarray([0, n], dtype=np.int32),

@@ -63,8 +63,8 @@ def _reference(
     return out.transpose(0, 1)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_matches_reference(num_splits: int, kernel_device: torch.device) -> None:
+@pytest.mark.parametrize(("num_splits", "head_major"), [(1, False), (3, False), (3, True)])
+def test_decode_matches_reference(num_splits: int, head_major: bool, kernel_device: torch.device) -> None:
     gen = torch.Generator().manual_seed(1)
     seq_lens = [5, 1, 37, 0]  # the last row is graph padding: zeros, no NaN
     cache, table, slots = _paged_cache([max(n, 1) for n in seq_lens], gen, kernel_device)
@@ -72,7 +72,7 @@ def test_decode_matches_reference(num_splits: int, kernel_device: torch.device) 
     workspace = DecodeWorkspace(len(seq_lens), HEADS, HEAD_DIM, num_splits, kernel_device)
     out = torch.full_like(q, float("nan"))
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=kernel_device)
-    paged_decode_attention(q, cache, table, lens, HEAD_DIM**-0.5, workspace, out=out)
+    paged_decode_attention(q, cache, table, lens, HEAD_DIM**-0.5, workspace, out=out, head_major=head_major)
     for row, n in enumerate(seq_lens):
         if n == 0:
             assert torch.equal(out[row], torch.zeros_like(out[row]))

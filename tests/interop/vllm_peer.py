@@ -69,6 +69,13 @@ def version() -> str:
     return out.stdout.strip()
 
 
+def _failure(log: Path) -> str:
+    """The log's error lines (the root cause sits far above the traceback's end) and its tail."""
+    text = log.read_text(errors="replace")
+    errors = [line for line in text.splitlines() if "Error" in line or "error" in line][:20]
+    return "\n".join(errors)[-3000:] + "\n...\n" + text[-2000:]
+
+
 @contextmanager
 def vllm_server(workdir: Path, hash_algo: str, sub: zmq.Socket | None = None) -> Iterator[VllmServer]:
     """Start `vllm serve` (stopped by pid on exit). With `sub`, that socket is bound first and
@@ -114,7 +121,7 @@ def vllm_server(workdir: Path, hash_algo: str, sub: zmq.Socket | None = None) ->
         deadline = time.monotonic() + 900
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {proc.returncode}: {log.read_text()[-3000:]}")
+                raise RuntimeError(f"vLLM exited with {proc.returncode}: {_failure(log)}")
             try:
                 if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
                     break

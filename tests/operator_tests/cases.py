@@ -267,6 +267,30 @@ SPEC_CASES: list[Case] = [
         "false",
     ),
     Case(
+        "tp-over-role-gpus",
+        {"prefill": {"resources": {"gpus": 2}, "engine": {"tensorParallelSize": 4}}},
+        "spec.prefill.engine.tensorParallelSize",
+        "spec.prefill.engine.tensorParallelSize must be <= spec.prefill.resources.gpus (one GPU per rank)",
+    ),
+    Case(
+        "tp-top-level-over-a-default-role",
+        {"engine": {"tensorParallelSize": 2}, "prefill": {"resources": {"gpus": 2}}},
+        "spec.decode.engine.tensorParallelSize",
+        "spec.decode.engine.tensorParallelSize must be <= spec.decode.resources.gpus (one GPU per rank)",
+    ),
+    Case(
+        "tp-over-pool-gpus",
+        {"mode": "aggregated", "pool": {"engine": {"tensorParallelSize": 2}}},
+        "spec.pool.engine.tensorParallelSize",
+        "spec.pool.engine.tensorParallelSize must be <= spec.pool.resources.gpus (one GPU per rank)",
+    ),
+    Case(
+        "tp-above-64",
+        {"engine": {"tensorParallelSize": 65}},
+        "spec.engine.tensorParallelSize",
+        "less than or equal to 64",
+    ),
+    Case(
         "override-shared-setting",
         {"prefill": {"engine": {"blockSize": 32}}},
         "spec.prefill.engine.blockSize",

@@ -111,7 +111,8 @@ def test_engine_args_flags_and_kv_roles() -> None:
         "--kv-lease-seconds", "30",
         "--kv-transfer-on-failure", "recompute",
         "--kv-events",
-        "--kv-compat-key", "aecfc482d86753bf",
+        "--kv-compat-key", "9b3e36acc617fe58",
+        "--tensor-parallel-size", "1",
         "--kv-events-port", "5557",
         "--kv-events-replay-port", "5558",
         "--kv-events-buffer-steps", "10000",
@@ -123,6 +124,54 @@ def test_engine_args_flags_and_kv_roles() -> None:
     ]  # fmt: skip
     # A consumer serves no pulls.
     assert [p["name"] for p in decode["ports"]] == ["http", "kv-events", "kv-replay"]
+
+
+def test_tensor_parallel_size_defaults_to_the_gpus_and_gets_a_memory_backed_shm() -> None:
+    deployments = by_kind(
+        build(
+            {
+                "prefill": {"resources": {"gpus": 2}},  # TP 2 by default
+                "decode": {"resources": {"gpus": 4}, "engine": {"tensorParallelSize": 2}},
+            }
+        ),
+        "Deployment",
+    )
+    tp = {
+        name: flag(container(d)["args"], "--tensor-parallel-size")
+        for name, d in deployments.items()
+        if name != "demo-router"
+    }
+    assert tp == {"demo-prefill": "2", "demo-decode": "2"}
+    pod = deployments["demo-prefill"]["spec"]["template"]["spec"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in pod["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container(deployments["demo-prefill"])["volumeMounts"]
+    # One rank needs no shared memory between ranks.
+    one = by_kind(build(), "Deployment")["demo-decode"]
+    assert flag(container(one)["args"], "--tensor-parallel-size") == "1"
+    assert [v["name"] for v in one["spec"]["template"]["spec"]["volumes"]] == ["tmp", "cache"]
+    # CPU pods (no GPUs) run any size as processes.
+    cpu = by_kind(
+        build(
+            {
+                "engine": {"device": "cpu", "tensorParallelSize": 3},
+                "prefill": {"resources": {"gpus": 0}},
+                "decode": {"resources": {"gpus": 0}},
+            }
+        ),
+        "Deployment",
+    )
+    assert flag(container(cpu["demo-prefill"])["args"], "--tensor-parallel-size") == "3"
+    # The pools of one deployment share their KV-compatibility key whatever their sizes.
+    assert (
+        len(
+            {
+                flag(container(d)["args"], "--kv-compat-key")
+                for n, d in deployments.items()
+                if n != "demo-router"
+            }
+        )
+        == 1
+    )
 
 
 def test_fp8_weights_and_kv_cache_become_flags_every_engine_accepts() -> None:

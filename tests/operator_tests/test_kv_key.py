@@ -24,8 +24,9 @@ OWNER = Owner(name="demo", namespace="llm", uid="0f1e-uid")
 BASE_MODEL: dict[str, Any] = {"name": "smollm2", "source": "builtin:smollm2-135m-instruct"}
 BASE_ENGINE: dict[str, Any] = {"device": "cuda", "dtype": "bfloat16"}
 #: The default deployment's key. It must never change by accident: every pod of every
-#: deployment would roll to a new generation on the operator's upgrade.
-DEFAULT_KEY = "aecfc482d86753bf"
+#: deployment would roll to a new generation on the operator's upgrade. (Schema 2 changed it on
+#: purpose: the tensor-parallel size left the key once P/D worked across TP sizes.)
+DEFAULT_KEY = "9b3e36acc617fe58"
 
 
 def key(model: dict[str, Any] | None = None, **engine: Any) -> str:
@@ -66,6 +67,7 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], bool]] = [
     ("chunked prefill", {}, {"chunkedPrefill": False, "maxNumBatchedTokens": 4096}, False),
     ("queue bound", {}, {"maxQueuedRequests": 8}, False),
     ("http port", {}, {"port": 9000}, False),
+    ("tensor-parallel size", {}, {"tensorParallelSize": 2}, False),  # P/D works across TP sizes
 ]
 
 
@@ -87,8 +89,8 @@ def test_hf_revision_changes_the_key() -> None:
 
 
 def test_every_engine_field_is_classified() -> None:
-    """A field added to EngineSpec must be put in KEY_FIELDS or NOT_KEY_FIELDS (tensor
-    parallelism, KV-cache dtype and quantization are key fields when they appear)."""
+    """A field added to EngineSpec must be put in KEY_FIELDS or NOT_KEY_FIELDS (KV-cache dtype
+    and quantization are key fields when they appear)."""
     fields = set(EngineSpec.model_fields)
     assert KEY_FIELDS.isdisjoint(NOT_KEY_FIELDS)
     unclassified = sorted(fields - KEY_FIELDS - NOT_KEY_FIELDS)
@@ -97,14 +99,13 @@ def test_every_engine_field_is_classified() -> None:
     # Key fields the model has today are digested (the others enter key_inputs when they appear).
     inputs = key_inputs(ModelSpec.model_validate(BASE_MODEL), EngineSpec.model_validate(BASE_ENGINE))
     assert inputs == {
-        "schema": 1,
+        "schema": 2,
         "modelSource": "builtin:smollm2-135m-instruct",
         "modelRevision": "",
         "kvDtype": "bfloat16",
         "blockSize": 16,
         "prefixHash": "fast",
         "prefixHashSeed": "",
-        "tensorParallelSize": 1,
         "quantization": "none",
     }
 

@@ -89,9 +89,10 @@ async def test_first_reconcile_creates_exactly_the_children(
         "desiredReplicas": 1,
         "ready": "0/1",
         "selector": "baton.dev/deployment=demo,baton.dev/role=prefill",
-        "kvCompatKey": "aecfc482d86753bf",
+        "kvCompatKey": "9b3e36acc617fe58",
         "newKeyPods": 0,
         "oldKeyPods": 0,
+        "tensorParallelSize": 1,
     }
     conditions = {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
     # No controller manager runs here: the Deployments never get ready pods.

@@ -59,8 +59,29 @@ def test_role_status_counts() -> None:
         "desiredReplicas": 3,
         "ready": "2/3",
         "selector": "baton.dev/role=decode",
+        "tensorParallelSize": 1,
     }
     assert role_status(None, {"a": "b"}).ready == "0/0"
+
+
+def test_role_status_shows_the_pools_tensor_parallel_size() -> None:
+    from baton_operator.builders import BuildContext, Owner, desired_children
+    from baton_operator.models import InferenceDeploymentSpec
+
+    spec = InferenceDeploymentSpec.model_validate(
+        {
+            "model": {"name": "m", "source": "builtin:smollm2-135m-instruct"},
+            "prefill": {"resources": {"gpus": 4}},
+        }
+    )
+    children = desired_children(
+        BuildContext(owner=Owner(name="demo", namespace="ns", uid="u"), spec=spec), "k" * 64
+    )
+    built = {m["metadata"]["name"]: m for m in children.applied if m["kind"] == "Deployment"}
+    sizes = {
+        name: role_status(built[name], {}).tensor_parallel_size for name in ("demo-prefill", "demo-decode")
+    }
+    assert sizes == {"demo-prefill": 4, "demo-decode": 1}
 
 
 ALL_READY = {

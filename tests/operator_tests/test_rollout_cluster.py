@@ -361,3 +361,74 @@ def test_a_stuck_rollout_is_rolled_forward_and_a_deleted_resource_takes_every_ge
         interval=0.5,
         message="garbage collection of every generation",
     )
+
+
+@pytest.mark.parametrize("mode", ["off", "builtin"])
+def test_a_rollback_mid_rollout_returns_to_the_old_key_within_the_bounds(
+    dev_cluster: DevCluster, k8s_namespace: str, operator: OperatorProcess, mode: str
+) -> None:
+    """The user reverts a key change while it rolls (its new decode pod cannot be scheduled):
+    the released old generation is taken back by the Deployments (its pods serve on, none is
+    replaced), within the bounds on every recorded state; the generation rolled back from is
+    released and removed, and no pod of it ever served."""
+    res = Resource(dev_cluster, k8s_namespace, f"back-{mode}")
+    body = spec(1, 1, mode=mode)
+    res.create(body)
+    old_key, counts = key_of(body), {"prefill": 1, "decode": 1}
+    wait_for(lambda: res.settled(old_key, counts), timeout=120, interval=0.5, message="the pools Ready")
+    nowhere = {cluster_spec.NODE_TYPE_LABEL: "no-such-node"}
+    changed = copy.deepcopy(body)
+    changed["engine"]["blockSize"] = 32
+    new_key = key_of(changed)
+    res.patch({"engine": {"blockSize": 32}, "decode": {"nodeSelector": nowhere}})
+
+    def stuck() -> bool:
+        pending = [p for p in res.pods("decode") if p["status"].get("phase") == "Pending"]
+        return len(pending) == 1 and len(_released(res)) == 2
+
+    wait_for(stuck, timeout=120, interval=0.5, message="the first step stuck on an unschedulable pod")
+    serving = sorted(p["metadata"]["name"] for role in counts for p in res.pods(role) if is_ready(p))
+    access = ApiAccess.from_kubeconfig(dev_cluster.state.admin_kubeconfig)
+    with (
+        Timeline(access, f"/api/v1/namespaces/{k8s_namespace}/pods") as pods,
+        Timeline(access, f"/apis/apps/v1/namespaces/{k8s_namespace}/replicasets") as replica_sets,
+    ):
+        res.patch({"engine": {"blockSize": None}, "decode": {"nodeSelector": KWOK}})
+        wait_for(
+            lambda: res.settled(old_key, counts),
+            timeout=180,
+            interval=0.5,
+            message="back at the old key alone",
+        )
+    rollout_invariants(pods, counts, old_key)
+    assert not [p for p in pods.ever() if key_of_pod(p) == new_key and is_ready(p)]
+    # Taken back, not replaced: the old generation's pods serve on (their template is the
+    # Deployments' again), no pod of the key was created.
+    assert sorted(p["metadata"]["name"] for role in counts for p in res.pods(role)) == serving
+    assert not [
+        p for _, p in pods.snapshot()[1] if key_of_pod(p) == old_key and p["metadata"]["name"] not in serving
+    ]
+    for role in counts:
+        deployment = res.deployment(role)
+        assert deployment["spec"]["template"]["metadata"]["labels"][contract.LABEL_KV_COMPAT] == old_key
+        assert "paused" not in deployment["spec"]
+    pools = [rs for rs in res.replica_sets() if rs["metadata"]["labels"].get(contract.LABEL_ROLE) in counts]
+    assert sorted(
+        (rs["metadata"]["labels"][contract.LABEL_ROLE], rs["metadata"]["labels"][contract.LABEL_KV_COMPAT])
+        for rs in pools
+        if rs["spec"]["replicas"]
+    ) == [("decode", old_key), ("prefill", old_key)]
+    assert not _released(res)
+    released_back = {
+        rs["metadata"]["labels"].get(contract.LABEL_KV_COMPAT)
+        for rs in replica_sets.ever()
+        if LABEL_RETIRING in (rs["metadata"].get("labels") or {})
+    }
+    assert released_back == {old_key, new_key}
+    status = res.get()["status"]
+    for role in counts:
+        assert (status[role]["kvCompatKey"], status[role]["newKeyPods"], status[role]["oldKeyPods"]) == (
+            old_key,
+            1,
+            0,
+        )

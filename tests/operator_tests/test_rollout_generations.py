@@ -233,3 +233,65 @@ def test_external_mode_pauses_prefill_while_decode_has_old_pods() -> None:
         "prefill": PoolAction(),
         "decode": PoolAction(),
     }
+
+
+def test_pool_view_rolling_back_adopts_the_released_generation_of_the_key() -> None:
+    """The spec's key is that of a released ReplicaSet again: it is to be taken back; once its
+    role label is back (not adopted yet) its replicas count as the key's."""
+    released = [rs("d-back", NEW, 1, owned=False, target=1), rs("d-from", OLD, 1)]
+    view = pool_view("decode", NEW, DEPLOYMENT, released, [pod("n1", NEW), pod("o1", OLD)], OWNER)
+    assert ([r.name for r in view.adoptable], [r.name for r in view.releasable], view.retiring) == (
+        ["d-back"],
+        ["d-from"],
+        (),
+    )
+    assert (view.new_replicas, view.new_pods, view.new_ready, view.rolling) == (0, 1, 1, True)
+    taken_back = rs("d-back", NEW, 1)
+    taken_back["metadata"]["ownerReferences"] = []
+    view = pool_view("decode", NEW, DEPLOYMENT, [taken_back], [pod("n1", NEW)], OWNER)
+    assert (view.adoptable, view.new_replicas, view.rolling) == ((), 1, False)
+
+
+def test_a_rollback_switch_releases_the_newer_generation_and_gives_back_the_older() -> None:
+    # Stuck at step 1 of OLD -> NEW, the spec went back to OLD's key (called NEW here, the
+    # spec's): decode releases its pending pod's ReplicaSet, both pools take theirs back with
+    # their replicas set first; prefill's 0-replica history goes before it (a paused Deployment
+    # would scale it up).
+    back = ReplicaSetView(name="p-back", key=NEW, replicas=1, created="a", target=1)
+    d_back = ReplicaSetView(name="d-back", key=NEW, replicas=1, created="a", target=1)
+    views = {
+        "prefill": PoolView(
+            role="prefill",
+            key=NEW,
+            deployment={"metadata": {"uid": DEPLOY}, "spec": {"replicas": 0}},
+            history=(_rsv("p-from", 0),),
+            adoptable=(back,),
+            new_pods=1,
+            new_ready=1,
+        ),
+        "decode": PoolView(
+            role="decode",
+            key=NEW,
+            deployment={"metadata": {"uid": DEPLOY}, "spec": {"replicas": 1}},
+            releasable=(_rsv("d-from", 1),),
+            adoptable=(d_back,),
+            new_pods=1,
+            new_ready=1,
+            old_pods=1,
+            old_keys=(OLD,),
+        ),
+    }
+    out = plan(views, mode="off", targets=ONE_ONE, surge=SURGE)
+    assert out.active and out.switching
+    assert out.pools["prefill"] == PoolAction(
+        paused=True, replicas=0, forget=("p-from",), target=1, adopt=(back,), adopt_replicas=1
+    )
+    assert out.pools["decode"] == PoolAction(
+        paused=True,
+        replicas=1,
+        release=(_rsv("d-from", 1),),
+        target=1,
+        adopt=(d_back,),
+        adopt_replicas=1,
+    )
+    assert out.message == f"KV-compatibility key {OLD} -> {NEW}: taking back the generation of the key"

@@ -10,6 +10,8 @@ on a process node, the router (which stays up), the operator as a process; the s
 3. Idle again, then a burst of twice the router's hold queue: exactly the queue's worth is held
    and answered, the rest get 503 with Retry-After at once; no accepted request is lost; one
    wake-up for the burst.
+4. With a shorter hold timeout (a restarted router, which alone must not wake the pools), a
+   request held past it gets 503 with Retry-After and still wakes both pools.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from baton_dev.testing import DevCluster, condition, is_ready, wait_for
+from baton_engine.contract import FLAG_ROUTER_HOLD_TIMEOUT
 from baton_support.operator_process import OperatorProcess, operator_process
-from bench.cold_start import QUICK, ZeroDeployment, cold_start, post
+from bench.cold_start import QUICK, ZeroDeployment, cold_start, http_url, post
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(2400)]
 
@@ -110,3 +114,33 @@ def test_idle_to_zero_a_request_wakes_both_pools_and_a_burst_beyond_the_queue_ge
         f"decode: scale up 0 -> 1: woken by {waiting} waiting request{plural}",
         f"prefill: scale up 0 -> 1: woken by {waiting} waiting request{plural}",
     ]
+
+    # 4. A request held past the router's timeout (a new router: the pools stay at zero): 503
+    # with Retry-After, and it wakes the pools all the same.
+    dev_cluster.admin.patch(res.path, {"spec": {"router": {"holdTimeoutSeconds": 1}}})
+
+    def new_router() -> dict[str, Any] | None:
+        found = [p for p in res.pods("router") if not p["metadata"].get("deletionTimestamp")]
+        args = found[0]["spec"]["containers"][0]["args"] if len(found) == 1 else []
+        timeout = args[args.index(FLAG_ROUTER_HOLD_TIMEOUT) + 1] if FLAG_ROUTER_HOLD_TIMEOUT in args else ""
+        return found[0] if timeout == "1" and is_ready(found[0]) and len(res.pods("router")) == 1 else None
+
+    url = http_url(wait_for(new_router, timeout=300, interval=1, message="the new router"), "/v1/completions")
+    wait_for(res.at_zero, timeout=300, interval=1, message="both pools at zero, the router restarted")
+    woken_before = Counter(m for m in res.events("ScaledUp") if "woken" in m)
+    late = post(url)
+    assert (late.status_code, late.headers["retry-after"]) == (503, "5")
+    assert late.json()["error"]["message"] == "no decode pod became available within 1 s"
+
+    def woken() -> list[str]:
+        return sorted((Counter(m for m in res.events("ScaledUp") if "woken" in m) - woken_before).elements())
+
+    wait_for(lambda: len(woken()) == 2, timeout=60, interval=0.5, message="the pools woken")
+    # Read while held, or once it was refused: the autoscaler reads the router once a second.
+    assert woken() in (
+        [f"{role}: scale up 0 -> 1: woken by 1 waiting request" for role in ("decode", "prefill")],
+        [
+            f"{role}: scale up 0 -> 1: woken by requests the routers refused while at zero"
+            for role in ("decode", "prefill")
+        ],
+    )

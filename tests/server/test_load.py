@@ -152,10 +152,11 @@ def test_over_the_queue_limit_gets_429(start_tiny_server: Callable[..., ServerPr
                 async with client.stream("POST", "/v1/completions", json=body) as queued:
                     assert queued.status_code == 200
                     await asyncio.to_thread(
-                        wait_for,
-                        lambda: server.stats()["num_waiting"] == 1,
-                        30,
-                        "the second request to queue",
+                        lambda: wait_for(
+                            lambda: server.stats()["num_waiting"] == 1,
+                            30,
+                            message="the second request to queue",
+                        )
                     )
                     over = await client.post("/v1/completions", json={**body, "stream": False})
                     return over.status_code, over.json(), over.headers.get("retry-after")

@@ -217,8 +217,6 @@ def test_sizes_the_model_or_devices_cannot_take_are_refused(tiny_models: dict[st
     )
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)
-    with pytest.raises(ValueError, match=r"--kv-role consumer needs --tensor-parallel-size 1 .*got 2\)"):
-        EngineConfig(kv_role="consumer", tensor_parallel_size=2)
 
 
 def test_step_message_round_trip_cuts_the_block_table() -> None:
@@ -265,5 +263,6 @@ def test_step_message_round_trip_cuts_the_block_table() -> None:
 
 @pytest.fixture(autouse=True)
 def _no_rank_left() -> Iterator[None]:
+    before = live_children()
     yield
-    assert live_children() == []
+    assert live_children(before) == []

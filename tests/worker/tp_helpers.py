@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 
@@ -23,5 +24,9 @@ def children(pid: int) -> list[int]:
     return sorted(found)
 
 
-def live_children() -> list[int]:
-    return children(os.getpid())
+def live_children(before: Collection[int] = ()) -> list[int]:
+    """Live child processes of this test process not in `before`: in a full run the session's
+    local control plane (etcd, the API server, kwok...) started by earlier tests are children of
+    pytest too, so a test compares against what it found when it began."""
+    known = set(before)
+    return [pid for pid in children(os.getpid()) if pid not in known]

@@ -79,7 +79,15 @@ def build_engine_core(
     if config.kv_role != "none":
         from baton_engine.kv_transfer.connector import KVTransferConnector
 
-        connector = KVTransferConnector(config, runner.kv_cache, model_name=name)
+        connector = KVTransferConnector(
+            config,
+            runner.kv_cache,
+            model_name=name,
+            num_kv_heads=model_config.num_kv_heads,
+            ranks=executor,
+        )
+        if executor is not None:
+            executor.kv_result_handler = connector.on_rank_result
     structured_output = None
     if tokenizer is not None:
         # llguidance stops on every EOS the model has (the scheduler's, and the tokenizer's).

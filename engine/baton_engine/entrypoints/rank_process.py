@@ -15,11 +15,15 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from baton_engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from baton_engine.kv_transfer.rank_agent import RankTransferAgent
+    from baton_engine.worker.model_runner import ModelRunner
 
 log = logging.getLogger("baton_engine.rank")
 
@@ -34,6 +38,29 @@ def _die_with_parent(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:  # the parent died before the prctl took effect
         os._exit(1)
+
+
+def _transfer_agent(
+    ctx: zmq.Context[Any], results_address: str, config: EngineConfig, runner: ModelRunner, rank: int
+) -> RankTransferAgent:
+    """This rank's KV-transfer agent, reporting to rank 0 on its own socket (its own thread)."""
+    import threading
+
+    from baton_engine.kv_transfer.rank_agent import RankTransferAgent
+    from baton_engine.worker import step_message
+
+    socket = ctx.socket(zmq.PUSH)
+    socket.setsockopt(zmq.LINGER, 2000)
+    socket.connect(results_address)
+    lock = threading.Lock()
+
+    def send(payload: dict[str, Any]) -> None:
+        with lock:
+            socket.send(step_message.encode_result(step_message.KV_RESULT, {"rank": rank, "kv": payload}))
+
+    return RankTransferAgent(
+        config, runner.kv_cache, rank=rank, num_kv_heads=runner.model_config.num_kv_heads, send=send
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     control.setsockopt(zmq.LINGER, 0)
     control.connect(args.control)
     heartbeat = Heartbeat(ctx, args.results, rank)
+    agent: RankTransferAgent | None = None
     code = 0
     try:
         from baton_engine.entrypoints.engine_factory import build_model_runner
@@ -74,15 +102,20 @@ def main(argv: list[str] | None = None) -> int:
         results.send(step_message.encode_result(step_message.HELLO, {"rank": rank, "pid": os.getpid()}))
         parallel = join_group(connect_store(args.store_port, size), rank, size, device)
         runner = build_model_runner(config, parallel=parallel)
+        if config.kv_role != "none":
+            agent = _transfer_agent(ctx, args.results, config, runner, rank)
         memory = process_memory(device)
-        results.send(step_message.encode_result(step_message.READY, {"rank": rank, "memory": memory}))
-        RankWorker(runner, control).serve()
+        ready = {"rank": rank, "memory": memory, "kv_port": None if agent is None else agent.port}
+        results.send(step_message.encode_result(step_message.READY, ready))
+        RankWorker(runner, control, None if agent is None else agent.handle).serve()
     except Exception as exc:
         log.exception("tensor-parallel rank %d failed", rank)
         message = f"{type(exc).__name__}: {exc}"
         results.send(step_message.encode_result(step_message.FAILED, {"rank": rank, "message": message}))
         code = 1
     finally:
+        if agent is not None:
+            agent.close()
         heartbeat.stop()
         control.close()
         results.close()

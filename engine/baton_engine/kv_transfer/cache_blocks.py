@@ -9,7 +9,8 @@ spinning threads collapse (seconds instead of milliseconds) on a machine whose c
 with the step loop, and a KV copy is memory-bound anyway.
 
 A chunk on the wire is the requested blocks ``[first, first + count)`` of one pull, laid out
-``[layers, 2, count, row_bytes]`` (C order).
+``[layers, 2, count, row_bytes]`` (C order). A pull of a head slice (P/D across TP sizes) sends
+``[layers, 2, count, block_size, heads, head_bytes]``: the same layout for a cache of those heads.
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ def byte_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(torch.uint8).view(layers, 2, num_blocks, -1)
 
 
+Heads = tuple[int, int]
+"""(first head, count) of a cache's KV heads."""
+
+
+def head_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """``[layers, 2, num_blocks, block_size, kv_heads, head_bytes]`` uint8 view of the cache."""
+    layers, _, num_blocks, block_size, heads = kv_cache.shape[:5]
+    return kv_cache.view(torch.uint8).view(layers, 2, num_blocks, block_size, heads, -1)
+
+
 def check_block_ids(ids: Sequence[int], num_blocks: int, what: str) -> None:
     bad = [b for b in ids if not 0 <= b < num_blocks]
     if bad:
@@ -71,6 +82,7 @@ class BlockGatherer:
     def __init__(self, kv_cache: torch.Tensor, chunk_blocks: int, depth: int) -> None:
         self.spec = cache_spec(kv_cache)
         self.kv_bytes = byte_view(kv_cache)
+        self.kv_heads = head_view(kv_cache)
         self.kv_np = self.kv_bytes.numpy() if kv_cache.device.type == "cpu" else None
         self.num_blocks = kv_cache.shape[2]
         self.chunk_blocks = chunk_blocks
@@ -92,22 +104,45 @@ class BlockGatherer:
             self.stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
             self.events = [torch.cuda.Event() for _ in range(depth)]  # type: ignore[no-untyped-call]
 
-    def _view(self, flat: torch.Tensor, n: int) -> torch.Tensor:
-        return flat[: n * self.spec.block_bytes].view(self.spec.num_layers, 2, n, self.spec.row_bytes)
+    def _view(self, flat: torch.Tensor, n: int, heads: Heads | None) -> torch.Tensor:
+        spec = self.spec
+        if heads is None:
+            return flat[: n * spec.block_bytes].view(spec.num_layers, 2, n, spec.row_bytes)
+        head_bytes = spec.head_dim * spec.element_size
+        size = spec.num_layers * 2 * n * spec.block_size * heads[1] * head_bytes
+        return flat[:size].view(spec.num_layers, 2, n, spec.block_size, heads[1], head_bytes)
 
-    def start(self, slot: int, ids: Sequence[int]) -> torch.Tensor:
-        """Begin staging blocks `ids` into `slot`; returns the contiguous host tensor
-        ``[L, 2, len(ids), row]`` (ready once `wait(slot)` returns)."""
+    def start(self, slot: int, ids: Sequence[int], heads: Heads | None = None) -> torch.Tensor:
+        """Begin staging blocks `ids` (of every head, or of `heads` only) into `slot`; returns
+        the contiguous host tensor ``[L, 2, len(ids), ...]`` (ready once `wait(slot)` returns)."""
         n = len(ids)
-        host = self._view(self.host[slot], n)
+        host = self._view(self.host[slot], n, heads)
         runs = block_runs(list(ids))
+        if heads is not None:
+            h0, hn = heads
+            if self.stream is None:
+                out_heads, cache_heads = host.numpy(), self.kv_heads.numpy()
+                for pos, first, count in runs:
+                    out_heads[:, :, pos : pos + count] = cache_heads[
+                        :, :, first : first + count, :, h0 : h0 + hn
+                    ]
+                return host
+            stage = self._view(self.device_stage[slot], n, heads)
+            with torch.cuda.stream(self.stream):
+                for pos, first, count in runs:
+                    stage[:, :, pos : pos + count].copy_(
+                        self.kv_heads[:, :, first : first + count, :, h0 : h0 + hn]
+                    )
+                host.copy_(stage, non_blocking=True)
+                self.events[slot].record(self.stream)
+            return host
         if self.stream is None:
             out, cache = host.numpy(), self.kv_np
             assert cache is not None  # a CPU cache is read through numpy
             for pos, first, count in runs:
                 out[:, :, pos : pos + count] = cache[:, :, first : first + count]
             return host
-        stage = self._view(self.device_stage[slot], n)
+        stage = self._view(self.device_stage[slot], n, None)
         # The forward that wrote these blocks finished before the lease existed (its sampled
         # token was read back on the host), so the side stream needs no wait on the main one.
         with torch.cuda.stream(self.stream):
@@ -128,17 +163,36 @@ class BlockScatterer:
     def __init__(self, kv_cache: torch.Tensor) -> None:
         self.spec = cache_spec(kv_cache)
         self.kv_bytes = byte_view(kv_cache)
+        self.kv_heads = head_view(kv_cache)
         self.num_blocks = kv_cache.shape[2]
         self.device = kv_cache.device
 
-    def write(self, payload: memoryview, dst_ids: Sequence[int]) -> None:
-        """Copy one chunk ``[L, 2, len(dst_ids), row]`` into blocks `dst_ids` of the cache."""
+    def write(self, payload: memoryview, dst_ids: Sequence[int], heads: Heads | None = None) -> None:
+        """Copy one chunk ``[L, 2, len(dst_ids), ...]`` into blocks `dst_ids` of the cache (of
+        every head, or of `heads` only)."""
         n = len(dst_ids)
-        expected = n * self.spec.block_bytes
+        spec = self.spec
+        head_count = spec.num_kv_heads if heads is None else heads[1]
+        expected = n * spec.num_layers * 2 * spec.block_size * head_count * spec.head_dim * spec.element_size
         if len(payload) != expected:
             raise ValueError(f"chunk of {len(payload)} bytes, expected {expected} for {n} blocks")
-        shape = (self.spec.num_layers, 2, n, self.spec.row_bytes)
         runs = block_runs(list(dst_ids))
+        if heads is not None:
+            h0, hn = heads
+            head_shape = (spec.num_layers, 2, n, spec.block_size, hn, -1)
+            if self.device.type == "cpu":
+                src_np = np.frombuffer(payload, dtype=np.uint8).reshape(head_shape)
+                cache = self.kv_heads.numpy()
+                for pos, first, count in runs:
+                    cache[:, :, first : first + count, :, h0 : h0 + hn] = src_np[:, :, pos : pos + count]
+                return
+            src = torch.frombuffer(payload, dtype=torch.uint8).view(head_shape).to(self.device)
+            for pos, first, count in runs:
+                self.kv_heads[:, :, first : first + count, :, h0 : h0 + hn].copy_(
+                    src[:, :, pos : pos + count]
+                )
+            return
+        shape = (spec.num_layers, 2, n, spec.row_bytes)
         if self.device.type == "cpu":
             src_np = np.frombuffer(payload, dtype=np.uint8).reshape(shape)
             cache = self.kv_bytes.numpy()

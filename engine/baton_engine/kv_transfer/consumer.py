@@ -10,6 +10,7 @@ The caller must have verified the signed params (`params.verify_params`) before 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from zmq.utils.monitor import parse_monitor_message
 from baton_engine.contract import KVTransferParams
 from baton_engine.kv_transfer import protocol
 from baton_engine.kv_transfer.cache_blocks import BlockScatterer, check_block_ids
+from baton_engine.kv_transfer.head_layout import HeadSource, head_sources
 from baton_engine.kv_transfer.metrics import TransferStats
 from baton_engine.kv_transfer.protocol import FailureReason, Kind, KVTransferError
 
@@ -45,9 +47,21 @@ class PullResult:
     seconds: float  # PULL sent -> DONE acknowledged
 
 
-def endpoint(params: KVTransferParams) -> str:
+def endpoint(params: KVTransferParams, producer_rank: int = 0) -> str:
+    """The address of the producer's rank `producer_rank` (rank 0: ``params.port``)."""
     host = f"[{params.host}]" if ":" in params.host else params.host
-    return f"tcp://{host}:{params.port}"
+    port = params.rank_ports[producer_rank] if params.rank_ports else params.port
+    return f"tcp://{host}:{port}"
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """This consumer's place among its pod's ranks: rank `rank` of `tp_size`, of a model with
+    `num_kv_heads` KV heads in all."""
+
+    num_kv_heads: int
+    tp_size: int = 1
+    rank: int = 0
 
 
 class _Channel:
@@ -128,11 +142,14 @@ class KVTransferConsumer:
         timeout_s: float = 10.0,
         context: zmq.Context[Any] | None = None,
         kv_key: str = "",
+        layout: RankLayout | None = None,
     ) -> None:
-        """`kv_key`: this engine's KV-compatibility key; params carrying another are refused."""
+        """`kv_key`: this engine's KV-compatibility key; params carrying another are refused.
+        `layout`: this rank's place in a tensor-parallel pod (default: one rank, every head)."""
         self.kv_key = kv_key
         self._scatterer = BlockScatterer(kv_cache)
         self.spec = self._scatterer.spec
+        self.layout = layout if layout is not None else RankLayout(self.spec.num_kv_heads)
         self.stats = stats if stats is not None else TransferStats()
         self.timeout_s = timeout_s
         self._ctx = context if context is not None else zmq.Context.instance()
@@ -158,6 +175,19 @@ class KVTransferConsumer:
         ]
         if diffs:
             raise KVTransferError(FailureReason.SPEC_MISMATCH, "consumer vs producer: " + ", ".join(diffs))
+        if params.num_kv_heads and params.num_kv_heads != self.layout.num_kv_heads:
+            raise KVTransferError(
+                FailureReason.SPEC_MISMATCH,
+                f"kv_transfer_params.num_kv_heads: the producer's model has {params.num_kv_heads} KV heads, "
+                f"this engine's {self.layout.num_kv_heads}; refusing to pull",
+            )
+
+    def sources(self, params: KVTransferParams) -> list[HeadSource]:
+        """What this rank pulls from which producer rank (the params' layout checked)."""
+        layout = self.layout
+        if params.tp_size == 1 and layout.tp_size == 1:
+            return [HeadSource(0, 0, 0, self.spec.num_kv_heads)]
+        return head_sources(layout.num_kv_heads, params.tp_size, layout.tp_size, layout.rank)
 
     def pull(
         self,
@@ -166,12 +196,16 @@ class KVTransferConsumer:
         *,
         skip_blocks: int = 0,
         on_chunk: Callable[[int], None] | None = None,
+        end_lease: bool = True,
     ) -> PullResult:
-        """Pull the producer's blocks ``params.block_ids[skip_blocks:]`` into `dst_block_ids`.
+        """Pull the producer's blocks ``params.block_ids[skip_blocks:]`` into `dst_block_ids`:
+        this rank's heads, from the producer ranks holding them (`sources`).
 
-        `skip_blocks` is this engine's own prefix-cache hit, in blocks. On success the producer
-        has released its lease; on failure a RELEASE is sent where the producer may still hold
-        it. Raises KVTransferError (and records its reason); `on_chunk(index)` runs after each
+        `skip_blocks` is this engine's own prefix-cache hit, in blocks. With `end_lease`, on
+        success the producer (every rank) has released its lease; on failure a RELEASE is sent
+        where it may still hold it. Without it (a rank of a tensor-parallel consumer, whose
+        rank 0 ends the lease once every rank pulled: `finish`) the lease is left alone.
+        Raises KVTransferError (and records its reason); `on_chunk(index)` runs after each
         chunk is written (tests use it to act mid-transfer).
         """
         wanted = params.block_ids[skip_blocks:]
@@ -188,49 +222,77 @@ class KVTransferConsumer:
             self.check_params(params)
         except KVTransferError as exc:
             self.stats.failed(exc.reason.value)
-            if exc.reason is FailureReason.KV_KEY_MISMATCH:
+            if exc.reason is FailureReason.KV_KEY_MISMATCH and end_lease:
                 # Signed by this deployment but never to be pulled here: let the producer free
                 # the blocks now rather than at lease expiry.
                 self.release(params)
             raise
-        try:
-            channel = _Channel(self._ctx, endpoint(params), self.timeout_s)
-        except KVTransferError as exc:
-            self.stats.failed(exc.reason.value)
-            raise
-        pull_id = uuid.uuid4().hex
+        channels: dict[int, _Channel] = {}
         linger = 0
         try:
-            if wanted:
-                self._transfer(channel, pull_id, params, wanted, dst_block_ids, on_chunk)
-            channel.send(Kind.DONE, self._ids(params, pull_id))
-            channel.recv(pull_id)  # ACK
+            sources = self.sources(params)
+            whole = params.tp_size == 1 and self.layout.tp_size == 1  # every head, one pull: no slice
+            for source in sources:
+                channel = channels.get(source.producer_rank)
+                if channel is None:
+                    channel = _Channel(self._ctx, endpoint(params, source.producer_rank), self.timeout_s)
+                    channels[source.producer_rank] = channel
+                if wanted:
+                    heads = None if whole else source
+                    self._transfer(channel, uuid.uuid4().hex, params, wanted, dst_block_ids, on_chunk, heads)
+            if end_lease:
+                for rank in range(params.tp_size):
+                    channel = channels.get(rank)
+                    if channel is None:
+                        channel = _Channel(self._ctx, endpoint(params, rank), self.timeout_s)
+                        channels[rank] = channel
+                    pull_id = uuid.uuid4().hex
+                    channel.send(Kind.DONE, self._ids(params, pull_id))
+                    channel.recv(pull_id)  # ACK
         except KVTransferError as exc:
             self.stats.failed(exc.reason.value)
-            if exc.reason not in _NOTHING_HELD:
-                channel.send(Kind.RELEASE, self._ids(params, uuid.uuid4().hex))
+            if end_lease and exc.reason not in _NOTHING_HELD:
+                for rank in range(params.tp_size):
+                    if rank in channels:
+                        channels[rank].send(Kind.RELEASE, self._ids(params, uuid.uuid4().hex))
                 linger = _RELEASE_LINGER_MS
             raise
         finally:
-            channel.close(linger)
+            for channel in channels.values():
+                channel.close(linger)
         seconds = time.perf_counter() - started
-        nbytes = len(wanted) * self.spec.block_bytes
+        nbytes = sum(len(wanted) * self._slice_spec(source).block_bytes for source in sources)
         self.stats.received(nbytes, seconds)
         return PullResult(num_blocks=len(wanted), num_bytes=nbytes, seconds=seconds)
 
     def release(self, params: KVTransferParams) -> bool:
-        """Tell the producer to drop a lease this engine will not pull (request aborted).
-        True if the producer acknowledged it."""
-        channel = _Channel(self._ctx, endpoint(params), self.timeout_s)
-        pull_id = uuid.uuid4().hex
-        try:
-            channel.send(Kind.RELEASE, self._ids(params, pull_id))
-            channel.recv(pull_id)
-            return True
-        except KVTransferError:
-            return False
-        finally:
-            channel.close()
+        """Tell the producer (every rank) to drop a lease this engine will not pull (request
+        aborted). True if every rank acknowledged it."""
+        return self._end(params, Kind.RELEASE)
+
+    def finish(self, params: KVTransferParams) -> bool:
+        """Tell the producer (every rank) that every rank of this pod pulled its heads (DONE).
+        True if every rank acknowledged it."""
+        return self._end(params, Kind.DONE)
+
+    def _end(self, params: KVTransferParams, kind: Kind) -> bool:
+        acknowledged = True
+        for rank in range(params.tp_size):
+            channel = _Channel(self._ctx, endpoint(params, rank), self.timeout_s)
+            pull_id = uuid.uuid4().hex
+            try:
+                channel.send(kind, self._ids(params, pull_id))
+                channel.recv(pull_id)
+            except KVTransferError:
+                acknowledged = False
+            finally:
+                channel.close()
+        return acknowledged
+
+    def _slice_spec(self, source: HeadSource | None) -> protocol.CacheSpec:
+        if source is None or source.count == self.spec.num_kv_heads:
+            return self.spec
+        return dataclasses.replace(self.spec, num_kv_heads=source.count)
 
     @staticmethod
     def _ids(params: KVTransferParams, pull_id: str) -> dict[str, Any]:
@@ -244,13 +306,20 @@ class KVTransferConsumer:
         wanted: list[int],
         dst: list[int],
         on_chunk: Callable[[int], None] | None,
+        source: HeadSource | None,
     ) -> None:
-        request = {
+        """One PULL: every head (`source` None), or the heads `source` names."""
+        spec = self._slice_spec(source)
+        request: dict[str, Any] = {
             **self._ids(params, pull_id),
             "block_ids": wanted,
-            "spec": self.spec.to_dict(),
+            "spec": spec.to_dict(),
             "kv_key": self.kv_key,
         }
+        dst_heads = None
+        if source is not None:
+            request["heads"] = [source.src_head, source.count]
+            dst_heads = (source.dst_head, source.count)
         channel.send(Kind.PULL, request)
         kind, meta, _ = channel.recv(pull_id)
         if kind is not Kind.META:
@@ -259,7 +328,7 @@ class KVTransferConsumer:
             theirs = protocol.CacheSpec.from_dict(meta.get("spec"))
         except ValueError as exc:
             raise KVTransferError(FailureReason.PROTOCOL, f"META: {exc}") from None
-        diff = self.spec.mismatch(theirs)
+        diff = spec.mismatch(theirs)
         if diff is not None:
             raise KVTransferError(FailureReason.SPEC_MISMATCH, f"consumer vs producer: {diff}")
         if meta.get("num_blocks") != len(wanted):
@@ -277,7 +346,7 @@ class KVTransferConsumer:
             if first + count > len(wanted):
                 raise KVTransferError(FailureReason.PROTOCOL, f"chunk {index} runs past the requested blocks")
             try:
-                self._scatterer.write(frames[3].buffer, dst[first : first + count])
+                self._scatterer.write(frames[3].buffer, dst[first : first + count], dst_heads)
             except ValueError as exc:
                 raise KVTransferError(FailureReason.PROTOCOL, f"chunk {index}: {exc}") from None
             written += count

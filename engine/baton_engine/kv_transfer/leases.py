@@ -41,6 +41,7 @@ class LeaseTable:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
+        self._added = threading.Condition(self._lock)
         self._leases: dict[str, Lease] = {}
         self._expired: OrderedDict[str, None] = OrderedDict()
         self._ended: list[tuple[str, LeaseEnd]] = []
@@ -58,7 +59,17 @@ class LeaseTable:
                 raise ValueError(f"transfer id {transfer_id!r} already has a lease")
             expires_at = self._clock() + lease_seconds
             self._leases[transfer_id] = Lease(transfer_id, list(block_ids), expires_at)
+            self._added.notify_all()
             return expires_at
+
+    def wait_added(self, transfer_id: str, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for a lease `transfer_id` to be added (or to have been: True
+        also if it already ended). A tensor-parallel rank >= 1 gets its leases from rank 0
+        between steps, so a consumer may ask before the lease arrived."""
+        with self._added:
+            return self._added.wait_for(
+                lambda: transfer_id in self._leases or transfer_id in self._expired, timeout_s
+            )
 
     def block_ids(self, transfer_id: str) -> list[int] | None:
         with self._lock:

@@ -59,6 +59,9 @@ def sign_params(
     model: str,
     lease_expires_at: float,
     kv_key: str = "",
+    tp_size: int = 1,
+    rank_ports: list[int] | None = None,
+    num_kv_heads: int = 0,
 ) -> dict[str, Any]:
     """The producer's answer for one prefilled request, signed."""
     params = KVTransferParams(
@@ -75,5 +78,8 @@ def sign_params(
         model=model,
         lease_expires_at=lease_expires_at,
         kv_key=kv_key,
+        tp_size=tp_size,
+        rank_ports=list(rank_ports or []) if tp_size > 1 else [],
+        num_kv_heads=num_kv_heads,
     )
     return params.signed(key).to_dict()

@@ -9,6 +9,7 @@ read never races with the step loop reusing a block.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -48,10 +49,14 @@ class KVTransferProducer:
         send_timeout_s: float = 10.0,
         context: zmq.Context[Any] | None = None,
         kv_key: str = "",
+        lease_wait_s: float = 0.0,
     ) -> None:
         """Bind the ROUTER on ``bind_host:port`` (port 0: any free port, see `port`). Pulls from
-        a consumer whose KV-compatibility key is not `kv_key` are refused."""
+        a consumer whose KV-compatibility key is not `kv_key` are refused. `lease_wait_s`: how
+        long a pull of a lease not added yet waits for it (tensor-parallel ranks >= 1, whose
+        leases come from rank 0)."""
         self.engine_id = engine_id
+        self.lease_wait_s = lease_wait_s
         self.kv_key = kv_key
         self.spec: CacheSpec = cache_spec(kv_cache)
         self.num_blocks = kv_cache.shape[2]
@@ -179,7 +184,26 @@ class KVTransferProducer:
         except ValueError as exc:
             self._reply_error(ident, header, FailureReason.BAD_REQUEST, str(exc))
             return
-        diff = self.spec.mismatch(theirs)
+        raw_heads = header.get("heads")
+        heads: tuple[int, int] | None = None
+        spec = self.spec
+        if raw_heads is not None:
+            if not (
+                isinstance(raw_heads, list)
+                and len(raw_heads) == 2
+                and all(isinstance(h, int) and not isinstance(h, bool) for h in raw_heads)
+            ):
+                self._reply_error(ident, header, FailureReason.BAD_REQUEST, "heads: must be [first, count]")
+                return
+            if not (
+                0 <= raw_heads[0] and 1 <= raw_heads[1] and raw_heads[0] + raw_heads[1] <= spec.num_kv_heads
+            ):
+                message = f"heads {raw_heads}: outside this rank's {spec.num_kv_heads} KV heads"
+                self._reply_error(ident, header, FailureReason.SPEC_MISMATCH, message)
+                return
+            heads = (raw_heads[0], raw_heads[1])
+            spec = dataclasses.replace(spec, num_kv_heads=heads[1])
+        diff = spec.mismatch(theirs)
         if diff is not None:
             self._reply_error(ident, header, FailureReason.SPEC_MISMATCH, f"producer vs consumer: {diff}")
             return
@@ -189,6 +213,9 @@ class KVTransferProducer:
             return
         transfer_id = header["transfer_id"]
         lease = self.leases.acquire(transfer_id)
+        if lease is FailureReason.UNKNOWN_TRANSFER and self.lease_wait_s > 0:
+            self.leases.wait_added(transfer_id, self.lease_wait_s)
+            lease = self.leases.acquire(transfer_id)
         if isinstance(lease, FailureReason):
             self._reply_error(ident, header, lease, f"transfer {transfer_id!r}: {lease.value}")
             return
@@ -199,14 +226,22 @@ class KVTransferProducer:
                     ident, header, FailureReason.BAD_REQUEST, f"block_ids: {outside[0]} is not in the lease"
                 )
                 return
-            self._send_blocks(ident, header["pull_id"], lease, ids)
+            self._send_blocks(ident, header["pull_id"], lease, ids, spec, heads)
         except _ConsumerGone as exc:
             self.stats.failed("consumer_gone")
             log.warning("KV transfer %s: consumer went away mid-send: %s", transfer_id, exc)
         finally:
             self.leases.done_reading(lease)
 
-    def _send_blocks(self, ident: bytes, pull_id: str, lease: Lease, ids: list[int]) -> None:
+    def _send_blocks(
+        self,
+        ident: bytes,
+        pull_id: str,
+        lease: Lease,
+        ids: list[int],
+        spec: CacheSpec,
+        heads: tuple[int, int] | None,
+    ) -> None:
         started = time.perf_counter()
         g = self._gatherer
         parts = [ids[i : i + g.chunk_blocks] for i in range(0, len(ids), g.chunk_blocks)]
@@ -218,7 +253,7 @@ class KVTransferProducer:
                 "transfer_id": lease.transfer_id,
                 "num_chunks": len(parts),
                 "num_blocks": len(ids),
-                "spec": self.spec.to_dict(),
+                "spec": spec.to_dict(),
             },
         )
         trackers: list[zmq.MessageTracker | None] = [None] * g.depth
@@ -241,13 +276,13 @@ class KVTransferProducer:
                     previous.wait(self.send_timeout_s)
                 except zmq.NotDone:
                     raise _ConsumerGone(f"chunk not sent within {self.send_timeout_s}s") from None
-            staged.append((slot, index, first, g.start(slot, part)))
+            staged.append((slot, index, first, g.start(slot, part, heads)))
             first += len(part)
             if len(staged) > 1:  # keep one chunk staging while the previous one is sent
                 send_next()
         while staged:
             send_next()
-        self.stats.sent(len(ids) * self.spec.block_bytes, time.perf_counter() - started)
+        self.stats.sent(len(ids) * spec.block_bytes, time.perf_counter() - started)
 
     def _send(self, ident: bytes, frames: list[Any]) -> zmq.MessageTracker:
         try:

@@ -12,11 +12,12 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from baton_engine.contract import KVTransferParams
-from baton_engine.kv_transfer.consumer import KVTransferConsumer, PullResult
+from baton_engine.kv_transfer.consumer import KVTransferConsumer, PullResult, RankLayout
 from baton_engine.kv_transfer.metrics import TransferStats
 from baton_engine.kv_transfer.protocol import FailureReason, KVTransferError
 
@@ -29,6 +30,9 @@ class PullJob:
     params: KVTransferParams
     dst_block_ids: list[int]
     skip_blocks: int
+    #: False on rank 0 of a tensor-parallel consumer: the lease ends once every rank pulled.
+    end_lease: bool = True
+    action: Literal["pull", "release", "finish"] = "pull"
     cancelled: threading.Event = field(default_factory=threading.Event)
     result: PullResult | None = None
     error: KVTransferError | None = None
@@ -36,9 +40,17 @@ class PullJob:
 
 class BackgroundPuller:
     def __init__(
-        self, kv_cache: torch.Tensor, *, stats: TransferStats, timeout_s: float = 10.0, kv_key: str = ""
+        self,
+        kv_cache: torch.Tensor,
+        *,
+        stats: TransferStats,
+        timeout_s: float = 10.0,
+        kv_key: str = "",
+        layout: RankLayout | None = None,
     ) -> None:
-        self._consumer = KVTransferConsumer(kv_cache, stats=stats, timeout_s=timeout_s, kv_key=kv_key)
+        self._consumer = KVTransferConsumer(
+            kv_cache, stats=stats, timeout_s=timeout_s, kv_key=kv_key, layout=layout
+        )
         self._jobs: queue.SimpleQueue[PullJob | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._finished: list[PullJob] = []
@@ -62,7 +74,11 @@ class BackgroundPuller:
 
     def release(self, params: KVTransferParams) -> None:
         """Ask a producer to drop a lease nobody will pull (on this thread; fire and forget)."""
-        self._jobs.put(PullJob(req_id=-1, params=params, dst_block_ids=[], skip_blocks=-1))
+        self._jobs.put(PullJob(req_id=-1, params=params, dst_block_ids=[], skip_blocks=0, action="release"))
+
+    def finish(self, params: KVTransferParams) -> None:
+        """Tell a producer every rank pulled its lease (DONE, on this thread; fire and forget)."""
+        self._jobs.put(PullJob(req_id=-1, params=params, dst_block_ids=[], skip_blocks=0, action="finish"))
 
     def take_finished(self) -> list[PullJob]:
         with self._lock:
@@ -80,13 +96,18 @@ class BackgroundPuller:
             job = self._jobs.get()
             if job is None:
                 return
-            if job.skip_blocks < 0:
+            if job.action == "release":
                 if not self._consumer.release(job.params):
                     log.info("KV transfer: release of %s not acknowledged", job.params.transfer_id)
                 continue
+            if job.action == "finish":
+                if not self._consumer.finish(job.params):
+                    log.info("KV transfer: DONE of %s not acknowledged", job.params.transfer_id)
+                continue
             try:
                 if job.cancelled.is_set():
-                    self._consumer.release(job.params)
+                    if job.end_lease:
+                        self._consumer.release(job.params)
                     raise KVTransferError(FailureReason.CANCELLED, "request aborted before its pull")
 
                 def check_cancel(_index: int, job: PullJob = job) -> None:
@@ -94,7 +115,11 @@ class BackgroundPuller:
                         raise KVTransferError(FailureReason.CANCELLED, "request aborted during its pull")
 
                 job.result = self._consumer.pull(
-                    job.params, job.dst_block_ids, skip_blocks=job.skip_blocks, on_chunk=check_cancel
+                    job.params,
+                    job.dst_block_ids,
+                    skip_blocks=job.skip_blocks,
+                    on_chunk=check_cancel,
+                    end_lease=job.end_lease,
                 )
             except KVTransferError as exc:
                 job.error = exc

@@ -9,9 +9,10 @@ rank 0 -> rank r (its `control` socket; multipart, first frame the kind):
 * ``[KV, msgpack payload]``: a KV-transfer command for the rank's transfer agent (P/D).
 
 rank r -> rank 0 (one shared `results` socket; one msgpack frame ``[kind, payload]``):
-``hello`` {rank, pid} before joining the group, ``ready`` {rank, pid, memory} once the rank's
-shard and KV cache are in place, ``heartbeat`` {rank} every `HEARTBEAT_S`, ``failed``
-{rank, message} before a rank exits on an error, ``kv`` payloads from the transfer agent.
+``hello`` {rank, pid} before joining the group, ``ready`` {rank, memory, kv_port} once the
+rank's shard and KV cache are in place (kv_port: where a producer rank serves its heads, or
+None), ``heartbeat`` {rank} every `HEARTBEAT_S`, ``failed`` {rank, message} before a rank exits
+on an error, ``kv`` {rank, kv} from the transfer agent (`kv_transfer.rank_agent`).
 """
 
 from __future__ import annotations
@@ -98,6 +99,11 @@ def decode_step(frames: list[Any]) -> SchedulerOutput:
         finished_req_ids=header["finished_req_ids"],
         **arrays,
     )
+
+
+def encode_kv(command: Any) -> list[Any]:
+    """The frames of a KV message (the command for the rank's transfer agent)."""
+    return [KV, msgpack.packb(command, use_bin_type=True)]
 
 
 def encode_result(kind: str, payload: Any) -> bytes:

@@ -64,6 +64,7 @@ class _Rank:
     control: zmq.Socket[bytes]
     hello: bool = False
     ready: dict[str, Any] | None = None
+    kv_port: int | None = None
     failed_message: str | None = None
     last_seen: float = field(default_factory=time.monotonic)
 
@@ -157,6 +158,12 @@ class TensorParallelExecutor:
         return self.runner.num_blocks
 
     @property
+    def kv_ports(self) -> list[int]:
+        """The KV-transfer ports ranks 1..N-1 serve their heads on (a producer's)."""
+        ports = [r.kv_port for r in self.ranks]
+        return [p for p in ports if p is not None]
+
+    @property
     def pids(self) -> list[int]:
         """The rank processes' pids (ranks 1..N-1; rank 0 is this process)."""
         return [r.process.pid for r in self.ranks]
@@ -180,8 +187,7 @@ class TensorParallelExecutor:
     def send_kv(self, rank: int, payload: Any) -> None:
         """A KV-transfer command for rank `rank` (>= 1), in order with the steps."""
         self._check()
-        frames = [step_message.KV, step_message.encode_result("kv", payload)]
-        self.ranks[rank - 1].control.send_multipart(frames)
+        self.ranks[rank - 1].control.send_multipart(step_message.encode_kv(payload))
 
     def close(self) -> None:
         """Stop every rank (SHUTDOWN, then kill past a deadline) and leave the group."""
@@ -214,6 +220,10 @@ class TensorParallelExecutor:
         atexit.unregister(self.close)
 
     # -- failure ----------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise `RankFailure` if a rank failed."""
+        self._check()
+
     def _check(self) -> None:
         if self.failure is not None:
             raise RankFailure(self.failure)
@@ -279,6 +289,7 @@ class TensorParallelExecutor:
                 self._ranks_hello.set()
         elif kind == step_message.READY:
             rank.ready = payload["memory"]
+            rank.kv_port = payload.get("kv_port")
             if all(r.ready is not None for r in self.ranks):
                 self._ranks_ready.set()
         elif kind == step_message.FAILED:

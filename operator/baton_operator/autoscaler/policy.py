@@ -296,6 +296,12 @@ class _Idle:
     waking: str | None  # why the pools must come back from zero (None: no demand seen)
 
 
+def _arrivals(before: float, now: float) -> float:
+    """Requests the routers saw since `before`; a count that went down is a router that
+    restarted (its counter began again at zero): what it shows now arrived since."""
+    return now - before if now >= before else now
+
+
 def _idle(zero: ScaleToZero, observations: Observations, history: History, now: float) -> _Idle:
     demand = observations.demand
     engines_busy = any(
@@ -304,7 +310,7 @@ def _idle(zero: ScaleToZero, observations: Observations, history: History, now: 
     if demand is None:
         # No router answered: not idle (a request may be arriving), and nothing to wake for.
         return _Idle(None, history.router_requests, None)
-    arrived = history.router_requests is not None and demand.requests != history.router_requests
+    arrived = history.router_requests is not None and _arrivals(history.router_requests, demand.requests) > 0
     active = demand.held > 0 or arrived or engines_busy or history.active_at is None
     waking = None
     if demand.held > 0:

@@ -18,6 +18,7 @@ from baton_operator.builders.common import (
 from baton_operator.builders.model_volume import model_mount
 from baton_operator.builders.workload import container_resources, deployment, pod_spec
 from baton_operator.models import EngineSpec
+from baton_operator.models.engine import tensor_parallel_size
 from baton_operator.models.pods import Resources
 from baton_operator.rollout.kv_key import kv_compat_key
 
@@ -64,6 +65,7 @@ def engine_args(ctx: BuildContext, role: str, engine: EngineSpec, model_ref: str
         contract.FLAG_KV_ON_FAILURE, spec.kv_transfer.on_failure,
         _switch(contract.FLAG_KV_EVENTS, spec.kv_events.enabled),
         contract.FLAG_KV_COMPAT_KEY, kv_compat_key(spec.model, engine),
+        contract.FLAG_TENSOR_PARALLEL_SIZE, str(role_tensor_parallel_size(ctx, role)),
     ]  # fmt: skip
     if engine.num_kv_blocks is not None:
         args += [contract.FLAG_NUM_KV_BLOCKS, str(engine.num_kv_blocks)]
@@ -92,6 +94,16 @@ def engine_ports(ctx: BuildContext, role: str, engine: EngineSpec) -> list[tuple
         ports.append((contract.PORT_KV_EVENTS, ctx.spec.kv_events.port))
         ports.append((contract.PORT_KV_EVENTS_REPLAY, ctx.spec.kv_events.replay_port))
     return ports
+
+
+SHM_GIB_PER_RANK = 1
+"""Memory-backed /dev/shm per rank of a tensor-parallel pod: NCCL/RCCL keep their intra-node
+buffers there, and a container's default 64 MiB is too small for them."""
+
+
+def role_tensor_parallel_size(ctx: BuildContext, role: str) -> int:
+    """The ranks (GPUs) of one pod of `role`."""
+    return tensor_parallel_size(role_engine(ctx, role), ctx.spec.roles()[role].resources.gpus)
 
 
 def _resources(res: Resources) -> Manifest:
@@ -168,10 +180,16 @@ def engine_deployment(ctx: BuildContext, role: str) -> Manifest:
             *model.mounts,
         ],
     }
+    volumes: list[Manifest] = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]
+    ranks = role_tensor_parallel_size(ctx, role)
+    if ranks > 1:
+        size = f"{SHM_GIB_PER_RANK * ranks}Gi"  # counts against the container's memory limit
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size}})
+        container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
     pod = pod_spec(
         role_spec,
         container,
-        volumes=[{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}, *model.volumes],
+        volumes=[*volumes, *model.volumes],
         init_containers=model.init_containers,
         termination_grace_s=role_spec.termination_grace_period_seconds,
     )

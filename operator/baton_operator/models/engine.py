@@ -93,6 +93,9 @@ _D: dict[str, str] = {
     "prefix_caching": "Reuse KV blocks of identical prompt prefixes.",
     "chunked_prefill": "Split long prompts into chunks and mix them with decodes in one step.",
     "max_queued_requests": "Waiting requests beyond which an engine answers HTTP 429.",
+    "tensor_parallel_size": "Ranks one engine pod splits the model across, one GPU each "
+    "(`--tensor-parallel-size`); default: the pod's GPU count (1 without GPUs). Must not exceed "
+    "resources.gpus; pools of different sizes still pass KV to each other.",
     "extra_args": "Extra `baton-engine serve` flags, appended after the ones Baton renders.",
     "env": "Extra literal environment variables of the engine container.",
 }
@@ -117,6 +120,7 @@ class EngineOverrides(CrdModel):
     prefix_caching: bool | None = Field(None, description=_D["prefix_caching"])
     chunked_prefill: bool | None = Field(None, description=_D["chunked_prefill"])
     max_queued_requests: int | None = Field(None, ge=1, le=1048576, description=_D["max_queued_requests"])
+    tensor_parallel_size: int | None = Field(None, ge=1, le=64, description=_D["tensor_parallel_size"])
     extra_args: list[str] | None = Field(None, max_length=32, description=_D["extra_args"])
     env: list[EnvVar] | None = Field(
         None, max_length=64, description=_D["env"], json_schema_extra=ENV_LIST_EXTRA
@@ -193,6 +197,7 @@ class EngineSpec(CrdModel):
     prefix_caching: bool = Field(True, description=_D["prefix_caching"])
     chunked_prefill: bool = Field(True, description=_D["chunked_prefill"])
     max_queued_requests: int = Field(1024, ge=1, le=1048576, description=_D["max_queued_requests"])
+    tensor_parallel_size: int | None = Field(None, ge=1, le=64, description=_D["tensor_parallel_size"])
     extra_args: list[str] = Field(default_factory=list, max_length=32, description=_D["extra_args"])
     env: list[EnvVar] = Field(
         default_factory=list, max_length=64, description=_D["env"], json_schema_extra=ENV_LIST_EXTRA
@@ -215,6 +220,21 @@ class EngineSpec(CrdModel):
         values: dict[str, Any] = dict(self)
         values.update({k: v for k, v in dict(overrides).items() if v is not None})
         return EngineSpec.model_construct(_fields_set=self.model_fields_set, **values)
+
+
+def tensor_parallel_size(engine: EngineSpec, gpus: int) -> int:
+    """The ranks of a pod running `engine` (a role's merged settings) with `gpus` accelerators."""
+    return engine.tensor_parallel_size or max(1, gpus)
+
+
+def check_tensor_parallel(engine: EngineSpec, gpus: int, role: str) -> None:
+    """A pod cannot split its model across more GPUs than it has (CPU pods run any size)."""
+    if gpus > 0 and tensor_parallel_size(engine, gpus) > gpus:
+        raise ValueError(tensor_parallel_message(role))
+
+
+def tensor_parallel_message(role: str) -> str:
+    return f"spec.{role}.engine.tensorParallelSize must be <= spec.{role}.resources.gpus (one GPU per rank)"
 
 
 def check_budget(engine: EngineSpec, where: str) -> None:

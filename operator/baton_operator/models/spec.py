@@ -10,7 +10,12 @@ from pydantic import Field, model_validator
 from baton_engine import contract
 from baton_operator.models.autoscaling import AutoscalingSpec
 from baton_operator.models.base import CrdModel, cel, object_default, validations
-from baton_operator.models.engine import EngineSpec, check_budget
+from baton_operator.models.engine import (
+    EngineSpec,
+    check_budget,
+    check_tensor_parallel,
+    tensor_parallel_message,
+)
 from baton_operator.models.inference_pool import InferencePoolSettings
 from baton_operator.models.pods import Quantity, RoleSpec, RouterSpec, _quantity
 from baton_operator.models.scheduling import DNS_SUBDOMAIN_PATTERN
@@ -182,6 +187,26 @@ def _override_rules(role: str) -> list[dict[str, str]]:
     ]
 
 
+#: The mode each role field belongs to.
+ROLE_MODES: dict[str, str] = {"prefill": "disaggregated", "decode": "disaggregated", "pool": "aggregated"}
+
+
+def _tensor_parallel_rule(role: str) -> dict[str, str]:
+    """A pod's ranks fit its GPUs: the role's tensorParallelSize, else the top-level one, else
+    the GPU count (always fits); a role left out has one GPU. CPU pods (0 GPUs) run any size."""
+    r = f"self.{role}"
+    gpus = f"((has({r}) && has({r}.resources) && has({r}.resources.gpus)) ? {r}.resources.gpus : 1)"
+    top = "(has(self.engine.tensorParallelSize) ? self.engine.tensorParallelSize : 1)"
+    own = f"{r}.engine.tensorParallelSize"
+    tp = f"((has({r}) && has({r}.engine) && has({own})) ? {own} : {top})"
+    return cel(
+        f"self.mode != '{ROLE_MODES[role]}' || {gpus} == 0 || {tp} <= {gpus}",
+        tensor_parallel_message(role),
+        f".{role}.engine.tensorParallelSize",
+        "FieldValueInvalid",
+    )
+
+
 SPEC_RULES: list[dict[str, str]] = [
     cel(
         "self.mode != 'aggregated' || !has(self.prefill)",
@@ -212,6 +237,7 @@ SPEC_RULES: list[dict[str, str]] = [
     ),
     *_port_rules(),
     *(rule for role in ROLE_FIELDS for rule in _override_rules(role)),
+    *(_tensor_parallel_rule(role) for role in ROLE_FIELDS),
 ]
 
 
@@ -299,6 +325,9 @@ class InferenceDeploymentSpec(CrdModel):
             spec: RoleSpec | None = getattr(self, role)
             if spec is not None and spec.engine is not None:
                 check_budget(self.engine.merged(spec.engine), f"spec.{role}.engine")
+            if ROLE_MODES[role] == self.mode:
+                role_spec = spec or RoleSpec()
+                check_tensor_parallel(self.engine.merged(role_spec.engine), role_spec.resources.gpus, role)
         return self
 
     def roles(self) -> dict[str, RoleSpec]:

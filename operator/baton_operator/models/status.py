@@ -46,6 +46,9 @@ class RoleStatus(CrdModel):
         ge=0,
         description="Pods of another key that still exist (the old generation, draining ones too).",
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks (GPUs) each pod of the pool splits the model across."
+    )
 
 
 class AutoscalingStatus(CrdModel):

@@ -107,6 +107,11 @@ async def act(
         for name in action.forget:
             guard()
             await kube.delete_if_present("apps/v1", "ReplicaSet", namespace, name)
+        if action.adopt_replicas is not None and action.adopt_replicas != view.replicas:
+            # Before the generation is given back: the paused Deployment scales its active
+            # ReplicaSet to its replicas.
+            guard()
+            await _set_replicas(kube, ctx, role, action.adopt_replicas)
         for rs in action.release:
             current = await kube.get("apps/v1", "ReplicaSet", namespace, rs.name)
             if current is None:
@@ -129,6 +134,28 @@ async def act(
                     }
                 },
             )
+        for rs in action.adopt:
+            current = await kube.get("apps/v1", "ReplicaSet", namespace, rs.name)
+            if current is None:
+                continue
+            refs = [
+                r for r in current["metadata"].get("ownerReferences") or [] if r.get("uid") != ctx.owner.uid
+            ]
+            guard()
+            await kube.merge_patch(
+                "apps/v1",
+                "ReplicaSet",
+                namespace,
+                rs.name,
+                {
+                    "metadata": {
+                        "resourceVersion": current["metadata"]["resourceVersion"],
+                        "labels": {contract.LABEL_ROLE: role, LABEL_RETIRING: None},
+                        "annotations": {ANNOTATION_TARGET: None},
+                        "ownerReferences": refs,
+                    }
+                },
+            )
         for rs in view.retiring:
             wanted = action.retiring_replicas.get(rs.name)
             if wanted is not None and wanted != rs.replicas and rs.name not in action.delete:
@@ -143,15 +170,7 @@ async def act(
             and action.replicas != view.replicas
         ):
             guard()
-            await kube.apply(
-                {
-                    "apiVersion": "apps/v1",
-                    "kind": "Deployment",
-                    "metadata": {"name": child_name(ctx.owner, role), "namespace": namespace},
-                    "spec": {"replicas": action.replicas},
-                },
-                field_manager=AUTOSCALER,
-            )
+            await _set_replicas(kube, ctx, role, action.replicas)
         for name in action.delete:
             guard()
             try:
@@ -159,6 +178,23 @@ async def act(
             except KubeError as exc:
                 if exc.status != 409:
                     raise
+
+
+async def _set_replicas(kube: Kube, ctx: BuildContext, role: str, replicas: int) -> None:
+    """A pool Deployment's replicas, under the field manager that owns them: the autoscaler's
+    in builtin mode; with autoscaling off a plain patch (the operator's next apply, forced,
+    sets the count it plans)."""
+    name, namespace = child_name(ctx.owner, role), ctx.owner.namespace
+    if ctx.spec.autoscaling.mode == "builtin":
+        manifest = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"replicas": replicas},
+        }
+        await kube.apply(manifest, field_manager=AUTOSCALER)
+    else:
+        await kube.merge_patch("apps/v1", "Deployment", namespace, name, {"spec": {"replicas": replicas}})
 
 
 @dataclass(frozen=True)

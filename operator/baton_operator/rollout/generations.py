@@ -14,6 +14,11 @@ The switch is ordered so that the Deployment controller never acts on a half-mad
 Deployment is first applied paused with the new template (no new ReplicaSet, no scaling), then
 its old ReplicaSets are released, then it is applied unpaused with the first step's replicas.
 
+A rollback (the spec's key is again that of a released generation) takes that generation back:
+its ReplicaSets get their role label again and the Deployment controller adopts them (their
+template is the Deployment's again, so they are its new ReplicaSet, as `kubectl rollout undo`
+would reuse one), while the generation rolled back from is released and drained as any old one.
+
 Without the operator owning replicas (`autoscaling.mode: external`: HPA or KEDA do) there is no
 stepping: each pool rolls with its Deployment's own strategy, decode first (prefill stays paused
 until no decode pod of the old key is left).
@@ -90,6 +95,8 @@ class PoolView:
     #: nothing else would scale the newest of them up, so the switch deletes them first.
     history: tuple[ReplicaSetView, ...] = ()
     retiring: tuple[ReplicaSetView, ...] = ()  # released ReplicaSets (the old generation)
+    #: Released ReplicaSets of the spec's key (a rollback): the Deployment takes them back.
+    adoptable: tuple[ReplicaSetView, ...] = ()
     new_replicas: int = 0  # spec.replicas summed over the Deployment's ReplicaSets of the key
     new_pods: int = 0  # pods of the key, not terminating
     new_ready: int = 0  # ... Ready
@@ -99,7 +106,7 @@ class PoolView:
 
     @property
     def rolling(self) -> bool:
-        return bool(self.releasable or self.retiring or self.old_pods)
+        return bool(self.releasable or self.retiring or self.adoptable or self.old_pods)
 
     @property
     def replicas(self) -> int | None:
@@ -123,6 +130,7 @@ def pool_view(
     releasable: list[ReplicaSetView] = []
     history: list[ReplicaSetView] = []
     retiring: list[ReplicaSetView] = []
+    adoptable: list[ReplicaSetView] = []
     new_replicas = 0
     for rs in replica_sets:
         labels, meta = _labels(rs), _meta(rs)
@@ -144,10 +152,12 @@ def pool_view(
                 new_replicas += view.replicas
             else:
                 releasable.append(view)
+        elif labels.get(contract.LABEL_ROLE) == role and _controller_uid(rs) is None and view.key == key:
+            new_replicas += view.replicas  # taken back (a rollback), not adopted yet
         elif labels.get(LABEL_RETIRING) == role and any(
             ref.get("uid") == owner_uid for ref in meta.get("ownerReferences") or []
         ):
-            retiring.append(view)
+            (adoptable if view.key == key else retiring).append(view)
     new = [p for p in pods if _labels(p).get(contract.LABEL_ROLE) == role]
     mine = [p for p in new if _labels(p).get(contract.LABEL_KV_COMPAT, "") == key]
     others = [p for p in new if _labels(p).get(contract.LABEL_KV_COMPAT, "") != key]
@@ -159,6 +169,7 @@ def pool_view(
         releasable=tuple(sorted(releasable, key=lambda r: r.created)),
         history=tuple(sorted(history, key=lambda r: r.created)),
         retiring=tuple(sorted(retiring, key=lambda r: r.created)),
+        adoptable=tuple(sorted(adoptable, key=lambda r: r.created)),
         new_replicas=new_replicas,
         new_pods=len(live),
         new_ready=sum(1 for p in live if _ready(p)),
@@ -179,6 +190,10 @@ class PoolAction:
     target: int = 0  # recorded on the released ReplicaSets
     retiring_replicas: dict[str, int] = field(default_factory=dict)  # released RS name -> replicas
     delete: tuple[str, ...] = ()  # released ReplicaSets with nothing left: delete
+    adopt: tuple[ReplicaSetView, ...] = ()  # released ReplicaSets to give back (a rollback)
+    #: With `adopt`: the Deployment's replicas before they are given back (its own of the key
+    #: and theirs), so that it neither scales them down nor adds pods meanwhile.
+    adopt_replicas: int | None = None
 
 
 @dataclass(frozen=True)
@@ -192,7 +207,7 @@ class RolloutPlan:
 
     @property
     def switching(self) -> bool:
-        return any(a.release for a in self.pools.values())
+        return any(a.release or a.adopt for a in self.pools.values())
 
 
 def _share(total: int, retiring: Sequence[ReplicaSetView]) -> dict[str, int]:
@@ -239,19 +254,26 @@ def plan(
         actions = {role: PoolAction(paused=role == contract.ROLE_PREFILL and waiting) for role in views}
         note = "decode first, prefill waits" if waiting else "prefill"
         return RolloutPlan(actions, active=True, message=f"{head}: rolling {note}; {_describe(views)}")
-    if any(v.releasable for v in views.values()):
-        # The switch: the Deployments take the new template paused, their old ReplicaSets go.
+    if any(v.releasable or v.adoptable for v in views.values()):
+        # The switch: the Deployments take the new template paused, their old ReplicaSets go
+        # (and, rolling back, the released ones of the key come back).
         actions = {
             role: PoolAction(
-                paused=bool(v.releasable),
+                paused=bool(v.releasable or v.adoptable),
                 replicas=v.replicas,
                 release=v.releasable,
-                forget=tuple(r.name for r in v.history) if v.releasable else (),
+                forget=tuple(r.name for r in v.history) if v.releasable or v.adoptable else (),
                 target=targets[role],
+                adopt=v.adoptable,
+                adopt_replicas=(v.new_replicas + sum(r.replicas for r in v.adoptable)) or targets[role]
+                if v.adoptable
+                else None,
             )
             for role, v in views.items()
         }
-        return RolloutPlan(actions, active=True, message=f"{head}: releasing the old generation")
+        back = any(v.adoptable for v in views.values())
+        what = "taking back the generation of the key" if back else "releasing the old generation"
+        return RolloutPlan(actions, active=True, message=f"{head}: {what}")
     sequence = steps(
         targets[contract.ROLE_PREFILL],
         targets[contract.ROLE_DECODE],

@@ -21,7 +21,7 @@ from typing import Any, Final
 from baton_operator.models import EngineSpec, ModelSpec
 
 #: Bump when the digest's inputs change meaning: every pod then rolls to a new generation.
-KEY_SCHEMA: Final = 1
+KEY_SCHEMA: Final = 2  # 2: the tensor-parallel size left the key (P/D works across TP sizes)
 KEY_LENGTH: Final = 16  # hex digits: a label value, and 64 bits against accidental collisions
 
 #: EngineSpec fields that shape the KV cache (or how its blocks are named).
@@ -31,7 +31,6 @@ KEY_FIELDS: Final[frozenset[str]] = frozenset(
         "block_size",
         "prefix_hash",
         "prefix_hash_seed",
-        "tensor_parallel_size",
         "kv_cache_dtype",
         "quantization",
     }
@@ -51,6 +50,9 @@ NOT_KEY_FIELDS: Final[frozenset[str]] = frozenset(
         "prefix_caching",
         "chunked_prefill",
         "max_queued_requests",
+        # A consumer pulls each rank's heads from the producer ranks holding them, whatever
+        # either side's size (kv_transfer_params carry the layout).
+        "tensor_parallel_size",
         "extra_args",
         "env",
     }
@@ -78,7 +80,6 @@ def key_inputs(model: ModelSpec, engine: EngineSpec) -> dict[str, Any]:
         "blockSize": engine.block_size,
         "prefixHash": engine.prefix_hash,
         "prefixHashSeed": engine.prefix_hash_seed or "",
-        "tensorParallelSize": getattr(engine, "tensor_parallel_size", None) or 1,
         "quantization": getattr(engine, "quantization", None) or "none",
     }
 

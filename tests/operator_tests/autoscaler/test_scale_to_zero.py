@@ -123,6 +123,20 @@ def test_requests_refused_at_zero_wake_the_pools_too() -> None:
     assert got["prefill"] == (1, "up", "scale up 0 -> 1: woken by requests the routers refused while at zero")
 
 
+def test_a_restarted_router_is_no_demand_until_it_counts_requests() -> None:
+    """A router that restarted counts from zero again: a lower count is not a request; what it
+    counts once restarted is (a request it refused, timed out, at zero)."""
+    idle = "hold at 0: scaled to zero (idle 300 s); no request waiting"
+    assert outcome(observe(0, 0, requests=0), seen(900, requests=52))["decode"] == (0, "hold", idle)
+    _, kept = decide(POLICY, observe(0, 0, requests=0), seen(900, requests=52), NOW)
+    assert kept.router_requests == 0
+    assert outcome(observe(0, 0, requests=1), seen(900, requests=52))["decode"] == (
+        1,
+        "up",
+        "scale up 0 -> 1: woken by requests the routers refused while at zero",
+    )
+
+
 @pytest.mark.parametrize(
     ("requests", "reason"),
     [

@@ -48,9 +48,10 @@ def _decode_split_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    row, kvh, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N)
+    row, kvh, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N, HEAD_MAJOR)
     H: tl.constexpr = KVH * GROUP
 
     g = tl.arange(0, GROUP_PAD)
@@ -142,10 +143,11 @@ def launch_split_k(
     extra_args: tuple[Any, ...] = (),
     kv_scale: torch.Tensor | None = None,
     programs_per_kv_head: int = 1,
+    head_major: bool = False,
     **kernel_constants: Any,
 ) -> None:
-    """Run a split-K paged kernel over (row, kv head x `programs_per_kv_head`, split) and merge its
-    splits into `out`.
+    """Run a split-K paged kernel over (row, kv head x `programs_per_kv_head`, split) — (kv head x
+    `programs_per_kv_head`, row, split) with `head_major` — and merge its splits into `out`.
 
     Without splits the kernel writes `out` directly; otherwise fp32 partials and their log2-sum-exp
     go to `workspace` and the reduce kernel combines them. Unset tiles, warps and stages come from
@@ -155,7 +157,9 @@ def launch_split_k(
     tuned = unsplit if splits == 1 else split
     assert tuned.block_n is not None
     constants = paged_kernel_constants(q, layer_cache, tuned.block_n if block_n is None else block_n)
-    kernel[(rows, layer_cache.shape[3] * programs_per_kv_head, splits)](
+    head_programs = layer_cache.shape[3] * programs_per_kv_head
+    grid = (head_programs, rows, splits) if head_major else (rows, head_programs, splits)
+    kernel[grid](
         *paged_kernel_args(q, layer_cache, block_tables, scale, kv_scale),
         seq_lens,
         out if splits == 1 else workspace.partial,
@@ -196,12 +200,14 @@ def paged_decode_attention(
     num_stages: int | None = None,
     kv_scale: torch.Tensor | None = None,
     launch: LaunchTable | None = None,
+    head_major: bool = False,
 ) -> torch.Tensor:
     """One query token per row. q: [B, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32;
     kv_scale: the layer's [2] (K, V) scales when the cache is FP8.
 
     A row with seq_len 0 (graph padding) yields zeros. `launch` defaults to the table of q's device;
-    `block_n`, `num_warps` and `num_stages` override its entry (tuning sweeps).
+    `block_n`, `num_warps` and `num_stages` override its entry (tuning sweeps). `head_major`: launch
+    a row's kv heads together (`split_k_program`).
     """
     batch, num_heads, _ = q.shape
     num_kv_heads = layer_cache.shape[3]
@@ -210,7 +216,7 @@ def paged_decode_attention(
     launch_split_k(
         _decode_split_kernel, batch, out, workspace, q, layer_cache, block_tables, seq_lens, scale, block_n,
         num_warps, num_stages, table.decode_unsplit, table.decode_split, table.split_reduce,
-        kv_scale=kv_scale,
+        kv_scale=kv_scale, head_major=head_major, HEAD_MAJOR=head_major,
         GROUP_PAD=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
     )  # fmt: skip
     return out

@@ -64,7 +64,7 @@ def _multi_query_split_kernel(
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    row, head_tile, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N)
+    row, head_tile, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N, False)
     H: tl.constexpr = KVH * GROUP
     kvh = head_tile // M_TILES
     query_len = tl.load(query_lens_ptr + row)

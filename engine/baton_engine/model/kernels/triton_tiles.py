@@ -90,11 +90,17 @@ def _constants(
 
 
 @triton.jit
-def split_k_program(seq_lens_ptr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def split_k_program(seq_lens_ptr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_MAJOR: tl.constexpr):
     """A split-K program's (row, kv head, split) from its grid position, the row's length and the
-    split's keys ``[start, end)``: equal slices of whole BLOCK_N tiles."""
-    row = tl.program_id(0)
-    kvh = tl.program_id(1)
+    split's keys ``[start, end)``: equal slices of whole BLOCK_N tiles. The grid is (row, kv
+    head, split), or (kv head, row, split) with HEAD_MAJOR: a row's kv heads launch together and
+    read the same cache rows at once (each key's heads are adjacent in the cache)."""
+    if HEAD_MAJOR:
+        kvh = tl.program_id(0)
+        row = tl.program_id(1)
+    else:
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + row)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N

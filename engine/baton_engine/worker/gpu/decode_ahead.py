@@ -2,11 +2,13 @@
 
 After a plain greedy decode step the runner knows everything step n+1 will most likely be: the
 same rows, each fed the token it just sampled, one position further, writing the next slot of
-the block it already owns. It launches that step on the device right away, so the device works
-while the host runs postprocess and the next `schedule()` (the host time per step is otherwise
-added to every decode step). When the real step arrives, `match_rows` checks it field by field
-against the prediction; only an exact match (rows may have left the batch) takes the precomputed
-tokens, anything else runs normally.
+the block it already owns. It launches that step on the device right away — before the host has
+even read step n's tokens: step n+1 takes them from the device — so the device always has the
+next step queued while the host reads tokens, runs postprocess and the next `schedule()` (the
+host time per step is otherwise added to every decode step). The plan's `input_ids` are filled
+in once step n's tokens reach the host. When the real step arrives, `match_rows` checks it field
+by field against the prediction; only an exact match (rows may have left the batch) takes the
+precomputed tokens, anything else runs normally.
 
 A prediction is made only when every row's next position lies inside the last block it owns
 (not at a block boundary, where the scheduler may allocate a new block), so the step writes
@@ -30,6 +32,7 @@ class AheadPlan:
 
     req_ids: npt.NDArray[np.int64]
     input_ids: npt.NDArray[np.int64]
+    """The tokens the rows are fed: -1 (matching no step) until the runner fills them in."""
     positions: npt.NDArray[np.int64]
     slots: npt.NDArray[np.int64]
     seq_lens: npt.NDArray[np.int64]
@@ -45,11 +48,9 @@ def is_decode_only(step: SchedulerOutput) -> bool:
     return step.num_rows > 0 and step.num_decode_rows == step.num_rows and step.num_tokens == step.num_rows
 
 
-def plan_next_decode(
-    step: SchedulerOutput, sampled: npt.NDArray[np.int64], block_size: int, max_model_len: int
-) -> AheadPlan | None:
-    """The step after decode-only `step` whose rows sampled `sampled`; None when any row would
-    cross into a block it does not own yet or reach `max_model_len`."""
+def plan_next_decode(step: SchedulerOutput, block_size: int, max_model_len: int) -> AheadPlan | None:
+    """The step after decode-only `step` (its input ids unknown yet: -1); None when any row
+    would cross into a block it does not own yet or reach `max_model_len`."""
     seq_lens = np.asarray(step.seq_lens, dtype=np.int64)
     tables = np.asarray(step.block_tables, dtype=np.int64)
     nxt = seq_lens  # the next position of every row is its current length
@@ -62,7 +63,7 @@ def plan_next_decode(
     slots = tables[rows, col] * block_size + nxt % block_size
     return AheadPlan(
         req_ids=np.asarray(step.req_ids, dtype=np.int64),
-        input_ids=np.asarray(sampled, dtype=np.int64),
+        input_ids=np.full(len(nxt), -1, dtype=np.int64),
         positions=nxt.copy(),
         slots=slots,
         seq_lens=seq_lens + 1,

@@ -1,10 +1,15 @@
 """The decoder's GPU forward: the `CausalLM`'s weights driven through Triton kernels.
 
-The model already merges q/k/v and gate/up into single projections; this forward adds the fused
-element-wise kernels, so a layer is 9 launches: add+norm, qkv, rotary+cache write, attention,
-o_proj, add+norm, gate_up, silu*mul, down (a sparse layer's MLP is the MoE block: router, top-k,
-two grouped expert GEMMs). It holds no weights of its own: the projections are the model's
-layers, applied through their quantization methods.
+The model already merges q/k/v and gate/up into single projections. Steps of more than
+`gemv_max_tokens` tokens (`GEMV_ENGINE_MAX_TOKENS`: 1) run the model's layers (through their
+quantization methods) with the fused element-wise kernels between them, 9 launches a layer:
+add+norm, qkv, rotary+cache write, attention, o_proj, add+norm, gate_up, silu*mul, down (a sparse
+layer's MLP is the MoE block: router, top-k, two grouped expert GEMMs). Single-token decode steps
+(up to `GEMV_MAX_TOKENS` tokens when asked) of a dense, unquantized model on one rank with a
+16/32-bit cache are weight sweeps: they run the decode products of `triton_gemv` on the layers'
+weights with the element-wise work folded in, 5 launches a layer besides attention
+(norm+qkv+rotary+cache write, attention, o_proj+residual, norm+gate_up+silu*mul, down+residual).
+It holds no weights of its own.
 """
 
 from __future__ import annotations
@@ -27,9 +32,20 @@ from baton_engine.model.kernels.triton_fused import (
     rotary_cache_write,
     silu_and_mul,
 )
+from baton_engine.model.kernels.triton_gemv import (
+    GEMV_ENGINE_MAX_TOKENS,
+    GemvTable,
+    default_gemv_table,
+    gemv,
+    gemv_qkv_rope,
+    gemv_residual,
+    gemv_silu,
+    residual_programs,
+    sum_squares,
+)
 from baton_engine.model.kernels.triton_multi_query import paged_multi_query_attention
 from baton_engine.model.layers import GatedMLP
-from baton_engine.model.linear import ParallelLinear
+from baton_engine.model.linear import ParallelLinear, UnquantizedLinearMethod
 from baton_engine.model.llama import CausalLM
 from baton_engine.model.moe import SparseMoeBlock
 
@@ -82,7 +98,17 @@ class FusedDecoder:
     """This rank's forward: its heads and MLP shard; the row-parallel projections all-reduce
     (inside captured graphs too) and the LM head all-gathers the vocabulary."""
 
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        gemv_table: GemvTable | None = None,
+        decode_gemv: bool = True,
+        gemv_max_tokens: int = GEMV_ENGINE_MAX_TOKENS,
+    ) -> None:
+        """`decode_gemv`: steps of at most `gemv_max_tokens` tokens (<= `GEMV_MAX_TOKENS`) take
+        the decode products, for models whose projections are unquantized and on one rank (the
+        products add into the residual in place, with no all-reduce) and without q/k norms
+        (whose per-head norm needs a head's whole row)."""
         config = model.config
         self.config = config
         self.eps = config.rms_norm_eps
@@ -99,6 +125,7 @@ class FusedDecoder:
         # Launch parameters of the device the weights live on (AMD and NVIDIA differ).
         self.launch = launch_table_for(self.embed.weight.device)
         self.sin = model.rotary.sin
+        self.gemv_table = default_gemv_table(self.embed.weight.device) if gemv_table is None else gemv_table
         self.layers: list[_Layer] = []
         for layer in model.model.decoder_layers():
             attn = layer.self_attn
@@ -113,6 +140,22 @@ class FusedDecoder:
                     k_norm=attn.k_norm,
                 )
             )
+        dense = all(isinstance(x.mlp, GatedMLP) for x in self.layers)
+        projections = [p for x in self.layers for p in (x.qkv_proj, x.o_proj)] + [
+            p
+            for x in self.layers
+            if isinstance(x.mlp, GatedMLP)
+            for p in (x.mlp.gate_up_proj, x.mlp.down_proj)
+        ]
+        plain = (
+            dense
+            and not self.lm_head.parallel.is_parallel
+            and all(
+                not p.parallel.is_parallel and type(p.quant_method) is UnquantizedLinearMethod
+                for p in projections
+            )
+        )
+        self.gemv_max_tokens = gemv_max_tokens if decode_gemv and plain and not config.qk_norm else 0
 
     def forward(
         self,
@@ -126,6 +169,8 @@ class FusedDecoder:
         """Final-norm hidden states [T, hidden]; writes the step's K/V into `kv_cache` (FP8 with
         `kv_scales` [layers, 2], else 16/32-bit)."""
         tokens = input_ids.shape[0]
+        if 0 < tokens <= self.gemv_max_tokens and kv_scales is None:  # the products write 16/32-bit K/V
+            return self._forward_few(input_ids, positions, slot_mapping, kv_cache, meta)
         residual = self.embed(input_ids)
         mlp_out: torch.Tensor | None = None
         h, d = self.num_heads, self.head_dim
@@ -148,38 +193,7 @@ class FusedDecoder:
                 qkv, positions, self.cos, self.sin, slot_mapping, layer_cache, h, self.num_kv_heads, d,
                 kv_scale, launch,
             )  # fmt: skip
-            q = qkv[:, : self.q_size].view(tokens, h, d)
-            if isinstance(meta, DecodeMeta):
-                attn = paged_decode_attention(
-                    q, layer_cache, meta.block_tables, meta.seq_lens, self.scale, meta.workspace,
-                    kv_scale=kv_scale, launch=launch,
-                )  # fmt: skip
-            elif isinstance(meta, VerifyMeta):
-                attn = paged_multi_query_attention(
-                    q,
-                    layer_cache,
-                    meta.block_tables,
-                    meta.seq_lens,
-                    meta.query_lens,
-                    meta.query_len,
-                    self.scale,
-                    meta.workspace,
-                    kv_scale=kv_scale,
-                    launch=launch,
-                )
-            else:
-                attn = paged_prefill_attention(
-                    q,
-                    layer_cache,
-                    meta.block_tables,
-                    meta.query_start_loc,
-                    meta.seq_lens,
-                    meta.tile_rows,
-                    meta.tile_starts,
-                    self.scale,
-                    kv_scale=kv_scale,
-                    launch=launch,
-                )
+            attn = self._attention(qkv[:, : self.q_size].view(tokens, h, d), layer_cache, meta, kv_scale)
             attn_out = layer.o_proj(attn.view(tokens, self.q_size))
             normed = fused_add_rms_norm(attn_out, residual, layer.post_norm, self.eps, launch=launch)
             mlp = layer.mlp
@@ -189,6 +203,74 @@ class FusedDecoder:
                 mlp_out = mlp.down_proj(silu_and_mul(mlp.gate_up_proj(normed), launch=launch))
         assert mlp_out is not None
         return fused_add_rms_norm(mlp_out, residual, self.final_norm, self.eps, launch=launch)
+
+    def _forward_few(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: DecodeMeta | VerifyMeta | PrefillMeta,
+    ) -> torch.Tensor:
+        """`forward` for a few tokens: the residual is updated in place by the o_proj and down
+        products, which leave per-program sums of squares for the next product's RMSNorm."""
+        tokens = input_ids.shape[0]
+        table = self.gemv_table
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        residual = self.embed(input_ids)
+        hidden_size = residual.shape[1]
+        widest = max(
+            residual_programs(hidden_size, table.launch("o", tokens)),
+            residual_programs(hidden_size, table.launch("down", tokens)),
+        )
+        squares = torch.empty((tokens, widest), dtype=torch.float32, device=residual.device)
+        partials = sum_squares(residual, squares)
+        for index, layer in enumerate(self.layers):
+            layer_cache = kv_cache[index]
+            mlp = layer.mlp
+            assert isinstance(mlp, GatedMLP)  # gemv_max_tokens is 0 for sparse models
+            qkv, o, gate_up, down = layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj
+            q_flat = gemv_qkv_rope(
+                residual, squares, partials, layer.input_norm, self.eps, qkv.weight,
+                positions, self.cos, self.sin, slot_mapping, layer_cache, h, kvh, d,
+                table.launch("qkv", tokens), bias=qkv.bias,
+            )  # fmt: skip
+            attn = self._attention(q_flat.view(tokens, h, d), layer_cache, meta)
+            partials = gemv_residual(
+                attn.view(tokens, self.q_size), o.weight, residual, squares, table.launch("o", tokens),
+                bias=o.bias,
+            )  # fmt: skip
+            act = gemv_silu(
+                residual, squares, partials, layer.post_norm, self.eps, gate_up.weight,
+                table.launch("gate_up", tokens), bias=gate_up.bias,
+            )  # fmt: skip
+            partials = gemv_residual(
+                act, down.weight, residual, squares, table.launch("down", tokens), bias=down.bias
+            )
+        return rms_norm(residual, self.final_norm, self.eps, launch=self.launch)
+
+    def _attention(
+        self,
+        q: torch.Tensor,
+        layer_cache: torch.Tensor,
+        meta: DecodeMeta | VerifyMeta | PrefillMeta,
+        kv_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        launch = self.launch
+        if isinstance(meta, DecodeMeta):
+            return paged_decode_attention(
+                q, layer_cache, meta.block_tables, meta.seq_lens, self.scale, meta.workspace,
+                kv_scale=kv_scale, launch=launch,
+            )  # fmt: skip
+        if isinstance(meta, VerifyMeta):
+            return paged_multi_query_attention(
+                q, layer_cache, meta.block_tables, meta.seq_lens, meta.query_lens, meta.query_len,
+                self.scale, meta.workspace, kv_scale=kv_scale, launch=launch,
+            )  # fmt: skip
+        return paged_prefill_attention(
+            q, layer_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.tile_rows,
+            meta.tile_starts, self.scale, kv_scale=kv_scale, launch=launch,
+        )  # fmt: skip
 
     @property
     def lm_weight(self) -> torch.Tensor:
@@ -201,6 +283,9 @@ class FusedDecoder:
         if head.parallel.is_parallel:
             logits = head.logits(hidden)
             return logits if out is None else out.copy_(logits)
+        tokens = hidden.shape[0]
+        if 0 < tokens <= self.gemv_max_tokens:
+            return gemv(hidden, head.weight, self.gemv_table.launch("lm_head", tokens), out=out)
         if out is None:
             return F.linear(hidden, head.weight)
         return torch.mm(hidden, head.weight.t(), out=out)

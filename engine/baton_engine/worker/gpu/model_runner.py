@@ -12,7 +12,11 @@
   paged prefill kernel. Nothing reads device memory on the host except the sampler's tokens;
   `sync_debug=True` runs each device step under ``torch.cuda.set_sync_debug_mode("error")``.
 * Plain greedy steps take the argmax on the device; after a greedy decode step the predicted
-  next step is launched at once (`decode_ahead`), so the device works while the scheduler plans.
+  next step is launched at once (`decode_ahead`), fed the step's tokens on the device, before
+  the host waits for them: the device always has the next step queued while the host reads
+  tokens and the scheduler plans.
+* Single-token decode steps run the fused decode products (`triton_gemv`) inside their
+  graphs; `decode_gemv=False` keeps torch's matmul there (the A/B of `bench.gpu`).
 * Structured output: a step's grammar bitmasks go through pinned buffers to the device and are
   applied to the logits with tensor ops after the forward (a graph replay included), before
   the sampler or the argmax. A step with a grammar is never run ahead: its successor's masks
@@ -34,6 +38,7 @@ import torch
 from baton_engine.config import EngineConfig
 from baton_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton_engine.model.kernels.triton_attention import PREFILL_BLOCK_M, DecodeWorkspace, decode_num_splits
+from baton_engine.model.kernels.triton_gemv import GemvTable
 from baton_engine.model.kernels.triton_multi_query import multi_query_workspace
 from baton_engine.model.loader.model_loading import LoadedModel
 from baton_engine.model.parallel import SINGLE, TensorParallel
@@ -95,6 +100,29 @@ def _put_into(host: torch.Tensor, values: np.ndarray, device: torch.Tensor) -> N
     device[:n].copy_(host[:n], non_blocking=True)
 
 
+class _TokenSlot:
+    """One step's greedy tokens: on the device (argmax output, row order of its step), their
+    pinned host copy, and the event after that copy."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.device = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.host = torch.zeros(rows, dtype=torch.int64, pin_memory=True)
+        self.done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+
+    def fill(self, logits: torch.Tensor) -> None:
+        """Argmax of `logits` [rows, vocab] into the slot and on to the host (asynchronous)."""
+        rows = logits.shape[0]
+        torch.argmax(logits, dim=-1, out=self.device[:rows])
+        self.host[:rows].copy_(self.device[:rows], non_blocking=True)
+        self.done.record()
+
+    def read(self, rows: int, index: npt.NDArray[np.int64] | None = None) -> npt.NDArray[np.int64]:
+        """A copy of the first `rows` tokens (or those at `index`), waiting for the device's copy."""
+        self.done.synchronize()
+        tokens: npt.NDArray[np.int64] = self.host.numpy()[:rows]
+        return tokens.copy() if index is None else tokens[index]
+
+
 class _GrammarStaging:
     """Pinned host buffers and device twins for one step's grammar bitmask and its rows."""
 
@@ -114,8 +142,7 @@ class _GrammarStaging:
 @dataclass
 class _Ahead:
     plan: AheadPlan
-    tokens_host: torch.Tensor  # pinned int64, filled by the device
-    done: torch.cuda.Event
+    tokens: _TokenSlot
 
 
 @dataclass
@@ -137,6 +164,8 @@ class GpuModelRunner(ModelRunner):
         sync_debug: bool = False,
         decode_ahead: bool = True,
         verify_graphs: bool = True,
+        decode_gemv: bool = True,
+        gemv_table: GemvTable | None = None,
         parallel: TensorParallel = SINGLE,
     ) -> None:
         super().__init__(config, loaded, parallel=parallel)
@@ -157,16 +186,11 @@ class GpuModelRunner(ModelRunner):
         self.ahead_hits = 0
         self.ahead_misses = 0
         self._ahead: _Ahead | None = None
-        # Two pinned token buffers: the one being read and the one the next ahead step fills.
-        self._ahead_slots = [
-            (
-                torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=True),
-                torch.cuda.Event(),  # type: ignore[no-untyped-call]
-            )
-            for _ in range(2)
-        ]
-        self._ahead_turn = 0
-        self.fused = FusedDecoder(self.model)
+        # A ring of token slots: the step being read, the ahead step in flight, and one spare
+        # (a slot is refilled only after the host has read it).
+        self._token_slots = [_TokenSlot(config.max_num_seqs, self.device) for _ in range(3)]
+        self._token_turn = 0
+        self.fused = FusedDecoder(self.model, gemv_table, decode_gemv)
         self.max_tokens = max(
             config.max_num_batched_tokens, config.max_num_seqs * (1 + config.num_speculative_tokens)
         )
@@ -323,48 +347,67 @@ class GpuModelRunner(ModelRunner):
             verified = logits.argmax(dim=-1).tolist()
             _, spans = self._expand_sampling(step)
             return self._accept(step, spans, verified, None)
-        tokens: npt.NDArray[np.int64] | None = None
         constrained = step.grammar_bitmask is not None
+        index = None
         if ahead is not None and not constrained:
             index = match_rows(ahead.plan, step, self.block_size)
             if index is not None:
-                ahead.done.synchronize()  # the sampled tokens of the step run ahead
-                tokens = ahead.tokens_host.numpy()[: ahead.plan.num_rows][index].astype(np.int64, copy=False)
                 self.ahead_hits += 1
             else:
                 self.ahead_misses += 1
-        if tokens is None:
+        if ahead is not None and index is not None:
+            # The step run ahead: its tokens, in the plan's row order, picked by `index`.
+            source, rows = ahead.tokens, ahead.plan.num_rows
+        else:
+            source, index = self._next_token_slot(), None
             logits = self.compute_logits(step)
             self.apply_grammar(logits, step)
-            tokens = logits.argmax(dim=-1).cpu().numpy().astype(np.int64, copy=False)
+            rows = logits.shape[0]
+            with self._sync_guard():
+                source.fill(logits)
+        launched = None
         if self.decode_ahead and is_decode_only(step) and not constrained:
-            self._launch_ahead(step, tokens)
+            launched = self._launch_ahead(step, source, index)
+        tokens = source.read(rows, index)
+        if launched is not None:
+            launched.plan.input_ids[:] = tokens
         return ModelRunnerOutput(step_id=step.step_id, sampled_token_array=tokens)
 
-    def _launch_ahead(self, step: SchedulerOutput, sampled: np.ndarray) -> None:
+    def _next_token_slot(self) -> _TokenSlot:
+        slot = self._token_slots[self._token_turn]
+        self._token_turn = (self._token_turn + 1) % len(self._token_slots)
+        return slot
+
+    def _launch_ahead(
+        self, step: SchedulerOutput, source: _TokenSlot, index: np.ndarray | None
+    ) -> _Ahead | None:
+        """Replay the graph of the step after `step`, fed the tokens `step` sampled straight from
+        `source` on the device (at `index`: the rows of `step` in the slot's row order)."""
         graph = self._graph_for(step.num_rows)
         if graph is None:
-            return
-        plan = plan_next_decode(step, sampled, self.block_size, self._max_len)
+            return None
+        plan = plan_next_decode(step, self.block_size, self._max_len)
         if plan is None:
-            return
+            return None
         staging = self._staging[self._turn]
         self._turn ^= 1
         staging.done.synchronize()
-        slot = self._ahead_slots[self._ahead_turn]
-        self._ahead_turn ^= 1
+        tokens = self._next_token_slot()
+        rows = plan.num_rows
         with self._sync_guard():
             self._stage_graph(
-                staging, graph, plan.input_ids, plan.positions, plan.slots, plan.seq_lens, plan.block_tables
+                staging, graph, None, plan.positions, plan.slots, plan.seq_lens, plan.block_tables
             )
+            if index is None or np.array_equal(index, np.arange(rows)):
+                self._g_ids[:rows].copy_(source.device[:rows])
+            else:
+                device_index = _put(staging.logits_indices, index.astype(np.int64))
+                torch.index_select(source.device, 0, device_index, out=self._g_ids[:rows])
             graph.graph.replay()
-            tokens_host, done = slot
-            tokens_host[: plan.num_rows].copy_(
-                graph.logits[: plan.num_rows].argmax(dim=-1), non_blocking=True
-            )
-            done.record()
+            tokens.fill(graph.logits[:rows])
             staging.done.record()
-        self._ahead = _Ahead(plan, tokens_host, done)
+        self._ahead = _Ahead(plan, tokens)
+        return self._ahead
 
     def apply_grammar(self, logits: torch.Tensor, step: SchedulerOutput) -> None:
         """The step's grammar bitmasks -> pinned buffer -> device (non-blocking), applied to
@@ -414,17 +457,23 @@ class GpuModelRunner(ModelRunner):
         self,
         st: _Staging,
         graph: _Graph,
-        input_ids: np.ndarray,
+        input_ids: np.ndarray | None,
         positions: np.ndarray,
         slots: np.ndarray,
         seq_lens: np.ndarray,
         tables: np.ndarray,
     ) -> None:
-        """Pinned buffers -> the graph's static inputs; padding rows get seq_len 0, slot -1."""
-        rows = len(input_ids)
+        """Pinned buffers -> the graph's static inputs; padding rows get seq_len 0, slot -1.
+
+        Without `input_ids` the caller fills the rows' ids on the device; padding rows keep
+        the ids of an earlier step (any valid id: they write nothing and are never read).
+        """
+        rows = len(positions)
         pad = graph.batch - rows
         zeros = np.zeros(pad, np.int64)
-        _put_into(st.input_ids[0], np.concatenate([np.asarray(input_ids, np.int64), zeros]), self._g_ids)
+        if input_ids is not None:
+            ids = np.concatenate([np.asarray(input_ids, np.int64), zeros])
+            _put_into(st.input_ids[0], ids, self._g_ids)
         _put_into(st.positions[0], np.concatenate([np.asarray(positions, np.int64), zeros]), self._g_pos)
         _put_into(st.slots[0], np.concatenate([np.asarray(slots, np.int64), zeros - 1]), self._g_slots)
         lens = np.concatenate([np.asarray(seq_lens, np.int32), np.zeros(pad, np.int32)])

@@ -1,0 +1,209 @@
+"""P/D between pods of different tensor-parallel sizes, through real engines over ZMQ on
+127.0.0.1 (a tiny random Llama, 4 attention heads over 2 KV heads, CPU, float32, gloo).
+
+The producer is a `baton-engine serve` process of TP=P (its ranks serve their own heads on their
+own ports); the consumer an engine core of TP=D in the test process (its ranks each pull the
+heads they need from the producer ranks holding them). The test plays the router: the prefill
+leg goes to the producer with ``{"do_remote_decode": true}``, the decode leg to the consumer
+with the signed params. Greedy tokens must be a single engine's for every (P, D) of 1, 2 and 4
+(4 > 2 KV heads: every head lives on two ranks); every producer block is freed once every rank
+ended its lease. A producer whose model has other KV heads is refused at the handshake, naming
+them, and the consumer recomputes: its tokens are still the single engine's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from baton_engine.config import EngineConfig
+from baton_engine.core.engine_core import EngineCore
+from baton_engine.core.sampling_params import SamplingParams
+from baton_engine.entrypoints.engine_factory import build_engine_core, close_runner
+from baton_support.ports import free_port_range
+from baton_support.tiny_models import parity_model
+from baton_support.wait import wait_for
+from tests.kv_transfer.helpers import KEY
+from tests.pd_setup import pd_environment
+from tests.server.server_process import ServerProcess, child_pids, pid_alive
+from tests.worker.tp_helpers import live_children
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+# A trained tokenizer in front (the server produces text); prompts are token ids.
+MODEL = parity_model("llama", seed=5).replace(dtype="float32", chat_tokenizer=True)
+NAME = "tiny"
+BLOCK_SIZE = 4
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+SETTINGS: dict[str, Any] = {
+    "dtype": "float32",
+    "block_size": BLOCK_SIZE,
+    "num_kv_blocks": 64,
+    "max_model_len": 256,
+    "tensor_parallel_timeout_seconds": 300.0,  # a loaded machine may deschedule a rank for long
+}
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(11)
+    return [[int(t) for t in rng.integers(0, 256, n)] for n in (6, 13, 21)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pd-tp")
+    paths = {"llama": root / "llama", "four-kv-heads": root / "four-kv-heads"}
+    MODEL.save(paths["llama"])
+    MODEL.replace(num_kv_heads=4).save(paths["four-kv-heads"])
+    return paths
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _environment() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pd_environment(KEY.decode()):
+        yield
+    torch.set_num_threads(previous)
+
+
+def _generate(core: EngineCore, name: str, prompt: list[int], kv: dict[str, Any] | None) -> list[int]:
+    core.add_request(name, prompt, GREEDY, kv_transfer_params=kv)
+    tokens: list[int] = []
+
+    def finished() -> bool:
+        done = False
+        for out in core.step():
+            if out.request_id == name:
+                tokens.extend(out.new_token_ids)
+                done = done or out.finished
+        return done
+
+    wait_for(finished, timeout=300, interval=0, message=f"request {name} to finish")
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def single(models: dict[str, Path]) -> list[list[int]]:
+    core, _ = build_engine_core(EngineConfig(model=str(models["llama"]), **SETTINGS))
+    return [_generate(core, f"single-{i}", p, None) for i, p in enumerate(_prompts())]
+
+
+@contextlib.contextmanager
+def _producer(model: Path, tp: int, log: Path) -> Iterator[ServerProcess]:
+    args = [
+        "--dtype", "float32", "--served-model-name", NAME, "--block-size", str(BLOCK_SIZE),
+        "--max-model-len", "256", "--num-kv-blocks", "64", "--kv-role", "producer",
+        "--kv-lease-seconds", "60", "--kv-transfer-port", str(free_port_range(tp)),
+        "--tensor-parallel-size", str(tp), "--tensor-parallel-timeout-seconds", "300",
+    ]  # fmt: skip
+    server = ServerProcess(str(model), *args, log_path=log)
+    core_pid = int(server.stats()["core_pid"])
+    ranks = child_pids(core_pid)
+    assert len(ranks) == tp - 1, ranks
+    try:
+        yield server
+    finally:
+        server.stop(signal.SIGTERM, timeout=60)
+        for pid in [core_pid, *ranks]:
+            wait_for(
+                lambda pid=pid: not pid_alive(pid), timeout=30, message=f"producer process {pid} to exit"
+            )
+
+
+@contextlib.contextmanager
+def _consumer(model: Path, tp: int) -> Iterator[EngineCore]:
+    config = EngineConfig(model=str(model), kv_role="consumer", tensor_parallel_size=tp, **SETTINGS)
+    core, _ = build_engine_core(config)
+    try:
+        yield core
+    finally:
+        assert core.kv_connector is not None
+        core.kv_connector.close()
+        close_runner(core)
+
+
+def _prefill(producer: ServerProcess, prompt: list[int]) -> dict[str, Any]:
+    body = {
+        "model": NAME,
+        "prompt": prompt,
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    response = producer.http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    kv: dict[str, Any] = response.json()["kv_transfer_params"]
+    return kv
+
+
+def _run_pairs(
+    models: dict[str, Path], tmp_path: Path, producer_tp: int, consumer_tps: list[int], want: list[list[int]]
+) -> None:
+    before = live_children()
+    prompts = _prompts()
+    with _producer(models["llama"], producer_tp, tmp_path / f"producer-tp{producer_tp}.log") as producer:
+        for consumer_tp in consumer_tps:
+            with _consumer(models["llama"], consumer_tp) as consumer:
+                got = []
+                for i, prompt in enumerate(prompts):
+                    kv = _prefill(producer, prompt)
+                    assert (kv["tp_size"], kv["num_kv_heads"], len(kv["rank_ports"])) == (
+                        producer_tp,
+                        2,
+                        producer_tp if producer_tp > 1 else 0,
+                    )
+                    got.append(_generate(consumer, f"d{consumer_tp}-{i}", prompt, kv))
+                assert got == want, (producer_tp, consumer_tp)
+                assert consumer.kv_connector is not None
+                totals = consumer.kv_connector.stats.totals().to_dict()
+                assert totals["failures"] == {}, totals  # every leg pulled: nothing recomputed
+                stats = consumer.stats()
+                assert (stats.num_used_kv_blocks, stats.num_running) == (0, 0)
+            # Every rank ended its lease (DONE from the consumer's rank 0): all blocks free.
+            producer.wait_idle()
+            assert producer.stats()["num_used_kv_blocks"] == 0
+    assert live_children(before) == []
+
+
+def test_a_tp1_producer_feeds_tp2_and_tp4_consumers(
+    models: dict[str, Path], single: list[list[int]], tmp_path: Path
+) -> None:
+    _run_pairs(models, tmp_path, 1, [2, 4], single)
+
+
+def test_a_tp2_producer_feeds_tp1_tp2_and_tp4_consumers(
+    models: dict[str, Path], single: list[list[int]], tmp_path: Path
+) -> None:
+    _run_pairs(models, tmp_path, 2, [1, 2, 4], single)
+
+
+def test_a_producer_of_other_kv_heads_is_refused_and_the_consumer_recomputes(
+    models: dict[str, Path], single: list[list[int]], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    before = live_children()
+    caplog.set_level(logging.WARNING, logger="baton_engine.kv_transfer.connector")
+    prompts = _prompts()
+    with (
+        _producer(models["four-kv-heads"], 2, tmp_path / "producer-mha.log") as producer,
+        _consumer(models["llama"], 2) as consumer,
+    ):
+        got = [_generate(consumer, f"r{i}", p, _prefill(producer, p)) for i, p in enumerate(prompts)]
+        assert got == single
+        assert consumer.kv_connector is not None
+        assert consumer.kv_connector.stats.totals().to_dict()["failures"] == {"spec_mismatch": len(prompts)}
+    refusal = (
+        "failed (spec_mismatch: kv_transfer_params.num_kv_heads: the producer's model has 4 KV heads, "
+        "this engine's 2; refusing to pull); recomputing locally"
+    )
+    assert sum(refusal in r.getMessage() for r in caplog.records) == len(prompts)
+    assert live_children(before) == []
