@@ -10,8 +10,9 @@ an unknown model, a body over the size limit, an unsatisfiable schema). Every
 recorded. At the end the engine must go idle: no request waiting or running, no KV block or
 grammar in use, nothing in flight in the server.
 
-The reference is the run's own start: RSS after the warm-up, and the memory growth between the
-second and the last tenth of the run (a leak grows linearly; a flat process does not).
+The reference is the run's own start: RSS after the warm-up, the memory growth between the
+second and the last tenth of the run, and its rate past the first tenth (least squares, MiB/min;
+a leak grows linearly, a flat process does not).
 
 Run: ``python -m bench.soak --json [--minutes 30]`` (one JSON object on the last line).
 """
@@ -371,6 +372,21 @@ def _growth(samples: list[dict[str, float]], key: str) -> float | None:
     return round(late - early, 1)
 
 
+def _slope_per_minute(samples: list[dict[str, float]], key: str) -> float | None:
+    """Least-squares slope of `key` over time past the first tenth of the run (MiB/min): a
+    leak's rate, ~0 for a flat process (the warm-up's caches fill in the first tenth)."""
+    if len(samples) < 10:
+        return None
+    tail = samples[len(samples) // 10 :]
+    ts = [s["t_s"] / 60.0 for s in tail]
+    ys = [s[key] for s in tail]
+    mean_t, mean_y = sum(ts) / len(ts), sum(ys) / len(ys)
+    spread = sum((t - mean_t) ** 2 for t in ts)
+    if spread == 0:
+        return None
+    return round(sum((t - mean_t) * (y - mean_y) for t, y in zip(ts, ys, strict=True)) / spread, 2)
+
+
 async def _idle_state(client: httpx.AsyncClient, timeout: float) -> dict[str, Any]:
     """The first stats snapshot with nothing queued, running or in flight (or the last one)."""
     deadline = time.monotonic() + timeout
@@ -442,10 +458,12 @@ async def _soak(config: SoakConfig, server_pid: int, url: str) -> dict[str, Any]
             "server_end": samples[-1]["server_rss_mib"],
             "server_max": max(s["server_rss_mib"] for s in samples),
             "server_growth_after_warmup": _growth(samples, "server_rss_mib"),
+            "server_growth_mib_per_min": _slope_per_minute(samples, "server_rss_mib"),
             "core_start": samples[0]["core_rss_mib"],
             "core_end": samples[-1]["core_rss_mib"],
             "core_max": max(s["core_rss_mib"] for s in samples),
             "core_growth_after_warmup": _growth(samples, "core_rss_mib"),
+            "core_growth_mib_per_min": _slope_per_minute(samples, "core_rss_mib"),
         },
         "rss_samples": samples,
     }
@@ -523,8 +541,10 @@ def main(argv: list[str] | None = None) -> int:
             f"unexpected: {len(result['unexpected'])}; "
             f"KV blocks in use at the end: {end['num_used_kv_blocks']}; "
             f"grammars left: {end['num_grammar_requests']}; "
-            f"server RSS {rss['server_start']} -> {rss['server_end']} MiB, "
-            f"core RSS {rss['core_start']} -> {rss['core_end']} MiB"
+            f"server RSS {rss['server_start']} -> {rss['server_end']} MiB "
+            f"({rss['server_growth_mib_per_min']} MiB/min), "
+            f"core RSS {rss['core_start']} -> {rss['core_end']} MiB "
+            f"({rss['core_growth_mib_per_min']} MiB/min)"
         )
     print(json.dumps(result))
     clean = (
