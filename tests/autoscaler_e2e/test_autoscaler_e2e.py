@@ -30,13 +30,12 @@ from baton_dev.kubeapi import ApiAccess, AsyncKubeApi
 from baton_dev.testing import DevCluster, is_ready
 from baton_engine import contract
 from baton_operator import models
-from baton_support.operator_process import OperatorProcess, operator_process
+from baton_support.operator_process import OperatorProcess, cluster_operator
 from baton_support.wait import wait_for
 from tests.autoscaler_e2e.load import LoadGenerator
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.model]
 
-REPO = Path(__file__).resolve().parents[2]
 NAME = "scale"
 TARGET_QUEUE = 1
 TARGET_KV = 0.5
@@ -150,22 +149,8 @@ class Recorder:
 
 @pytest.fixture
 def operator(dev_cluster: DevCluster, k8s_namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    dev_cluster.kubectl("apply", "-f", str(REPO / "crds"))
-    # Not `kubectl wait --for=condition=Established`: it fails at once ("accessor error") when it
-    # reads the CRD before the API server has written any condition.
-    crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencedeployments.baton.dev"
-
-    def established() -> bool:
-        conditions = dev_cluster.admin.get(crd).get("status", {}).get("conditions") or []
-        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
-
-    wait_for(established, timeout=60, interval=0.1, message="the CRD to be Established")
-    with operator_process(
-        dev_cluster.state.admin_kubeconfig,
-        tmp_path,
-        "--no-peering",
-        "--resync-seconds=5",
-        namespace=k8s_namespace,
+    with cluster_operator(
+        dev_cluster, tmp_path, "--no-peering", "--resync-seconds=5", namespace=k8s_namespace
     ) as proc:
         yield proc
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,15 +21,19 @@ from baton_dev.kubeapi import ApiAccess
 from baton_dev.testing import DevCluster, condition, is_ready, wait_for
 from baton_engine import contract
 from baton_operator import models
-from baton_operator.models import InferenceDeploymentSpec
 from baton_operator.rollout.generations import LABEL_RETIRING
-from baton_operator.rollout.kv_key import kv_compat_key
-from baton_support.operator_process import OperatorProcess, operator_process
-from tests.operator_tests.timeline import Timeline, deleting, key_of_pod, role_of, rollout_invariants
+from baton_support.operator_process import OperatorProcess, cluster_operator
+from tests.operator_tests.timeline import (
+    Timeline,
+    key_of,
+    key_of_pod,
+    role_of,
+    rollout_invariants,
+    rollout_settled,
+)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 KWOK = {cluster_spec.NODE_TYPE_LABEL: "kwok"}
 ON_KWOK = {"nodeSelector": KWOK, "tolerations": [cluster_spec.KWOK_TOLERATION]}  # kwok nodes are tainted
 CPU_POD = {"gpus": 0, "cpu": "100m", "memory": "256Mi"}
@@ -52,24 +55,9 @@ def spec(prefill: int, decode: int, mode: str = "off", **engine: Any) -> dict[st
     }
 
 
-def key_of(doc: dict[str, Any]) -> str:
-    parsed = InferenceDeploymentSpec.model_validate(doc)
-    return kv_compat_key(parsed.model, parsed.engine)
-
-
 @pytest.fixture(scope="module")
 def operator(dev_cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    dev_cluster.kubectl("apply", "-f", str(REPO / "crds"))
-    crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencedeployments.baton.dev"
-
-    def established() -> bool:
-        conditions = dev_cluster.admin.get(crd).get("status", {}).get("conditions") or []
-        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
-
-    wait_for(established, timeout=60, message="the CRD to be Established")
-    with operator_process(
-        dev_cluster.state.admin_kubeconfig, tmp_path_factory.mktemp("operator"), "--no-peering"
-    ) as proc:
+    with cluster_operator(dev_cluster, tmp_path_factory.mktemp("operator"), "--no-peering") as proc:
         yield proc
 
 
@@ -115,17 +103,7 @@ class Resource:
         ]
 
     def settled(self, key: str, counts: dict[str, int]) -> bool:
-        """Every pool at its count, all pods Ready with `key`, no old generation left, Stable."""
-        for role, n in counts.items():
-            pods = self.pods(role)
-            if len(pods) != n or not all(
-                is_ready(p) and key_of_pod(p) == key and not deleting(p) for p in pods
-            ):
-                return False
-        if any(LABEL_RETIRING in (rs["metadata"].get("labels") or {}) for rs in self.replica_sets()):
-            return False
-        progressing = condition(self.get(), "Progressing")
-        return progressing is not None and progressing["reason"] == "Stable"
+        return rollout_settled(self.cluster, self.ns, self.name, key, counts)
 
 
 def test_key_change_rolls_decode_first_in_two_generations_then_a_plain_change_rolls_in_place(
