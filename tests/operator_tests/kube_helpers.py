@@ -11,6 +11,18 @@ from baton_operator.kube import Kube
 from baton_support.apiserver import ApiServer, Rest
 from baton_support.wait import wait_for
 
+#: Every kind the operator writes as a resource's child: (apiVersion, kind).
+CHILD_KINDS = [
+    ("v1", "ServiceAccount"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("v1", "Service"),
+    ("policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("apps/v1", "Deployment"),
+    ("v1", "Secret"),
+]
+
 
 def async_kube(server: ApiServer, token: str | None = None) -> Kube:
     info = kopf.ConnectionInfo(server=server.url, ca_path=str(server.ca_file), token=token or server.token)

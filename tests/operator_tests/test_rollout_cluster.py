@@ -105,6 +105,9 @@ class Resource:
     def settled(self, key: str, counts: dict[str, int]) -> bool:
         return rollout_settled(self.cluster, self.ns, self.name, key, counts)
 
+    def wait_settled(self, key: str, counts: dict[str, int], what: str, timeout: float = 120) -> None:
+        wait_for(lambda: self.settled(key, counts), timeout=timeout, interval=0.5, message=what)
+
 
 def test_key_change_rolls_decode_first_in_two_generations_then_a_plain_change_rolls_in_place(
     dev_cluster: DevCluster, k8s_namespace: str, operator: OperatorProcess
@@ -113,7 +116,7 @@ def test_key_change_rolls_decode_first_in_two_generations_then_a_plain_change_ro
     body = spec(1, 2)
     res.create(body)
     old_key, counts = key_of(body), {"prefill": 1, "decode": 2}
-    wait_for(lambda: res.settled(old_key, counts), timeout=120, interval=0.5, message="the pools Ready")
+    res.wait_settled(old_key, counts, "the pools Ready")
     uids = {role: res.deployment(role)["metadata"]["uid"] for role in counts}
     access = ApiAccess.from_kubeconfig(dev_cluster.state.admin_kubeconfig)
     pods_path = f"/api/v1/namespaces/{k8s_namespace}/pods"
@@ -125,12 +128,7 @@ def test_key_change_rolls_decode_first_in_two_generations_then_a_plain_change_ro
     assert new_key != old_key
     with Timeline(access, pods_path) as pods, Timeline(access, rs_path) as replica_sets:
         res.patch({"engine": {"blockSize": 32}})
-        wait_for(
-            lambda: res.settled(new_key, counts),
-            timeout=180,
-            interval=0.5,
-            message="the new generation alone",
-        )
+        res.wait_settled(new_key, counts, "the new generation alone", timeout=180)
     states = rollout_invariants(pods, counts, new_key)
     assert states >= 10  # every pod of both generations went through several states
     released = {
@@ -189,12 +187,7 @@ def test_builtin_mode_keeps_the_autoscalers_replicas_through_a_rollout(
     res = Resource(dev_cluster, k8s_namespace, "auto")
     body = spec(1, 1, mode="builtin")
     res.create(body)
-    wait_for(
-        lambda: res.settled(key_of(body), {"prefill": 1, "decode": 1}),
-        timeout=120,
-        interval=0.5,
-        message="the pools Ready",
-    )
+    res.wait_settled(key_of(body), {"prefill": 1, "decode": 1}, "the pools Ready")
     path = f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/auto-decode"
     claim = {
         "apiVersion": "apps/v1",
@@ -210,19 +203,14 @@ def test_builtin_mode_keeps_the_autoscalers_replicas_through_a_rollout(
         params={"fieldManager": "baton-autoscaler"},
     )
     counts = {"prefill": 1, "decode": 2}
-    wait_for(lambda: res.settled(key_of(body), counts), timeout=120, interval=0.5, message="decode at 2")
+    res.wait_settled(key_of(body), counts, "decode at 2")
     changed = copy.deepcopy(body)
     changed["engine"]["dtype"] = "bfloat16"
     new_key = key_of(changed)
     access = ApiAccess.from_kubeconfig(dev_cluster.state.admin_kubeconfig)
     with Timeline(access, f"/api/v1/namespaces/{k8s_namespace}/pods") as pods:
         res.patch({"engine": {"dtype": "bfloat16"}})
-        wait_for(
-            lambda: res.settled(new_key, counts),
-            timeout=180,
-            interval=0.5,
-            message="the new generation alone",
-        )
+        res.wait_settled(new_key, counts, "the new generation alone", timeout=180)
     rollout_invariants(pods, counts, new_key)
     for role, count in counts.items():
         deployment = res.deployment(role)
@@ -243,23 +231,13 @@ def test_external_mode_rolls_decode_first_each_pool_with_its_own_strategy(
     res = Resource(dev_cluster, k8s_namespace, "ext")
     body = spec(1, 1, mode="external")
     res.create(body)
-    wait_for(
-        lambda: res.settled(key_of(body), {"prefill": 1, "decode": 1}),
-        timeout=120,
-        interval=0.5,
-        message="the pools Ready",
-    )
+    res.wait_settled(key_of(body), {"prefill": 1, "decode": 1}, "the pools Ready")
     scale = f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/ext-decode/scale"
     merge = "application/merge-patch+json"
     hpa = {"fieldManager": "hpa"}
     dev_cluster.admin.request("PATCH", scale, {"spec": {"replicas": 2}}, content_type=merge, params=hpa)
     counts = {"prefill": 1, "decode": 2}
-    wait_for(
-        lambda: res.settled(key_of(body), counts),
-        timeout=120,
-        interval=0.5,
-        message="decode at 2 (the HPA's)",
-    )
+    res.wait_settled(key_of(body), counts, "decode at 2 (the HPA's)")
     access = ApiAccess.from_kubeconfig(dev_cluster.state.admin_kubeconfig)
     changed = copy.deepcopy(body)
     changed["engine"]["blockSize"] = 8
@@ -271,12 +249,7 @@ def test_external_mode_rolls_decode_first_each_pool_with_its_own_strategy(
         Timeline(access, deployments) as deploys,
     ):
         res.patch({"engine": {"blockSize": 8}})
-        wait_for(
-            lambda: res.settled(new_key, counts),
-            timeout=180,
-            interval=0.5,
-            message="the new generation alone",
-        )
+        res.wait_settled(new_key, counts, "the new generation alone", timeout=180)
     assert not [rs for rs in replica_sets.ever() if LABEL_RETIRING in (rs["metadata"].get("labels") or {})]
     # Prefill's first new pod came once no old decode pod was left.
     for state in pods.states():
@@ -302,7 +275,7 @@ def test_a_stuck_rollout_is_rolled_forward_and_a_deleted_resource_takes_every_ge
     body = spec(1, 1)
     res.create(body)
     counts = {"prefill": 1, "decode": 1}
-    wait_for(lambda: res.settled(key_of(body), counts), timeout=120, interval=0.5, message="the pools Ready")
+    res.wait_settled(key_of(body), counts, "the pools Ready")
     nowhere = {cluster_spec.NODE_TYPE_LABEL: "no-such-node"}
     res.patch({"engine": {"blockSize": 32}, "decode": {"nodeSelector": nowhere}})
 
@@ -319,12 +292,7 @@ def test_a_stuck_rollout_is_rolled_forward_and_a_deleted_resource_takes_every_ge
     forward = copy.deepcopy(body)
     forward["engine"]["blockSize"] = 64
     res.patch({"engine": {"blockSize": 64}, "decode": {"nodeSelector": KWOK}})
-    wait_for(
-        lambda: res.settled(key_of(forward), counts),
-        timeout=180,
-        interval=0.5,
-        message="rolled forward to the newest key",
-    )
+    res.wait_settled(key_of(forward), counts, "rolled forward to the newest key", timeout=180)
 
     res.patch({"engine": {"blockSize": 16}, "decode": {"nodeSelector": nowhere}})
     wait_for(stuck, timeout=120, interval=0.5, message="stuck again")
@@ -353,7 +321,7 @@ def test_a_rollback_mid_rollout_returns_to_the_old_key_within_the_bounds(
     body = spec(1, 1, mode=mode)
     res.create(body)
     old_key, counts = key_of(body), {"prefill": 1, "decode": 1}
-    wait_for(lambda: res.settled(old_key, counts), timeout=120, interval=0.5, message="the pools Ready")
+    res.wait_settled(old_key, counts, "the pools Ready")
     nowhere = {cluster_spec.NODE_TYPE_LABEL: "no-such-node"}
     changed = copy.deepcopy(body)
     changed["engine"]["blockSize"] = 32
@@ -372,12 +340,7 @@ def test_a_rollback_mid_rollout_returns_to_the_old_key_within_the_bounds(
         Timeline(access, f"/apis/apps/v1/namespaces/{k8s_namespace}/replicasets") as replica_sets,
     ):
         res.patch({"engine": {"blockSize": None}, "decode": {"nodeSelector": KWOK}})
-        wait_for(
-            lambda: res.settled(old_key, counts),
-            timeout=180,
-            interval=0.5,
-            message="back at the old key alone",
-        )
+        res.wait_settled(old_key, counts, "back at the old key alone", timeout=180)
     rollout_invariants(pods, counts, old_key)
     assert not [p for p in pods.ever() if key_of_pod(p) == new_key and is_ready(p)]
     # Taken back, not replaced: the old generation's pods serve on (their template is the
