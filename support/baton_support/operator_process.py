@@ -8,7 +8,6 @@ run` as that ServiceAccount. Started and stopped by pid.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import yaml
 
 from baton_operator import models
 from baton_operator.kube import collection_path
-from baton_support.apiserver import ApiServer, Rest, write_kubeconfig
+from baton_support.apiserver import ApiServer, Rest, stop_process, write_kubeconfig
 from baton_support.ports import free_port
 from baton_support.wait import wait_for
 
@@ -168,15 +167,10 @@ def operator_process(
         yield handle
     finally:
         if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+            if stop_process(proc, grace_s=20):
                 raise AssertionError(
                     f"the operator did not stop within 20 s of SIGTERM:\n{handle.log_text()[-4000:]}"
-                ) from None
+                )
             if sys.exc_info()[1] is None:  # never hide the test's own failure behind this one
                 assert_clean_stop(handle)
 
