@@ -1,7 +1,8 @@
-"""A tensor-parallel rank killed while a request decodes (CPU, gloo, real rank processes, a tiny
-random Llama): the request gets an error naming the rank, never a hang; `baton-engine serve`
-turns unhealthy and exits 1 within a bound; the offline `LLM` raises `RankFailure`. Rank 0 (the
-engine core) dying takes its ranks with it. No process is left in any case."""
+"""A tensor-parallel rank killed (or stopped: no heartbeat) while a request decodes (CPU, gloo,
+real rank processes, a tiny random Llama): the request gets an error naming the rank, never a
+hang; `baton-engine serve` turns unhealthy and exits 1 within a bound; the offline `LLM` raises
+`RankFailure`. Rank 0 (the engine core) dying takes its ranks with it. No process is left in
+any case."""
 
 from __future__ import annotations
 
@@ -47,11 +48,11 @@ def no_process_left() -> Iterator[None]:
     assert live_children(before) == []
 
 
-def _tp2_server(model_dir: Path, log: Path) -> tuple[ServerProcess, int, int]:
+def _tp2_server(model_dir: Path, log: Path, hang_timeout_s: float = 300.0) -> tuple[ServerProcess, int, int]:
     """A TP=2 server, its engine core's pid and its rank 1's pid."""
     args = [
         "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "128",
-        "--tensor-parallel-size", "2", "--tensor-parallel-timeout-seconds", "300",
+        "--tensor-parallel-size", "2", "--tensor-parallel-timeout-seconds", str(hang_timeout_s),
     ]  # fmt: skip
     server = ServerProcess(str(model_dir), *args, log_path=log)
     core = int(server.stats()["core_pid"])
@@ -60,9 +61,9 @@ def _tp2_server(model_dir: Path, log: Path) -> tuple[ServerProcess, int, int]:
     return server, core, ranks[0]
 
 
-def _stream_and_kill(server: ServerProcess, victim: int) -> tuple[int, list[str]]:
-    """Stream a long completion; SIGKILL `victim` once the first token arrived; the rest of the
-    stream's events."""
+def _stream_and_kill(server: ServerProcess, victim: int, sig: int = signal.SIGKILL) -> tuple[int, list[str]]:
+    """Stream a long completion; send `victim` `sig` once the first token arrived; the rest of
+    the stream's events."""
 
     async def main() -> tuple[int, list[str]]:
         body = {"model": str(server_model(server)), "prompt": [1, 2, 3, 4, 5], "max_tokens": 200}
@@ -72,7 +73,7 @@ def _stream_and_kill(server: ServerProcess, victim: int) -> tuple[int, list[str]
                 lines = response.aiter_lines()
                 while not (await anext(lines)).startswith("data: {"):
                     pass
-                os.kill(victim, signal.SIGKILL)
+                os.kill(victim, sig)
                 return response.status_code, [line async for line in lines if line.startswith("data: ")]
 
     return asyncio.run(main())
@@ -135,6 +136,30 @@ def test_serve_exits_1_when_a_rank_is_killed_mid_request(
     assert f"core: {reason}; stopping the engine" in log
     assert f"engine core stopped: {reason}; exiting with code 1" in log
     assert not pid_alive(core) and not pid_alive(rank1)
+
+
+def test_serve_exits_1_when_a_rank_hangs_mid_request(
+    model_dir: Path, tmp_path: Path, no_process_left: None
+) -> None:
+    """A rank that stops (SIGSTOP: alive, silent) is noticed by its missing heartbeat."""
+    hang_timeout_s = 10.0  # a loaded machine must not starve a heartbeat thread this long
+    server, core, rank1 = _tp2_server(model_dir, tmp_path / "server.log", hang_timeout_s)
+    try:
+        status, events = _stream_and_kill(server, rank1, signal.SIGSTOP)
+        code = server.proc.wait(EXIT_BOUND_S + hang_timeout_s)
+    finally:
+        if pid_alive(rank1):
+            os.kill(rank1, signal.SIGCONT)
+        server.stop(signal.SIGKILL, timeout=10)
+    reason = f"tensor-parallel rank 1 (pid {rank1}) is not responding (no heartbeat for "
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert (status, events[-1], error["code"]) == (200, "data: [DONE]", "engine_dead")
+    assert error["message"].startswith(f"engine core stopped: {reason}"), error
+    waited = float(error["message"].removeprefix(f"engine core stopped: {reason}").split(" s)")[0])
+    assert hang_timeout_s <= waited < hang_timeout_s + EXIT_BOUND_S  # shown to 0.1 s
+    assert code == 1, server.log_text()[-3000:]
+    wait_for(lambda: not pid_alive(rank1), timeout=30, message="the silent rank to be killed")
+    assert not pid_alive(core)
 
 
 def test_killing_the_engine_core_takes_its_ranks(
