@@ -142,7 +142,9 @@ def make_core(
     dtype_name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
     engine_config = EngineConfig(model=config.name, device="cuda", dtype=dtype_name, **settings)
     runner = GpuModelRunner(engine_config, loaded, graph_batch_sizes=graph_sizes, **(runner_options or {}))
-    scheduler = Scheduler.from_config(engine_config, num_blocks=runner.num_blocks, eos_token_id=None)
+    scheduler = Scheduler.from_config(
+        engine_config, num_blocks=runner.num_blocks, eos_token_id=None, decode_lookahead=runner.decode_ahead
+    )
     return EngineCore(scheduler, runner), runner
 
 
