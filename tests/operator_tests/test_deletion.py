@@ -25,7 +25,7 @@ from baton_support.apiserver import ApiServer, Rest, api_server, binary_dir
 from baton_support.operator_process import OperatorProcess, operator_process
 from baton_support.wait import wait_for
 from tests.operator_tests.cases import merged
-from tests.operator_tests.kube_helpers import create_infd, create_namespace, get_infd
+from tests.operator_tests.kube_helpers import CHILD_KINDS, create_infd, create_namespace, get_infd
 from tests.operator_tests.watching import Watch, resource_version
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -39,17 +39,6 @@ SPEC: dict[str, Any] = {
     "model": {"name": "smollm2", "source": "builtin:smollm2-135m-instruct"},
     "autoscaling": {"mode": "builtin", "intervalSeconds": 1},
 }
-#: Every kind the operator writes (apiVersion, kind), each watched while the test waits.
-CHILD_KINDS = [
-    ("v1", "ServiceAccount"),
-    ("rbac.authorization.k8s.io/v1", "Role"),
-    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
-    ("v1", "Service"),
-    ("policy/v1", "PodDisruptionBudget"),
-    ("networking.k8s.io/v1", "NetworkPolicy"),
-    ("apps/v1", "Deployment"),
-    ("v1", "Secret"),
-]
 CONTROLLERS = ("garbagecollector", "deployment", "replicaset")
 
 

@@ -16,28 +16,30 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from baton_dev.demo_manifests import PROCESS_NODES, with_node_selector
 from baton_dev.kubeapi import ApiAccess
-from baton_dev.testing import DevCluster, condition, is_ready, wait_for
+from baton_dev.testing import DevCluster, is_ready, wait_for
 from baton_engine import contract
 from baton_operator import models
-from baton_operator.models import InferenceDeploymentSpec
-from baton_operator.rollout.generations import LABEL_RETIRING
-from baton_operator.rollout.kv_key import kv_compat_key
-from baton_support.operator_process import OperatorProcess, operator_process
+from baton_support.operator_process import OperatorProcess, cluster_operator
 from bench.cold_start import http_url
 from tests.autoscaler_e2e.load import LoadGenerator
-from tests.operator_tests.timeline import Timeline, key_of_pod, role_of, rollout_invariants
+from tests.operator_tests.timeline import (
+    Timeline,
+    key_of,
+    key_of_pod,
+    role_of,
+    rollout_invariants,
+    rollout_settled,
+)
 from tests.rollout_e2e.engines import EngineSampler
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(2400)]
 
-REPO = Path(__file__).resolve().parents[2]
 NAME = "roll"
 COUNTS = {"prefill": 1, "decode": 1}
 POD = {"resources": {"gpus": 0, "cpu": "1", "memory": "2Gi"}, "startupTimeoutSeconds": 600,
@@ -70,24 +72,9 @@ BODY = {
 }
 
 
-def key_of(spec: dict[str, Any]) -> str:
-    parsed = InferenceDeploymentSpec.model_validate(spec)
-    return kv_compat_key(parsed.model, parsed.engine)
-
-
 @pytest.fixture(scope="module")
 def operator(dev_cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    dev_cluster.kubectl("apply", "-f", str(REPO / "crds"))
-    crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencedeployments.baton.dev"
-
-    def established() -> bool:
-        conditions = dev_cluster.admin.get(crd).get("status", {}).get("conditions") or []
-        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
-
-    wait_for(established, timeout=60, message="the CRD to be Established")
-    with operator_process(
-        dev_cluster.state.admin_kubeconfig, tmp_path_factory.mktemp("operator"), "--no-peering"
-    ) as proc:
+    with cluster_operator(dev_cluster, tmp_path_factory.mktemp("operator"), "--no-peering") as proc:
         yield proc
 
 
@@ -97,20 +84,7 @@ def pods(cluster: DevCluster, ns: str, role: str) -> list[dict[str, Any]]:
 
 def settled(cluster: DevCluster, ns: str, key: str, check: Any = None) -> bool:
     """One Ready pod per pool, all of `key` (and passing `check`), no old generation, Stable."""
-    for role, n in COUNTS.items():
-        found = pods(cluster, ns, role)
-        if len(found) != n or not all(is_ready(p) and key_of_pod(p) == key for p in found):
-            return False
-        if any(p["metadata"].get("deletionTimestamp") or (check and not check(p)) for p in found):
-            return False
-    rs = cluster.admin.get(
-        f"/apis/apps/v1/namespaces/{ns}/replicasets", labelSelector=f"{contract.LABEL_DEPLOYMENT}={NAME}"
-    )["items"]
-    if any(LABEL_RETIRING in (r["metadata"].get("labels") or {}) for r in rs):
-        return False
-    infd = cluster.admin.get(f"/apis/{models.API_VERSION}/namespaces/{ns}/{models.PLURAL}/{NAME}")
-    progressing = condition(infd, "Progressing")
-    return progressing is not None and progressing["reason"] == "Stable"
+    return rollout_settled(cluster, ns, NAME, key, COUNTS, check)
 
 
 def has_env(pod: dict[str, Any]) -> bool:
