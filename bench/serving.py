@@ -171,16 +171,22 @@ def process_cpu_seconds(pid: int) -> float | None:
 
 def tree_cpu_seconds(root: int) -> dict[str, float]:
     """CPU seconds of a server's process tree: ``server`` (the root: HTTP, tokenization,
-    detokenization, streaming) and ``core`` (its live descendants: the engine core, and
-    whatever it starts)."""
+    detokenization, streaming) and each live descendant by its name (``/proc/<pid>/comm``;
+    ``core`` for a plain Python interpreter: Baton's engine core; vLLM names its engine core
+    and model worker ``VLLM::EngineCor`` and ``VLLM::Worker``)."""
     children = _children_of()
-    server = process_cpu_seconds(root) or 0.0
-    core, todo = 0.0, list(children.get(root, []))
+    cpu = {"server": process_cpu_seconds(root) or 0.0}
+    todo = list(children.get(root, []))
     while todo:
         pid = todo.pop()
         todo.extend(children.get(pid, []))
-        core += process_cpu_seconds(pid) or 0.0
-    return {"server": server, "core": core}
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        name = "core" if name.startswith("python") else name
+        cpu[name] = cpu.get(name, 0.0) + (process_cpu_seconds(pid) or 0.0)
+    return cpu
 
 
 @dataclass
@@ -355,7 +361,8 @@ def run_level(
         timeout=settings.duration_s + settings.grace_s + 900,
     )
     cpu_after = tree_cpu_seconds(server.process.pid)
-    cpu = {part: cpu_after[part] - cpu_before[part] for part in cpu_after}
+    cpu = {part: cpu_after[part] - cpu_before.get(part, 0.0) for part in cpu_after}
+    core_cpu = {part: seconds for part, seconds in cpu.items() if part != "server"}
     # CPU per generated token over the whole level (warm-up included on both counts).
     generated = generated_tokens(server) - tokens_before
     summary_path = artifacts / "profile_export_aiperf.json"
@@ -392,7 +399,10 @@ def run_level(
         "generated_tokens": int(generated),
         "cpu_ms_per_output_token": _per_token(sum(cpu.values()), generated),
         "server_cpu_ms_per_output_token": _per_token(cpu["server"], generated),
-        "core_cpu_ms_per_output_token": _per_token(cpu["core"], generated),
+        "core_cpu_ms_per_output_token": _per_token(sum(core_cpu.values()), generated),
+        "core_cpu_ms_per_output_token_by_process": {
+            part: _per_token(seconds, generated) for part, seconds in sorted(core_cpu.items())
+        },
         "load_average": [load_before, load_average()],
     }
 
