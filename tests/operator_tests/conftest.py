@@ -5,6 +5,7 @@ module's own with the chart's RBAC installed (`own_apiserver`, `own_kube`, `char
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from baton_operator import crd
 from baton_operator.kube import Kube
 from baton_support.apiserver import ApiServer, Rest, binary_dir
 from baton_support.operator_process import install_chart, operator_kubeconfig
-from tests.operator_tests.kube_helpers import api_server_or_skip, async_kube
+from tests.operator_tests.kube_helpers import api_server_or_skip, async_kube, create_namespace
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,6 +73,22 @@ def kube(apiserver: ApiServer) -> Iterator[Any]:
     install_crd(client)
     yield client
     client.close()
+
+
+@pytest.fixture
+def rest(apiserver: ApiServer) -> Rest:
+    return Rest(apiserver)
+
+
+_namespaces = itertools.count()
+
+
+@pytest.fixture
+def namespace(kube: Any) -> str:
+    """A namespace of its own on the session's API server (which has the CRD)."""
+    name = f"t{next(_namespaces)}"
+    create_namespace(kube, name)
+    return name
 
 
 @pytest.fixture(scope="module")
