@@ -130,7 +130,9 @@ def test_deadline_aborts_with_408(tiny_server: ServerProcess) -> None:
     aborted_before = _aborted(tiny_server)
     response = tiny_server.http.post(
         "/v1/completions",
-        json={"model": MODEL, "prompt": "hi", "max_tokens": 250, "ignore_eos": True, "timeout": 0.3},
+        # 250 engine steps and their outputs' trips to the server take well over 0.05 s on a CPU
+        # (with 0.3 s a quiet machine answered in time: 200)
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 250, "ignore_eos": True, "timeout": 0.05},
     )
     assert response.status_code == 408
     assert _aborted(tiny_server) == aborted_before + 1  # counted before the 408 was sent

@@ -22,40 +22,13 @@ from baton_engine.structured.grammar import tool_call_format
 from baton_support.tiny_models import CHAT
 from tests.server.conftest import TINY_SERVER_ARGS
 from tests.server.server_process import ServerProcess
+from tests.server.tool_fixtures import CLOCK, LOOKUP, SCHEMAS
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-llama3"
 TEMPLATE = (Path(__file__).parent / "data" / "llama3_json_tools.jinja").read_text()
 MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "What time is it?"}]
-LOOKUP: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "word": {"type": "string", "maxLength": 8},
-                "limit": {"type": "integer", "minimum": 1, "maximum": 9},
-            },
-            "required": ["word", "limit"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "clock",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
 TOOLS = [LOOKUP, CLOCK]
-SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 CLOCK_CALL: dict[str, Any] = {
     "type": "object",
     "properties": {"name": {"const": "clock"}, "parameters": CLOCK["function"]["parameters"]},

@@ -19,6 +19,8 @@ import pytest
 from baton_support.tiny_models import CHAT
 from tests.server.conftest import TINY_SERVER_ARGS
 from tests.server.server_process import ServerProcess
+from tests.server.tool_fixtures import CLOCK, SCHEMAS, described
+from tests.server.tool_fixtures import LOOKUP as UNDESCRIBED_LOOKUP
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-qwen3"
@@ -36,36 +38,7 @@ WEATHER: dict[str, Any] = {
     },
 }
 MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
-# Tools whose arguments are bounded, so a random model's forced calls end well within max_tokens.
-LOOKUP: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "description": "Look a word up.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "word": {"type": "string", "maxLength": 8},
-                "limit": {"type": "integer", "minimum": 1, "maximum": 9},
-            },
-            "required": ["word", "limit"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "clock",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
-SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (LOOKUP, CLOCK)}
+LOOKUP = described(UNDESCRIBED_LOOKUP, "Look a word up.")
 
 
 @pytest.fixture(scope="module")

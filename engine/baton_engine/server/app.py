@@ -609,7 +609,9 @@ def _chat_stream(
             [{"index": i, "delta": first, "logprobs": None, "finish_reason": None} for i in range(n)], None
         )
         async for batch in _guarded(gen):
-            choices = []
+            # Chunk k carries each choice's k-th delta (content, then a call): a chunk names a
+            # choice once.
+            rounds: list[list[dict[str, Any]]] = []
             for d in batch:
                 if not d.text and d.finish_reason is None and not d.logprobs:
                     continue  # tokens that do not yet form text (a partial UTF-8 character)
@@ -626,7 +628,9 @@ def _chat_stream(
                     deltas = [{"content": ""}] if finish is None else [{}]
                 for k, delta in enumerate(deltas):
                     last = k == len(deltas) - 1
-                    choices.append(
+                    if k == len(rounds):
+                        rounds.append([])
+                    rounds[k].append(
                         {
                             "index": d.index,
                             "delta": delta,
@@ -634,7 +638,7 @@ def _chat_stream(
                             "finish_reason": finish if last else None,
                         }
                     )
-            if choices:
+            for choices in rounds:
                 yield chunk(choices, None)
 
     return _finish_stream(gen, request_id, include_usage, chunk, events())

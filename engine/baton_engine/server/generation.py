@@ -40,6 +40,32 @@ class ChoiceDelta:
     """Why the engine rejected or aborted the choice."""
 
 
+def merged_by_choice(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
+    """One delta per choice, in the order choices first appear: when the server falls behind
+    the engine (a loaded machine), one batch holds several outputs of a choice, and a stream
+    chunk must name each choice once (clients read ``choices[0]`` as *the* delta)."""
+    merged: dict[int, ChoiceDelta] = {}
+    for delta in deltas:
+        into = merged.get(delta.index)
+        if into is None:
+            merged[delta.index] = ChoiceDelta(
+                delta.index,
+                delta.text,
+                list(delta.token_ids),
+                None if delta.logprobs is None else list(delta.logprobs),
+                delta.finish_reason,
+                delta.message,
+            )
+            continue
+        into.text += delta.text
+        into.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            into.logprobs = (into.logprobs or []) + delta.logprobs
+        into.finish_reason = delta.finish_reason or into.finish_reason
+        into.message = delta.message or into.message
+    return list(merged.values())
+
+
 @dataclass
 class _Choice:
     index: int
@@ -138,6 +164,10 @@ class Generation:
                 batch = [await self._next(deadline)]
                 while not self._queue.empty():
                     batch.append(self._queue.get_nowait())
+                if deadline is not None and time.monotonic() > deadline:
+                    # Read past the deadline (a server behind its engine finds a whole answer
+                    # queued at once): too late to deliver, whatever the engine finished.
+                    raise DeadlineExceeded
                 deltas: list[ChoiceDelta] = []
                 for item in batch:
                     if isinstance(item, EngineDeadError):
@@ -148,7 +178,7 @@ class Generation:
                         if delta.finish_reason is not None:
                             remaining -= 1
                 if deltas:
-                    yield deltas
+                    yield merged_by_choice(deltas)
         finally:
             unfinished = [c for c in self._choices.values() if c.finish_reason is None]
             if unfinished:
