@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import kopf
+import pytest
 
 from baton_operator import metrics, models
 from baton_operator.kube import Kube
-from baton_support.apiserver import ApiServer, Rest
+from baton_support.apiserver import ApiServer, Rest, api_server, binary_dir
 from baton_support.operator_process import established
 from baton_support.wait import wait_for
 
@@ -23,6 +27,16 @@ CHILD_KINDS = [
     ("apps/v1", "Deployment"),
     ("v1", "Secret"),
 ]
+
+
+@contextmanager
+def api_server_or_skip(workdir: Path, controllers: tuple[str, ...] = ()) -> Iterator[ApiServer]:
+    """`baton_support.apiserver.api_server`, or the test skipped where the binaries are not built."""
+    bin_dir = binary_dir()
+    if bin_dir is None:
+        pytest.skip("etcd/kube-apiserver not built yet (bash devcluster/scripts/build.sh)")
+    with api_server(workdir, bin_dir, controllers) as server:
+        yield server
 
 
 def async_kube(server: ApiServer, token: str | None = None) -> Kube:

@@ -21,11 +21,17 @@ import pytest
 
 from baton_operator import models
 from baton_operator.kube import collection_path
-from baton_support.apiserver import ApiServer, Rest, api_server, binary_dir
+from baton_support.apiserver import ApiServer, Rest
 from baton_support.operator_process import OperatorProcess, operator_process
 from baton_support.wait import wait_for
 from tests.operator_tests.cases import merged
-from tests.operator_tests.kube_helpers import CHILD_KINDS, create_infd, create_namespace, get_infd
+from tests.operator_tests.kube_helpers import (
+    CHILD_KINDS,
+    api_server_or_skip,
+    create_infd,
+    create_namespace,
+    get_infd,
+)
 from tests.operator_tests.watching import Watch, resource_version
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -44,10 +50,7 @@ CONTROLLERS = ("garbagecollector", "deployment", "replicaset")
 
 @pytest.fixture(scope="module")
 def own_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
-    bin_dir = binary_dir()
-    if bin_dir is None:
-        pytest.skip("etcd/kube-apiserver not built yet (bash devcluster/scripts/build.sh)")
-    with api_server(tmp_path_factory.mktemp("deletion-apiserver"), bin_dir, CONTROLLERS) as server:
+    with api_server_or_skip(tmp_path_factory.mktemp("deletion-apiserver"), CONTROLLERS) as server:
         yield server
 
 

@@ -3,7 +3,6 @@ idempotent re-applies, drift repair, replica ownership, crash consistency, PodSe
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,19 +28,6 @@ pytestmark = pytest.mark.k8s
 
 CFG = OperatorConfig(operator_namespace="baton-system", monitoring_namespace="monitoring")
 EXPECTED = {*DEMO_APPLIED_CHILDREN, ("Secret", "demo-kv-transfer")}
-_namespaces = itertools.count()
-
-
-@pytest.fixture
-def rest(apiserver: ApiServer) -> Rest:
-    return Rest(apiserver)
-
-
-@pytest.fixture
-def namespace(kube: Any) -> str:
-    name = f"r{next(_namespaces)}"
-    create_namespace(kube, name)
-    return name
 
 
 def children(rest: Rest, namespace: str) -> dict[tuple[str, str], dict[str, Any]]:

@@ -126,37 +126,30 @@ def test_key_change_then_plain_change_under_load(
                 interval=0.5,
                 message="requests served before the rollout",
             )
-            with Timeline(access, f"/api/v1/namespaces/{ns}/pods") as key_change:
-                dev_cluster.admin.patch(path, {"spec": {"engine": {"blockSize": 32}}})
-                wait_for(
-                    lambda: settled(dev_cluster, ns, new_key),
-                    timeout=1200,
-                    interval=1,
-                    message="the new generation alone",
-                )
-                served = load.snapshot()[0]
-                wait_for(
-                    lambda: load.snapshot()[0] >= served + 5,
-                    timeout=300,
-                    interval=0.5,
-                    message="the new generation serving",
-                )
-            with Timeline(access, f"/api/v1/namespaces/{ns}/pods") as plain_change:
-                env = {"engine": {"env": [{"name": "PLAIN_CHANGE", "value": "1"}]}}
-                dev_cluster.admin.patch(path, {"spec": env})
-                wait_for(
-                    lambda: settled(dev_cluster, ns, new_key, has_env),
-                    timeout=1200,
-                    interval=1,
-                    message="the plain change rolled out",
-                )
-                served = load.snapshot()[0]
-                wait_for(
-                    lambda: load.snapshot()[0] >= served + 5,
-                    timeout=300,
-                    interval=0.5,
-                    message="requests served after it",
-                )
+
+            def roll(change: dict[str, Any], check: Any, what: str) -> Timeline:
+                """Apply a spec change; every pod state until it has rolled out and served 5 more."""
+                with Timeline(access, f"/api/v1/namespaces/{ns}/pods") as states:
+                    dev_cluster.admin.patch(path, {"spec": change})
+                    wait_for(
+                        lambda: settled(dev_cluster, ns, new_key, check),
+                        timeout=1200,
+                        interval=1,
+                        message=f"{what} rolled out",
+                    )
+                    served = load.snapshot()[0]
+                    wait_for(
+                        lambda: load.snapshot()[0] >= served + 5,
+                        timeout=300,
+                        interval=0.5,
+                        message=f"requests served after {what}",
+                    )
+                return states
+
+            key_change = roll({"engine": {"blockSize": 32}}, None, "the key change")
+            plain_change = roll(
+                {"engine": {"env": [{"name": "PLAIN_CHANGE", "value": "1"}]}}, has_env, "the plain change"
+            )
     finally:
         stats = load.stop()
 
