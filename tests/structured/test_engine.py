@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from baton_engine.structured.grammar import json_schema_grammar
 from baton_engine.structured.manager import StructuredOutputManager
 from baton_support.tiny_models import CHAT
 from tests.core.scripted_connector import ScriptedConnector
+from tests.structured.helpers import CallerExecutor, GatedExecutor
 
 PERSON: dict[str, Any] = {
     "type": "object",
@@ -198,7 +200,8 @@ def test_a_decode_leg_replays_the_prefill_legs_first_token(llm: LLM) -> None:
     """The consumer side of P/D at the scheduler: the first token the prefill leg sampled
     advances the grammar; a token the grammar refuses rejects the leg, naming the params."""
     tokenizer = llm.tokenizer
-    manager = StructuredOutputManager(tokenizer.backend.to_str, llm.info.vocab_size, tokenizer.eos_token_ids)
+    vocab, eos = llm.info.vocab_size, tokenizer.eos_token_ids
+    manager = StructuredOutputManager(tokenizer.backend.to_str, vocab, eos, compile_executor=CallerExecutor())
     connector = ScriptedConnector(block_size=4)
     scheduler = Scheduler(
         num_blocks=16, block_size=4, max_model_len=64, structured_output=manager, kv_connector=connector
@@ -228,3 +231,69 @@ def test_a_decode_leg_replays_the_prefill_legs_first_token(llm: LLM) -> None:
     quote = tokenizer.encode('"', add_special_tokens=False)[0]
     assert (int(second[quote // 32]) >> (quote % 32)) & 1  # after "{" a key's quote
     assert not (int(second[brace // 32]) >> (brace % 32)) & 1
+
+
+@contextmanager
+def _compiles_held(llm: LLM) -> Iterator[tuple[StructuredOutputManager, GatedExecutor]]:
+    """`llm`'s engine with a manager whose compiles wait until the test releases them."""
+    tokenizer = llm.tokenizer
+    gate = GatedExecutor()
+    manager = StructuredOutputManager(
+        tokenizer.backend.to_str, llm.info.vocab_size, tokenizer.eos_token_ids, compile_executor=gate
+    )
+    scheduler = llm.core.scheduler
+    previous, scheduler.structured_output = scheduler.structured_output, manager
+    try:
+        yield manager, gate
+    finally:
+        scheduler.structured_output = previous
+
+
+def test_running_streams_keep_decoding_while_a_new_schema_compiles(llm: LLM) -> None:
+    prompt = llm.tokenizer.encode("Hello world! How are you today?")
+    free = SamplingParams(temperature=1.0, seed=4, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([prompt], free)[0].outputs[0].token_ids
+    core = llm.core
+    with _compiles_held(llm) as (manager, gate):
+        tokens: dict[str, list[int]] = {"free": [], "json": []}
+        core.add_request("free", prompt, free)
+        (first,) = core.step()  # its prefill and first token
+        tokens["free"] += first.new_token_ids
+        core.add_request("json", prompt, _params(PERSON, seed=5))
+        for _ in range(6):  # the compile has not ended: the running stream is not held up
+            (out,) = core.step()
+            assert (out.request_id, len(out.new_token_ids)) == ("free", 1)
+            tokens["free"] += out.new_token_ids
+        stats = core.stats()
+        assert (stats.num_running, stats.num_waiting, stats.num_grammar_requests) == (1, 1, 1)
+        assert (gate.num_held, manager.num_compiling, manager.num_compiled) == (1, 1, 0)
+        gate.release()  # the compile ends; the next step admits the request
+        reasons: dict[str, str | None] = {}
+        while core.has_unfinished():
+            for out in core.step():
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
+        assert reasons == {"free": "length", "json": "stop"}
+        assert tokens["free"] == alone  # seeded: its masks-free samples did not depend on the wait
+        jsonschema.validate(json.loads(llm.tokenizer.decode(tokens["json"])), PERSON)
+        assert (len(manager), manager.num_compiling, manager.num_compiled) == (0, 0, 1)
+    _assert_idle(llm)
+
+
+def test_an_abort_while_the_schema_compiles_frees_everything(llm: LLM) -> None:
+    prompt = llm.tokenizer.encode("The quick brown fox")
+    core = llm.core
+    with _compiles_held(llm) as (manager, gate):
+        core.add_request("json", prompt, _params(POINT, seed=6))
+        assert core.step() == []  # nothing to run: the request waits for its grammar
+        assert (core.stats().num_waiting, len(manager)) == (1, 1)
+        core.abort_requests(["json"], "client gone")
+        (out,) = core.step()
+        assert (out.request_id, out.finish_reason, out.new_token_ids) == ("json", "abort", [])
+        assert not core.has_unfinished() and (len(manager), manager.num_compiling) == (0, 0)
+        gate.release()  # the compile still ends: kept to copy from, owned by nobody
+        assert core.step() == []
+        assert (len(manager), manager.num_compiling, manager.num_compiles) == (0, 0, 0)
+        assert manager.num_compiled == 1
+    _assert_idle(llm)

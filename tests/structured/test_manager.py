@@ -5,6 +5,7 @@ tests/core/test_scheduler_structured.py.)"""
 
 from __future__ import annotations
 
+import gc
 import json
 from typing import Any
 
@@ -14,14 +15,15 @@ import pytest
 import torch
 
 from baton_engine.model.loader.tokenizer_loading import load_tokenizer
-from baton_engine.structured.grammar import StructuredOutputError, response_format_grammar
+from baton_engine.structured.grammar import response_format_grammar
 from baton_engine.structured.manager import (
     COMPILED_GRAMMARS_KEPT,
+    CompiledGrammars,
     GrammarRefusedToken,
     SampledRow,
     StructuredOutputManager,
 )
-from baton_engine.structured.matcher import allowed
+from baton_engine.structured.matcher import GrammarMatcher, allowed
 from baton_engine.text.tokenizer import Tokenizer
 from baton_engine.worker.token_bitmask import apply_token_bitmask_host
 
@@ -38,6 +40,19 @@ def _grammar(schema: dict[str, Any]) -> str:
     grammar = response_format_grammar({"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
     assert grammar is not None
     return grammar
+
+
+def _follow(manager: StructuredOutputManager, req_id: int, grammar: str) -> CompiledGrammars:
+    """Add a grammar and wait until its compile ended, as the scheduler's steps see it."""
+    manager.add(req_id, grammar)
+    ready: list[int] = []
+    failed: list[tuple[int, str]] = []
+    while manager.num_compiling:
+        manager.wait_compiling(timeout=1.0)
+        compiled = manager.take_compiled()
+        ready += compiled.ready
+        failed += compiled.failed
+    return CompiledGrammars(ready, failed)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +74,7 @@ def test_a_mixed_batch_decodes_valid_documents_and_leaves_free_rows_alone(
     eos = tokenizer.eos_token_ids[0]
     schemas = {A: PERSON, C: FLAGS}
     for req_id, schema in schemas.items():
-        manager.add(req_id, _grammar(schema))
+        _follow(manager, req_id, _grammar(schema))
     outputs: dict[int, list[int]] = {A: [], B: [], C: []}
     done: set[int] = set()
     generator = torch.Generator().manual_seed(1)
@@ -97,7 +112,7 @@ def test_a_mixed_batch_decodes_valid_documents_and_leaves_free_rows_alone(
 def test_drafts_the_grammar_refuses_are_cut_and_verify_rows_get_one_mask_per_position(
     tokenizer: Tokenizer, manager: StructuredOutputManager
 ) -> None:
-    manager.add(A, _grammar(PERSON))
+    _follow(manager, A, _grammar(PERSON))
     good = tokenizer.encode('{"name": "Ada", "age', add_special_tokens=False)
     bad = tokenizer.encode('{"nickname": "x"', add_special_tokens=False)
     assert manager.cut_drafts(A, good) == good
@@ -116,11 +131,11 @@ def test_drafts_the_grammar_refuses_are_cut_and_verify_rows_get_one_mask_per_pos
 def test_a_decode_leg_continues_from_the_prefill_legs_first_token(
     tokenizer: Tokenizer, manager: StructuredOutputManager
 ) -> None:
-    manager.add(A, _grammar(PERSON))
+    _follow(manager, A, _grammar(PERSON))
     assert manager.accept(A, tokenizer.encode("{", add_special_tokens=False)) is False  # the replay
     rest = tokenizer.encode('"name": "Bo", "age": 7}', add_special_tokens=False)
     assert manager.accept(A, rest) is True
-    manager.add(C, _grammar(PERSON))
+    _follow(manager, C, _grammar(PERSON))
     bracket = tokenizer.encode("[", add_special_tokens=False)
     with pytest.raises(GrammarRefusedToken, match=f"token {bracket[0]} is refused by the request's grammar"):
         manager.accept(C, bracket)
@@ -130,7 +145,7 @@ def test_eos_ends_a_complete_document_and_is_refused_before(
     tokenizer: Tokenizer, manager: StructuredOutputManager
 ) -> None:
     eos = tokenizer.eos_token_ids[0]
-    manager.add(A, _grammar(FLAGS))
+    _follow(manager, A, _grammar(FLAGS))
     with pytest.raises(GrammarRefusedToken):
         manager.accept(A, tokenizer.encode("[true", add_special_tokens=False) + [eos])
     # the state holds the tokens before the refused one
@@ -146,14 +161,14 @@ def test_the_tokenizer_is_read_once_at_the_first_grammar(tokenizer: Tokenizer) -
 
     manager = StructuredOutputManager(tokenizer_json, tokenizer.vocab_size, tokenizer.eos_token_ids)
     assert reads == []  # engines that never serve structured output never build the trie
-    manager.add(A, _grammar(FLAGS))
-    manager.add(B, _grammar(PERSON))
+    _follow(manager, A, _grammar(FLAGS))
+    _follow(manager, B, _grammar(PERSON))
     assert reads == [1] and len(manager) == 2
     with pytest.raises(ValueError, match="already has a grammar"):
-        manager.add(A, _grammar(FLAGS))
-    with pytest.raises(StructuredOutputError) as caught:
-        manager.add(C, "start: nonsense(")
-    assert caught.value.param == "grammar" and C not in manager
+        _follow(manager, A, _grammar(FLAGS))
+    refused = _follow(manager, C, "start: nonsense(")
+    assert refused.ready == [] and [req_id for req_id, _ in refused.failed] == [C]
+    assert refused.failed[0][1].startswith("grammar: ") and C not in manager and len(manager) == 2
     manager.remove(A)
     manager.remove(A)  # removing twice is harmless (a finish after an abort)
     assert len(manager) == 1
@@ -163,8 +178,8 @@ def test_one_grammar_compiles_once_and_its_copies_advance_independently(
     tokenizer: Tokenizer, manager: StructuredOutputManager
 ) -> None:
     grammar = _grammar(PERSON)
-    for req_id in (A, B, C):  # the n samples of one request
-        manager.add(req_id, grammar)
+    assert [manager.add(req_id, grammar) for req_id in (A, B)] == [False, False]  # n samples
+    assert _follow(manager, C, grammar).ready == [A, B, C]  # one compile, in the order added
     assert manager.num_compiled == 1
     (opening,) = tokenizer.encode('{"', add_special_tokens=False)  # the one token a document starts with
     (comma,) = tokenizer.encode(",", add_special_tokens=False)
@@ -173,13 +188,45 @@ def test_one_grammar_compiles_once_and_its_copies_advance_independently(
     assert (allowed(step.bitmask, 0, comma), allowed(step.bitmask, 0, opening)) == (True, False)
     assert (allowed(step.bitmask, 1, comma), allowed(step.bitmask, 1, opening)) == (False, True)
     manager.remove(A)
-    manager.add(A, grammar)  # a later request with the same schema starts from the beginning
+    _follow(manager, A, grammar)  # a later request with the same schema starts from the beginning
     assert allowed(manager.step_bitmask([SampledRow(A, 0)]).bitmask, 0, opening)
-    with pytest.raises(StructuredOutputError):
-        manager.add(3, "start: (")
+    assert _follow(manager, 3, "start: (").failed[0][0] == 3
     assert manager.num_compiled == 1 and 3 not in manager  # a refused grammar is not kept
     for i in range(COMPILED_GRAMMARS_KEPT):
-        manager.add(10 + i, _grammar({"type": "array", "maxItems": i + 1}))
+        _follow(manager, 10 + i, _grammar({"type": "array", "maxItems": i + 1}))
     assert manager.num_compiled == COMPILED_GRAMMARS_KEPT  # PERSON's, the least recently used, went
-    manager.add(30, grammar)  # compiled again; the requests already following it are unaffected
+    _follow(manager, 30, grammar)  # compiled again; the requests already following it are unaffected
     assert manager.accept(B, tokenizer.encode('{"name": "Bo", "age": 7}', add_special_tokens=False))
+
+
+def test_a_request_removed_while_its_grammar_compiles_leaves_nothing(
+    tokenizer: Tokenizer, manager: StructuredOutputManager
+) -> None:
+    grammar = _grammar(FLAGS)
+    assert manager.add(A, grammar) is False
+    assert (len(manager), manager.num_compiling) == (1, 1)
+    manager.remove(A)  # aborted while compiling
+    assert (len(manager), manager.num_compiling, A in manager) == (0, 0, False)
+    _follow(manager, B, _grammar(PERSON))  # a later compile: the first one ended before it
+    assert manager.take_compiled() == CompiledGrammars([], [])
+    assert manager.num_compiled == 2  # the aborted request's grammar is kept to copy from
+    assert manager.add(C, grammar) is True  # ... so the next request with it runs at once
+
+
+def test_no_grammar_state_outlives_its_requests(
+    tokenizer: Tokenizer, manager: StructuredOutputManager
+) -> None:
+    grammars = [_grammar({"type": "array", "maxItems": i + 1}) for i in range(COMPILED_GRAMMARS_KEPT + 3)]
+    before = _live_matchers()
+    for req_id in range(200):
+        _follow(manager, req_id, grammars[req_id % len(grammars)])
+        manager.accept(req_id, tokenizer.encode("[", add_special_tokens=False))
+        manager.remove(req_id)
+    assert (len(manager), manager.num_compiling, manager.num_compiled) == (0, 0, COMPILED_GRAMMARS_KEPT)
+    assert _live_matchers() == before + COMPILED_GRAMMARS_KEPT  # only the compiled ones, to copy from
+    manager.close()
+
+
+def _live_matchers() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is GrammarMatcher)

@@ -31,6 +31,10 @@ from baton_engine.prefix.events import KVCacheEvent
 
 log = logging.getLogger(__name__)
 
+GRAMMAR_WAIT_SECONDS = 0.005
+"""How long an empty step waits for a grammar compile to end (the loop's new messages, such as
+an abort, wait at most that long)."""
+
 KVEventSink = Callable[[list[KVCacheEvent]], None]
 """Receives the KV-cache events of one step (the KV-event publisher, when enabled)."""
 
@@ -204,6 +208,8 @@ class EngineCore:
             connector = self.kv_connector
             if connector is not None and connector.busy():
                 time.sleep(0.0005)  # only pulls are in flight: leave the GIL to their thread
+            elif sched.num_waiting_for_grammar:
+                sched.wait_for_grammars(GRAMMAR_WAIT_SECONDS)  # only compiles: let them have the CPU
         for request in finished:
             tracked = self._requests.get(request.req_id)
             if tracked is not None:

@@ -20,6 +20,9 @@ class RequestStatus(enum.Enum):
     """Queued for (re)admission: needs a prefill (or the rest of one)."""
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     """P/D consumer: waits for blocks to pull its prompt's KV into, or for that pull to end."""
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
+    """Its grammar compiles (off the step loop); then it is queued as WAITING (or, on a P/D
+    consumer, WAITING_FOR_REMOTE_KV)."""
     RUNNING = "running"
     """Has a row in the persistent batch (prefilling or decoding)."""
     FINISHED = "finished"

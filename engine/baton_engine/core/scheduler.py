@@ -18,7 +18,8 @@ Engine loop (`EngineCore.step`)::
 State owners: the scheduler writes `Request`s and owns the queues; the `KVCacheManager` owns
 request -> blocks (the scheduler copies what it hands out into the batch); the `PersistentBatch`
 owns rows and the block table; the `StructuredOutputManager` owns request -> grammar state (the
-scheduler drives it: a request's grammar is added when it is queued, its drafts are cut to what
+scheduler drives it: a request's grammar is added when it is queued (one not compiled before
+compiles off the step loop while its request waits aside), its drafts are cut to what
 the grammar allows, each step carries the bitmasks of its constrained positions, kept tokens are
 accepted, and a request whose grammar is complete finishes with ``stop``). P/D goes through the
 `KVConnector` Protocol: the scheduler calls its hooks and applies its `KVConnectorUpdates` at the
@@ -47,7 +48,6 @@ from baton_engine.core.scheduler_output import Int64Array, ModelRunnerOutput, Sc
 from baton_engine.core.scheduler_stats import PrefixCacheStats, SchedulerStats, SpecDecodeStats
 from baton_engine.core.step_builder import build_step
 from baton_engine.prefix.hashing import PrefixHasher, fast_prefix_hash
-from baton_engine.structured.grammar import StructuredOutputError
 from baton_engine.structured.manager import GrammarRefusedToken, SampledRow, StructuredOutputManager
 
 if TYPE_CHECKING:
@@ -157,6 +157,8 @@ class Scheduler:
         self._arrived: deque[Request] = deque()  # KV pulled into their blocks, waiting for a row
         self._aborted_while_pulling: dict[int, str | None] = {}  # req id -> abort message
         self._held: dict[int, Request] = {}  # producer: finished, blocks leased for a pull
+        # Waiting for their grammar to compile, with the status they are queued with after.
+        self._compiling: dict[int, tuple[Request, RequestStatus]] = {}
         self._finished: list[Request] = []  # since the last postprocess
         self._finished_ids: list[int] = []  # since the last schedule
         self._stop_id_rows = 0  # running rows whose params have stop_token_ids
@@ -209,7 +211,11 @@ class Scheduler:
     # -- inspection -------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self._remote_pending) + len(self._arrived)
+        return len(self.waiting) + len(self._remote_pending) + len(self._arrived) + len(self._compiling)
+
+    @property
+    def num_waiting_for_grammar(self) -> int:
+        return len(self._compiling)
 
     @property
     def num_running(self) -> int:
@@ -289,34 +295,52 @@ class Scheduler:
         return None
 
     def add(self, request: Request) -> None:
-        """Queue a new request (status WAITING, or WAITING_FOR_REMOTE_KV on a P/D consumer).
+        """Queue a new request (status WAITING, or WAITING_FOR_REMOTE_KV on a P/D consumer; it
+        waits aside as WAITING_FOR_GRAMMAR first while its grammar compiles).
 
-        A request that can never fit is finished at once with reason REJECTED; it is reported in
-        the next `postprocess` / `take_finished`.
+        A request that can never fit is finished at once with reason REJECTED, and so is one
+        whose grammar fails to compile, at the step that finds out; either is reported in the
+        next `postprocess` / `take_finished`.
         """
         if request.req_id in self._unfinished:
             raise ValueError(f"request id {request.req_id} is already scheduled")
         if request.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KV):
             raise ValueError(f"request {request.req_id} has status {request.status.value}, expected waiting")
-        reason = self.rejection_reason(request) or self._add_grammar(request)
+        grammar = request.sampling_params.grammar
+        reason = self.rejection_reason(request)
+        if reason is None and grammar is not None and self.structured_output is None:
+            reason = "grammar: this engine cannot follow grammars (its model has no tokenizer)"
         if reason is not None:
             self._mark_finished(request, FinishReason.REJECTED, reason)
             return
         self._unfinished[request.req_id] = request
+        if grammar is not None and self.structured_output is not None:
+            if not self.structured_output.add(request.req_id, grammar):
+                self._compiling[request.req_id] = (request, request.status)
+                request.status = RequestStatus.WAITING_FOR_GRAMMAR
+                return
         self.waiting.append(request)
 
-    def _add_grammar(self, request: Request) -> str | None:
-        """Start following `request`'s grammar, if it has one; why it cannot be followed, or None."""
-        grammar = request.sampling_params.grammar
-        if grammar is None:
-            return None
-        if self.structured_output is None:
-            return "grammar: this engine cannot follow grammars (its model has no tokenizer)"
-        try:
-            self.structured_output.add(request.req_id, grammar)
-        except StructuredOutputError as exc:
-            return str(exc)  # "grammar: ..." (the server names the request field it came from)
-        return None
+    def _take_compiled_grammars(self) -> None:
+        """Queue the requests whose grammar compiled; reject those whose grammar cannot be
+        followed (the reason reads ``"grammar: ..."``: the server names the request field)."""
+        if self.structured_output is None or not self.structured_output.num_compiles:
+            return
+        compiled = self.structured_output.take_compiled()
+        for req_id in compiled.ready:
+            request, status = self._compiling.pop(req_id)
+            request.status = status
+            self.waiting.append(request)
+        for req_id, message in compiled.failed:
+            request, _ = self._compiling.pop(req_id)
+            del self._unfinished[req_id]
+            self._mark_finished(request, FinishReason.REJECTED, message)
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block until a grammar compile ends or `timeout` seconds pass (an engine loop with
+        nothing to run but requests waiting for their grammar)."""
+        if self._compiling and self.structured_output is not None:
+            self.structured_output.wait_compiling(timeout)
 
     @property
     def _grammars(self) -> StructuredOutputManager | None:
@@ -333,6 +357,7 @@ class Scheduler:
             raise RuntimeError("schedule() called again before postprocess() of the previous step")
         if self.kv_connector is not None:
             self.update_from_kv_connector()
+        self._take_compiled_grammars()
         now = self.clock()
         self._step_id += 1
         batch = self.batch
@@ -893,6 +918,8 @@ class Scheduler:
             del self._remote_pending[req_id]
         elif request in self._arrived:
             self._arrived.remove(request)
+        elif req_id in self._compiling:
+            del self._compiling[req_id]
         else:
             self.waiting.remove(request)
         del self._unfinished[req_id]

@@ -125,11 +125,13 @@ def build_engine_core(
 
 
 def close_runner(core: EngineCore) -> None:
-    """Stop `core`'s tensor-parallel ranks, if it has any (a no-op on one rank)."""
+    """Stop `core`'s tensor-parallel ranks, if it has any, and its grammar compile thread."""
     from baton_engine.worker.tp_executor import TensorParallelExecutor
 
     if isinstance(core.runner, TensorParallelExecutor):
         core.runner.close()
+    if core.scheduler.structured_output is not None:
+        core.scheduler.structured_output.close()
 
 
 def check_parallel_config(config: EngineConfig) -> None:
