@@ -275,6 +275,7 @@ def test_scenarios_declare_kernels_the_package_defines() -> None:
         "_silu_launches",
         "_moe_launches",
         "_fp8_gemm_launches",
+        "_fp8_decode_product_launches",
     }
 
 
