@@ -12,7 +12,8 @@ format costs on random weights, not a check of the kernels.
 The kernels are checked against the FP8 model's own torch arithmetic on the same GPU (the CPU
 path's: dequantized float32 operands, the layers' ``gemm="reference"``): 64-token prompts (W8A8:
 per-token activation quantization, ``torch._scaled_mm``) and one-token prompts (the weight-only
-decode product), agreement and largest logit gap of each.
+decode product), agreement and largest logit gap of each, and one layer's product on the same
+input (largest error relative to the largest output).
 """
 
 from __future__ import annotations
@@ -125,6 +126,25 @@ def _kernels_vs_reference(
         "w8a8": [rng.integers(0, vocab_size, size=64).tolist() for _ in range(PROMPTS)],
         "gemv": [rng.integers(0, vocab_size, size=1).tolist() for _ in range(PROMPTS)],
     }
+    # One layer on the same input: the kernels' arithmetic against the reference's, without the
+    # 32 layers in between (whose bf16 rounding differences per-token quantization turns into
+    # whole FP8 steps: the model-level gaps above include that amplification).
+    layer = runner.model.model.layers[0].self_attn.qkv_proj
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    width = layer.weight.shape[1]
+    for name, rows in (("w8a8", 64), ("gemv", 1)):
+        x = torch.randn(rows, width, generator=gen, device="cuda").to(torch.bfloat16)
+        with torch.no_grad():
+            got = layer(x).float()
+            for method in methods:
+                method.gemm = "reference"
+            try:
+                want = layer(x).float()
+            finally:
+                for method in methods:
+                    method.gemm = "auto"
+        relative = (got - want).abs().max() / want.abs().max()
+        result[f"fp8_{name}_layer_vs_reference_max_rel_err"] = round(float(relative), 6)
     for name, batch in prompts.items():
         agree, gap = 0, 0.0
         for tokens in batch:

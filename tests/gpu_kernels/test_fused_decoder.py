@@ -104,9 +104,16 @@ def _reference_stores(codes: torch.Tensor) -> Iterator[list[torch.Tensor]]:
 def _assert_float32_rounding_apart(own: list[torch.Tensor], fused: torch.Tensor, step: int) -> None:
     """The reference's own FP8 codes are the fused decoder's except where its float32 K/V (from
     differently ordered sums: norms, products, rotation) falls on the other side of a rounding
-    midpoint: rare, and then the neighbouring code."""
-    own_codes = torch.stack(own).view(fused.shape).to(torch.int16)
-    distance = (own_codes - fused.to(torch.int16)).abs()
+    midpoint: rare, and then the neighbouring code. Codes are compared as signed steps from
+    zero (E4M3 is sign-magnitude), so -0 (e4m3fn's 0x80: the same value, to which either
+    decoder may round a tiny negative value) is zero's step and the smallest values of both
+    signs are its neighbours."""
+
+    def codes(stored: torch.Tensor) -> torch.Tensor:
+        bits = stored.to(torch.int16)
+        return (bits & 0x7F) * (1 - 2 * (bits >> 7))
+
+    distance = (codes(torch.stack(own).view(fused.shape)) - codes(fused)).abs()
     differing = int((distance > 0).sum())
     assert int(distance.max()) <= 1 and differing <= max(1, fused.numel() // 1000), (step, differing)
 
