@@ -147,16 +147,27 @@ def make_core(
 
 @dataclass
 class StepTrace:
-    """Wall time of each engine step, split by what the runner ran."""
+    """Wall time of each engine step, split by what the runner ran; for decode-only steps also
+    the time the host waited for the device's tokens (`_TokenSlot.read`: the rest of the step
+    is host work — scheduler, runner staging and launches, outputs) and the step's inputs at
+    `keep_decode_step` (to time its graph on the run's own block tables afterwards)."""
 
     decode_s: list[float] = field(default_factory=list)
     other_s: list[float] = field(default_factory=list)
+    decode_wait_s: list[float] = field(default_factory=list)
+    keep_decode_step: int = 128
+    kept: dict[str, np.ndarray] | None = None
 
     def summary(self) -> dict[str, Any]:
-        return {
+        summary: dict[str, Any] = {
             kind: {"steps": len(times), "seconds": round(sum(times), 4), "ms_median": _median_ms(times)}
             for kind, times in (("decode_only", self.decode_s), ("prefill_or_mixed", self.other_s))
         }
+        if self.decode_wait_s:
+            host = [step - wait for step, wait in zip(self.decode_s, self.decode_wait_s, strict=True)]
+            summary["decode_only"]["wait_ms_median"] = _median_ms(self.decode_wait_s)
+            summary["decode_only"]["host_ms_median"] = _median_ms(host)
+        return summary
 
 
 def _median_ms(times: list[float]) -> float | None:
@@ -172,25 +183,54 @@ def run_requests(
         outputs[rid] = []
         core.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     decode_only = [False]
+    waited = [0.0]
+    runner: Any = core.runner
+    slots = getattr(runner, "_token_slots", [])
     if trace is not None:
-        execute = core.runner.execute
+        execute = runner.execute
 
         def traced(step: Any) -> Any:
             decode_only[0] = step.num_tokens == step.num_rows == step.num_decode_rows
+            if decode_only[0] and len(trace.decode_s) == trace.keep_decode_step and trace.kept is None:
+                trace.kept = {
+                    "seq_lens": np.array(step.seq_lens),
+                    "block_tables": np.array(step.block_tables),
+                    "slots": np.array(step.slot_mapping),
+                }
             return execute(step)
 
-        core.runner.execute = traced  # type: ignore[method-assign]
+        def timed_read(read: Callable[..., Any]) -> Callable[..., Any]:
+            def read_waiting(*args: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return read(*args)
+                finally:
+                    waited[0] += time.perf_counter() - t0
+
+            return read_waiting
+
+        runner.execute = traced
+        for slot in slots:
+            slot.read = timed_read(slot.read)
     try:
         while core.has_unfinished():
+            waited[0] = 0.0
             t0 = time.perf_counter()
             step_outputs = core.step()
             if trace is not None:
-                (trace.decode_s if decode_only[0] else trace.other_s).append(time.perf_counter() - t0)
+                elapsed = time.perf_counter() - t0
+                if decode_only[0]:
+                    trace.decode_s.append(elapsed)
+                    trace.decode_wait_s.append(waited[0])
+                else:
+                    trace.other_s.append(elapsed)
             for out in step_outputs:
                 outputs[out.request_id].extend(out.new_token_ids)
     finally:
         if trace is not None:
-            del core.runner.execute  # type: ignore[attr-defined]
+            del runner.execute
+            for slot in slots:
+                del slot.read
     return outputs
 
 
@@ -688,6 +728,21 @@ def one_b(result: dict[str, Any], quick: bool) -> None:
         torch.arange(256 * blocks, device="cuda", dtype=torch.int32).view(256, blocks)
     )
     graph_ms = statistics.median(cuda_time_ms(runner._graphs[256].graph.replay, 20))
+    if trace.kept is not None:
+        # The same graph on the block tables of the run's decode step `keep_decode_step` (the
+        # KV blocks as the allocator dealt them, not in order); its slot writes land in blocks
+        # the finished run no longer needs.
+        kept = trace.kept
+        rows, width = kept["block_tables"].shape[0], min(kept["block_tables"].shape[1], runner.max_blocks)
+        runner._g_seq_lens[:rows].copy_(torch.from_numpy(kept["seq_lens"].astype(np.int32)))
+        runner._g_slots[:rows].copy_(torch.from_numpy(kept["slots"].astype(np.int64)))
+        tables = kept["block_tables"][:, :width].astype(np.int32)
+        runner._g_tables[:rows, :width].copy_(torch.from_numpy(tables))
+        graph = runner._graph_for(rows)
+        result["decode_graph_ms_1b_run_tables"] = round(
+            statistics.median(cuda_time_ms(graph.graph.replay, 20)), 3
+        )
+        result["decode_graph_rows_ctx_1b_run_tables"] = [rows, int(kept["seq_lens"].mean())]
     kv_bytes = 256 * ctx * cost.kv_bytes_per_token
     result["decode_graph_ms_1b_b256_ctx640"] = round(graph_ms, 3)
     result["decode_graph_gbps_1b_b256_ctx640"] = round(

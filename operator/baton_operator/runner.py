@@ -31,6 +31,9 @@ MAX_CONCURRENT_RECONCILES = 32
 
 #: Kopf's bookkeeping annotations (progress, last-handled configuration) live under this prefix.
 ANNOTATION_PREFIX = "baton.dev"
+#: Where Kopf records the spec it last handled (its diff base): written once a creation is handled.
+LAST_HANDLED_KEY = "last-handled-configuration"
+LAST_HANDLED_ANNOTATION = f"{ANNOTATION_PREFIX}/{LAST_HANDLED_KEY}"
 NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
@@ -72,7 +75,7 @@ def peering_priority() -> int:
 def configure(settings: kopf.OperatorSettings, options: RunOptions) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+        prefix=ANNOTATION_PREFIX, key=LAST_HANDLED_KEY
     )
     settings.persistence.finalizer = (
         f"{ANNOTATION_PREFIX}/kopf-finalizer"  # never added: no deletion handlers

@@ -56,3 +56,15 @@ def test_no_prediction_at_a_block_boundary_or_the_length_limit() -> None:
     assert plan_next_decode(boundary, BS, max_model_len=64) is None
     at_limit = _decode_step([10], [1], [7], TABLES[:1])
     assert plan_next_decode(at_limit, BS, max_model_len=7) is None
+
+
+def test_a_row_the_plan_lacks_or_a_repeated_row_is_not_the_prediction() -> None:
+    step = _decode_step([10, 11], [1, 2], [6, 10], TABLES[:2])
+    plan = plan_next_decode(step, BS, max_model_len=64)
+    assert plan is not None
+    plan.input_ids[:] = [40, 41]
+    assert match_rows(plan, _decode_step([10, 11], [40, 41], [7, 11], TABLES[:2]), BS).tolist() == [0, 1]
+    joined = _decode_step([10, 11, 12], [40, 41, 42], [7, 11, 3], TABLES)
+    assert match_rows(plan, joined, BS) is None
+    repeated = _decode_step([10, 10], [40, 40], [7, 7], [TABLES[0], TABLES[0]])
+    assert match_rows(plan, repeated, BS) is None

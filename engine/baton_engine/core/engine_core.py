@@ -216,12 +216,21 @@ class EngineCore:
     def _output(self, tracked: _Tracked) -> RequestOutput:
         request = tracked.request
         client_id = request.client_id
-        output_ids = request.output_token_ids
-        new_ids = output_ids[tracked.num_emitted :]
+        # Sliced off the token list at the first new token: `output_token_ids` would copy the
+        # whole output first (per request per step, O(length) each time).
+        token_ids, num_prompt = request.token_ids, request.num_prompt_tokens
+        new_ids = token_ids[num_prompt + tracked.num_emitted :]
         if tracked.num_emitted == 0 and new_ids:
-            self._prompt_tokens += request.num_prompt_tokens
+            self._prompt_tokens += num_prompt
         self._generation_tokens += len(new_ids)
-        tracked.num_emitted = len(output_ids)
+        tracked.num_emitted = len(token_ids) - num_prompt
+        running = not request.is_finished
+        if running and tracked.reported_queue_time and request.sampling_params.logprobs is None:
+            # A running request's new tokens, the path of every row of a decode step: only the
+            # fields that differ from their defaults (the full keyword call costs as much again).
+            return RequestOutput(
+                client_id, new_ids, num_prompt_tokens=num_prompt, num_cached_tokens=request.num_cached_tokens
+            )
         queue_time = None
         if not tracked.reported_queue_time and request.first_scheduled_time is not None:
             queue_time = max(0.0, request.first_scheduled_time - request.arrival_time)

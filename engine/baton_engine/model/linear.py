@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Protocol
+from typing import ClassVar, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -116,8 +116,13 @@ def _check(condition: bool, message: str) -> None:
 
 
 class ParallelLinear(nn.Module):
-    """The shared machinery: shards, parameters registered by the method, shard loading."""
+    """The shared machinery: shards, parameters registered by the method, shard loading.
 
+    `split` picks the features split across ranks: ``"output"`` (column-parallel, each part's
+    outputs split evenly) or ``"input"`` (row-parallel); a layer with another split (q/k/v by
+    heads) passes its `output_shards`."""
+
+    split: ClassVar[Literal["input", "output"]] = "output"
     weight: torch.Tensor
     """Registered by the method (`UnquantizedLinearMethod`: ``[out per rank, in per rank]``)."""
     bias: torch.Tensor | None
@@ -125,18 +130,26 @@ class ParallelLinear(nn.Module):
     def __init__(
         self,
         input_size: int,
-        output_sizes: Sequence[int],
+        output_sizes: int | Sequence[int],
         *,
-        input_shard: Shard,
-        output_shards: Sequence[Shard],
         bias: bool,
-        parallel: TensorParallel,
-        quant_method: LinearMethod | None,
         prefix: str,
         dtype: torch.dtype,
         device: torch.device | str,
+        parallel: TensorParallel = SINGLE,
+        quant_method: LinearMethod | None = None,
         part_names: Sequence[str] = (),
+        output_shards: Sequence[Shard] | None = None,
     ) -> None:
+        """`output_sizes`: one per merged part (an int: one part); `output_shards`: this rank's
+        shard of each part when the split is not even (then the inputs are not split)."""
+        output_sizes = (output_sizes,) if isinstance(output_sizes, int) else tuple(output_sizes)
+        input_shard = Shard(0, input_size)
+        if output_shards is None and self.split == "input":
+            input_shard = parallel.even(input_size, f"input features of {prefix}")
+            output_shards = [Shard(0, size) for size in output_sizes]
+        elif output_shards is None:
+            output_shards = [parallel.even(size, f"output features of {prefix}") for size in output_sizes]
         super().__init__()
         self.input_size = input_size
         self.output_sizes = tuple(output_sizes)
@@ -233,35 +246,10 @@ class ParallelLinear(nn.Module):
 class ColumnParallelLinear(ParallelLinear):
     """Output features split across ranks; `output_sizes` lists the merged parts (one: unmerged)."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_sizes: Sequence[int],
-        *,
-        bias: bool,
-        prefix: str,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        parallel: TensorParallel = SINGLE,
-        quant_method: LinearMethod | None = None,
-        part_names: Sequence[str] = (),
-    ) -> None:
-        super().__init__(
-            input_size,
-            output_sizes,
-            input_shard=Shard(0, input_size),
-            output_shards=[parallel.even(size, f"output features of {prefix}") for size in output_sizes],
-            bias=bias,
-            parallel=parallel,
-            quant_method=quant_method,
-            prefix=prefix,
-            dtype=dtype,
-            device=device,
-            part_names=part_names,
-        )
+    split = "output"
 
 
-class QKVParallelLinear(ParallelLinear):
+class QKVParallelLinear(ColumnParallelLinear):
     """The merged q/k/v projection, split by attention heads (parts: q=0, k=1, v=2)."""
 
     def __init__(
@@ -285,15 +273,14 @@ class QKVParallelLinear(ParallelLinear):
         super().__init__(
             hidden_size,
             (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim),
-            input_shard=Shard(0, hidden_size),
-            output_shards=(q, kv, kv),
             bias=bias,
-            parallel=parallel,
-            quant_method=quant_method,
             prefix=prefix,
             dtype=dtype,
             device=device,
+            parallel=parallel,
+            quant_method=quant_method,
             part_names=("q_proj", "k_proj", "v_proj"),
+            output_shards=(q, kv, kv),
         )
         self.head_dim = head_dim
         self.num_local_heads = heads.length
@@ -305,30 +292,7 @@ class QKVParallelLinear(ParallelLinear):
 class RowParallelLinear(ParallelLinear):
     """Input features split across ranks; the partial products are summed by one all-reduce."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        *,
-        bias: bool,
-        prefix: str,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        parallel: TensorParallel = SINGLE,
-        quant_method: LinearMethod | None = None,
-    ) -> None:
-        super().__init__(
-            input_size,
-            (output_size,),
-            input_shard=parallel.even(input_size, f"input features of {prefix}"),
-            output_shards=(Shard(0, output_size),),
-            bias=bias,
-            parallel=parallel,
-            quant_method=quant_method,
-            prefix=prefix,
-            dtype=dtype,
-            device=device,
-        )
+    split = "input"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.parallel.is_parallel:

@@ -154,6 +154,10 @@ STATUS_HEARTBEAT_S = 60.0
 METRIC_RELATIVE_CHANGE = 0.1
 #: ... and by more than this much (KV usage ratios wander by a few hundredths at steady load).
 METRIC_ABSOLUTE_CHANGE = 0.05
+#: Metrics of the tick, not of the load, never compared: how old a pool's oldest sample was at
+#: the decision is the scrape's latency (tens of milliseconds more from a busy engine or node at
+#: the same load); a sample too old to act on counts in stalePods, which is compared.
+TICK_METRICS = frozenset({"oldestSampleAgeSeconds"})
 
 
 def _parse(time: Any) -> float | None:
@@ -174,9 +178,9 @@ def _metric_moved(old: Any, new: Any) -> bool:
 def material_change(stored: Any, fresh: Any, now: float) -> str | None:
     """Why `fresh` (a tick's ``status.autoscaling``) must be written over `stored`, or None when
     it says nothing new: the decision (replicas asked for, replicas seen, action), a scale action
-    in the history, a metric that moved materially, or a stored decision older than
-    STATUS_HEARTBEAT_S. Recommendations and reasons alone do not count: at steady load the
-    status (and so the resource's resourceVersion) stays still."""
+    in the history, a metric reported or gone, a load metric that moved materially, or a stored
+    decision older than STATUS_HEARTBEAT_S. Recommendations, reasons and TICK_METRICS alone do
+    not count: at steady load the status (and so the resource's resourceVersion) stays still."""
     if not isinstance(stored, dict) or not stored:
         return "first decision"
     for key in ("lastDecision", "currentReplicas", "action"):
@@ -193,7 +197,11 @@ def material_change(stored: Any, fresh: Any, now: float) -> str | None:
     old_metrics, new_metrics = stored.get("metrics") or {}, fresh.get("metrics") or {}
     if set(old_metrics) != set(new_metrics):
         return "metrics reported"
-    moved = sorted(k for k in new_metrics if _metric_moved(old_metrics[k], new_metrics[k]))
+    moved = sorted(
+        key
+        for key in new_metrics
+        if key.rsplit(".", 1)[-1] not in TICK_METRICS and _metric_moved(old_metrics[key], new_metrics[key])
+    )
     if moved:
         return f"metrics {', '.join(moved)}"
     written = _parse(stored.get("time"))

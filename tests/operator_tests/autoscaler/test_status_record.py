@@ -148,6 +148,11 @@ STORED: dict[str, Any] = {
     "history": json.dumps({"recommendations": [[1.0, "decode", 2]], "actions": [[0.5, "decode", 1, 2]]}),
 }
 T0 = 1767225600.0  # 2026-01-01T00:00:00Z
+#: A stored decision whose oldest decode sample was 2 ms old at the decision.
+SAMPLED: dict[str, Any] = {
+    **STORED,
+    "metrics": {**STORED["metrics"], "decode.oldestSampleAgeSeconds": 0.002, "decode.stalePods": 0.0},
+}
 
 
 def fresh(**changes: Any) -> dict[str, Any]:
@@ -171,6 +176,16 @@ def fresh(**changes: Any) -> dict[str, Any]:
         (STORED, fresh(reason="prefill: hold at 1 (other words)"), T0 + 30, None),
         (STORED, fresh(metrics={"decode.kvUsage": 0.45}), T0 + 30, None),  # within 0.05
         (STORED, fresh(metrics={"decode.kvUsage": 0.47}), T0 + 30, "metrics decode.kvUsage"),
+        # The scrape's latency, not the load: a busy engine answering 0.9 s later is no news.
+        (SAMPLED, fresh(metrics={**SAMPLED["metrics"], "decode.oldestSampleAgeSeconds": 0.9}), T0 + 30, None),
+        (
+            SAMPLED,
+            fresh(
+                metrics={**SAMPLED["metrics"], "decode.oldestSampleAgeSeconds": 61.0, "decode.stalePods": 1.0}
+            ),
+            T0 + 30,
+            "metrics decode.stalePods",
+        ),
         (STORED, fresh(metrics={"prefill.waitingRequests": 1.0}), T0 + 30, "metrics prefill.waitingRequests"),
         (STORED, fresh(metrics={"decode.readyPods": 3.0}), T0 + 30, "metrics decode.readyPods"),
         (STORED, fresh(metrics={"decode.stalePods": 1.0}), T0 + 30, "metrics reported"),

@@ -231,76 +231,82 @@ def _finish(acc, rows, row_mask, scale_ptr, bias_ptr, HAS_SCALE: tl.constexpr, H
 
 
 @triton.jit
-def _gemv_kernel(
-    x_ptr,
-    stride_x,
-    w_ptr,
-    stride_w,
-    scale_ptr,
-    bias_ptr,
-    out_ptr,
-    stride_out,
-    tokens,
-    N,
-    K,
-    T_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
+def _plain_product(
+    x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows, row_mask, scale_ptr, bias_ptr,
+    T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """``x @ W[rows]^T`` with its epilogue, in float32 as [T_PAD, BLOCK_N] (`gemv`, `gemv_residual`)."""
     acc, _ = _product(
         x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows, rows, row_mask, None, None,
         NORM=False, PAIRED=False, T_PAD=T_PAD, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN_K=EVEN_K,
         USE_DOT=USE_DOT, PRECISION=PRECISION,
     )  # fmt: skip
-    acc = _finish(acc, rows, row_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
+    return _finish(acc, rows, row_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
+
+
+@triton.jit
+def _normed_pair(
+    x_ptr, stride_x, ss_ptr, ss_stride, num_ss, norm_ptr, eps, tokens, K, w_ptr, stride_w,
+    rows_a, rows_b, row_mask, scale_ptr, bias_ptr,
+    NUM_SS_PAD: tl.constexpr, T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """``RMSNorm(x) @ W[rows_a]^T`` and ``... W[rows_b]^T`` with their epilogues, in float32 (the
+    paired products of `gemv_silu` and `gemv_qkv_rope`): the norm's scale from the producer's
+    partial sums of squares, the norm applied to x as the weight tiles stream past."""
+    rs = _norm_scale(ss_ptr, ss_stride, num_ss, tokens, K, eps, T_PAD, NUM_SS_PAD)
+    a, b = _product(
+        x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows_a, rows_b, row_mask, norm_ptr, rs,
+        NORM=True, PAIRED=True, T_PAD=T_PAD, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN_K=EVEN_K,
+        USE_DOT=USE_DOT, PRECISION=PRECISION,
+    )  # fmt: skip
+    a = _finish(a, rows_a, row_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
+    b = _finish(b, rows_b, row_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
+    return a, b
+
+
+@triton.jit
+def _token_mask(tokens, row_mask, T_PAD: tl.constexpr):
+    """The token rows ``t`` and the [T_PAD, BLOCK_N] mask of real tokens x real output rows."""
     t = tl.arange(0, T_PAD)
-    mask = (t < tokens)[:, None] & row_mask[None, :]
+    return t, (t < tokens)[:, None] & row_mask[None, :]
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, stride_x, w_ptr, stride_w, scale_ptr, bias_ptr, out_ptr, stride_out, tokens, N, K,
+    T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    acc = _plain_product(
+        x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows, row_mask, scale_ptr, bias_ptr,
+        T_PAD, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION, HAS_SCALE, HAS_BIAS,
+    )  # fmt: skip
+    t, mask = _token_mask(tokens, row_mask, T_PAD)
     tl.store(out_ptr + t[:, None] * stride_out + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _gemv_residual_kernel(
-    x_ptr,
-    stride_x,
-    w_ptr,
-    stride_w,
-    scale_ptr,
-    bias_ptr,
-    residual_ptr,  # [T, N], updated in place: residual += x @ W^T
-    stride_res,
-    ss_ptr,  # [T, programs] fp32: each program's sum of squares of its new residual columns
-    ss_stride,
-    tokens,
-    N,
-    K,
-    T_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
+    x_ptr, stride_x, w_ptr, stride_w, scale_ptr, bias_ptr,
+    residual_ptr, stride_res,  # [T, N], updated in place: residual += x @ W^T
+    ss_ptr, ss_stride,  # [T, programs] fp32: each program's sum of squares of its new residual columns
+    tokens, N, K,
+    T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    acc, _ = _product(
-        x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows, rows, row_mask, None, None,
-        NORM=False, PAIRED=False, T_PAD=T_PAD, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN_K=EVEN_K,
-        USE_DOT=USE_DOT, PRECISION=PRECISION,
+    acc = _plain_product(
+        x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows, row_mask, scale_ptr, bias_ptr,
+        T_PAD, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION, HAS_SCALE, HAS_BIAS,
     )  # fmt: skip
-    acc = _finish(acc, rows, row_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
-    t = tl.arange(0, T_PAD)
-    t_mask = t < tokens
-    mask = t_mask[:, None] & row_mask[None, :]
+    t, mask = _token_mask(tokens, row_mask, T_PAD)
     res_ptrs = residual_ptr + t[:, None] * stride_res + rows[None, :]
     residual = tl.load(res_ptrs, mask=mask, other=0.0)
     dtype = residual_ptr.dtype.element_ty
@@ -308,91 +314,49 @@ def _gemv_residual_kernel(
     total = (residual.to(tl.float32) + acc.to(dtype).to(tl.float32)).to(dtype)
     tl.store(res_ptrs, total, mask=mask)
     t32 = tl.where(mask, total.to(tl.float32), 0.0)
-    tl.store(ss_ptr + t * ss_stride + pid, tl.sum(t32 * t32, 1), mask=t_mask)
+    tl.store(ss_ptr + t * ss_stride + pid, tl.sum(t32 * t32, 1), mask=t < tokens)
 
 
 @triton.jit
 def _gemv_silu_kernel(
-    x_ptr,  # [T, K] residual (RMSNorm'ed on the way in)
-    stride_x,
-    ss_ptr,
-    ss_stride,
-    num_ss,
-    norm_ptr,
-    eps,
-    w_ptr,  # [2I, K]: gate rows, then up rows
-    stride_w,
-    scale_ptr,
-    bias_ptr,
-    out_ptr,  # [T, I]
-    stride_out,
-    tokens,
-    INTER,
-    K,
-    NUM_SS_PAD: tl.constexpr,
-    T_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
+    x_ptr, stride_x,  # [T, K] residual (RMSNorm'ed on the way in)
+    ss_ptr, ss_stride, num_ss, norm_ptr, eps,
+    w_ptr, stride_w, scale_ptr, bias_ptr,  # w: [2I, K], gate rows then up rows
+    out_ptr, stride_out,  # [T, I]
+    tokens, INTER, K, NUM_SS_PAD: tl.constexpr,
+    T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < INTER
-    rs = _norm_scale(ss_ptr, ss_stride, num_ss, tokens, K, eps, T_PAD, NUM_SS_PAD)
-    gate, up = _product(
-        x_ptr, stride_x, tokens, K, w_ptr, stride_w, cols, cols + INTER, col_mask, norm_ptr, rs,
-        NORM=True, PAIRED=True, T_PAD=T_PAD, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN_K=EVEN_K,
-        USE_DOT=USE_DOT, PRECISION=PRECISION,
+    gate, up = _normed_pair(
+        x_ptr, stride_x, ss_ptr, ss_stride, num_ss, norm_ptr, eps, tokens, K, w_ptr, stride_w,
+        cols, cols + INTER, col_mask, scale_ptr, bias_ptr,
+        NUM_SS_PAD, T_PAD, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION, HAS_SCALE, HAS_BIAS,
     )  # fmt: skip
     dtype = out_ptr.dtype.element_ty
-    g = _finish(gate, cols, col_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS).to(dtype).to(tl.float32)
-    u = _finish(up, cols + INTER, col_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS).to(dtype).to(tl.float32)
+    g = gate.to(dtype).to(tl.float32)
+    u = up.to(dtype).to(tl.float32)
     # Two roundings like the reference: silu(gate) in the model dtype, then the product.
     act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    t = tl.arange(0, T_PAD)
-    mask = (t < tokens)[:, None] & col_mask[None, :]
+    t, mask = _token_mask(tokens, col_mask, T_PAD)
     tl.store(out_ptr + t[:, None] * stride_out + cols[None, :], (act * u).to(dtype), mask=mask)
 
 
 @triton.jit
 def _gemv_qkv_rope_kernel(
-    x_ptr,  # [T, K] residual (RMSNorm'ed on the way in)
-    stride_x,
-    ss_ptr,
-    ss_stride,
-    num_ss,
-    norm_ptr,
-    eps,
-    w_ptr,  # [(H + 2 KVH) * D, K]: q heads, k heads, v heads
-    stride_w,
-    scale_ptr,
-    bias_ptr,
-    q_ptr,  # [T, H * D] rotated queries
-    stride_q,
+    x_ptr, stride_x,  # [T, K] residual (RMSNorm'ed on the way in)
+    ss_ptr, ss_stride, num_ss, norm_ptr, eps,
+    w_ptr, stride_w, scale_ptr, bias_ptr,  # w: [(H + 2 KVH) * D, K], q heads, k heads, v heads
+    q_ptr, stride_q,  # [T, H * D] rotated queries
     positions_ptr,  # [T] int64
-    cos_ptr,  # [max_pos, D] (both halves equal)
-    sin_ptr,
+    cos_ptr, sin_ptr,  # [max_pos, D] (both halves equal)
     slots_ptr,  # [T] int64, < 0: padding (no cache write)
-    cache_ptr,  # [2, NB, BS, KVH, D]
-    v_offset,
-    tokens,
-    K,
-    H: tl.constexpr,
-    KVH: tl.constexpr,
-    HALF: tl.constexpr,
-    NUM_SS_PAD: tl.constexpr,
-    T_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
+    cache_ptr, v_offset,  # [2, NB, BS, KVH, D]
+    tokens, K, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, NUM_SS_PAD: tl.constexpr,
+    T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
     D: tl.constexpr = 2 * HALF
     BLOCKS: tl.constexpr = HALF // BLOCK_N
     pid = tl.program_id(0)
@@ -400,21 +364,19 @@ def _gemv_qkv_rope_kernel(
     j = (pid % BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = head * D + j
     row_mask = j < HALF
-    rs = _norm_scale(ss_ptr, ss_stride, num_ss, tokens, K, eps, T_PAD, NUM_SS_PAD)
-    first, second = _product(
-        x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows, rows + HALF, row_mask, norm_ptr, rs,
-        NORM=True, PAIRED=True, T_PAD=T_PAD, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN_K=EVEN_K,
-        USE_DOT=USE_DOT, PRECISION=PRECISION,
+    first, second = _normed_pair(
+        x_ptr, stride_x, ss_ptr, ss_stride, num_ss, norm_ptr, eps, tokens, K, w_ptr, stride_w,
+        rows, rows + HALF, row_mask, scale_ptr, bias_ptr,
+        NUM_SS_PAD, T_PAD, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION, HAS_SCALE, HAS_BIAS,
     )  # fmt: skip
     dtype = q_ptr.dtype.element_ty
-    a = _finish(first, rows, row_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS).to(dtype)
-    b = _finish(second, rows + HALF, row_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS).to(dtype)
-    t = tl.arange(0, T_PAD)
+    a = first.to(dtype)
+    b = second.to(dtype)
+    t, tm = _token_mask(tokens, row_mask, T_PAD)
     t_mask = t < tokens
     if head < H + KVH:  # q or k: rotate (j pairs with j + HALF)
         pos = tl.load(positions_ptr + t, mask=t_mask, other=0)
         table = pos[:, None] * D + j[None, :]
-        tm = t_mask[:, None] & row_mask[None, :]
         cos = tl.load(cos_ptr + table, mask=tm, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + table, mask=tm, other=0.0).to(tl.float32)
         a32 = a.to(tl.float32)
@@ -422,10 +384,9 @@ def _gemv_qkv_rope_kernel(
         a = (a32 * cos - b32 * sin).to(dtype)
         b = (b32 * cos + a32 * sin).to(dtype)
     if head < H:
-        mask = t_mask[:, None] & row_mask[None, :]
         dst = q_ptr + t[:, None] * stride_q + rows[None, :]
-        tl.store(dst, a, mask=mask)
-        tl.store(dst + HALF, b, mask=mask)
+        tl.store(dst, a, mask=tm)
+        tl.store(dst + HALF, b, mask=tm)
     else:
         slot = tl.load(slots_ptr + t, mask=t_mask, other=-1)
         mask = (slot >= 0)[:, None] & row_mask[None, :]
@@ -468,6 +429,44 @@ def _shape_constants(tokens: int, k: int, launch: GemvLaunch, dtype: torch.dtype
     }
 
 
+def _constants(
+    tokens: int,
+    k: int,
+    launch: GemvLaunch,
+    x: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    num_partials: int | None = None,
+) -> dict[str, object]:
+    """Every kernel's compile-time arguments; `num_partials` for the kernels with a norm prologue."""
+    constants = {
+        "BLOCK_N": launch.block_n,
+        "HAS_SCALE": w_scale is not None,
+        "HAS_BIAS": bias is not None,
+        **_shape_constants(tokens, k, launch, x.dtype),
+    }
+    if num_partials is not None:
+        constants["NUM_SS_PAD"] = triton.next_power_of_2(num_partials)
+    return constants
+
+
+def _normed_args(
+    x: torch.Tensor,
+    sum_squares: torch.Tensor,
+    num_partials: int,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> tuple[object, ...]:
+    """The leading arguments of the kernels with a norm prologue (`_normed_pair`'s inputs)."""
+    return (
+        x, x.stride(0), sum_squares, sum_squares.stride(0), num_partials, norm_weight, eps,
+        weight, weight.stride(0), w_scale, bias,
+    )  # fmt: skip
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
     tokens, k = x.shape
     if not 0 < tokens <= GEMV_MAX_TOKENS:
@@ -489,11 +488,9 @@ def gemv(
     tokens, k = _check(x, weight)
     n = weight.shape[0]
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device) if out is None else out
-    block_n = launch.block_n
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_kernel[(triton.cdiv(n, launch.block_n),)](
         x, x.stride(0), weight, weight.stride(0), w_scale, bias, out, out.stride(0), tokens, n, k,
-        BLOCK_N=block_n, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None,
-        **_shape_constants(tokens, k, launch, x.dtype),
+        **_constants(tokens, k, launch, x, w_scale, bias),
     )  # fmt: skip
     return out
 
@@ -522,8 +519,7 @@ def gemv_residual(
     _gemv_residual_kernel[(programs,)](
         x, x.stride(0), weight, weight.stride(0), w_scale, bias, residual, residual.stride(0),
         sum_squares, sum_squares.stride(0), tokens, n, k,
-        BLOCK_N=launch.block_n, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None,
-        **_shape_constants(tokens, k, launch, x.dtype),
+        **_constants(tokens, k, launch, x, w_scale, bias),
     )  # fmt: skip
     return programs
 
@@ -554,13 +550,10 @@ def gemv_silu(
     tokens, k = _check(x, weight)
     inter = weight.shape[0] // 2
     out = torch.empty((tokens, inter), dtype=x.dtype, device=x.device) if out is None else out
-    block_n = launch.block_n
-    _gemv_silu_kernel[(triton.cdiv(inter, block_n),)](
-        x, x.stride(0), sum_squares, sum_squares.stride(0), num_partials, norm_weight, eps,
-        weight, weight.stride(0), w_scale, bias, out, out.stride(0), tokens, inter, k,
-        NUM_SS_PAD=triton.next_power_of_2(num_partials),
-        BLOCK_N=block_n, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None,
-        **_shape_constants(tokens, k, launch, x.dtype),
+    _gemv_silu_kernel[(triton.cdiv(inter, launch.block_n),)](
+        *_normed_args(x, sum_squares, num_partials, norm_weight, eps, weight, w_scale, bias),
+        out, out.stride(0), tokens, inter, k,
+        **_constants(tokens, k, launch, x, w_scale, bias, num_partials),
     )  # fmt: skip
     return out
 
@@ -601,13 +594,10 @@ def gemv_qkv_rope(
     launch_here = launch if block_n == launch.block_n else _with_block_n(launch, block_n)
     programs = (num_heads + 2 * num_kv_heads) * (half // block_n)
     _gemv_qkv_rope_kernel[(programs,)](
-        x, x.stride(0), sum_squares, sum_squares.stride(0), num_partials, norm_weight, eps,
-        weight, weight.stride(0), w_scale, bias, q_out, q_out.stride(0), positions, cos, sin,
-        slot_mapping, layer_cache, layer_cache.stride(0), tokens, k,
-        H=num_heads, KVH=num_kv_heads, HALF=half,
-        NUM_SS_PAD=triton.next_power_of_2(num_partials),
-        BLOCK_N=block_n, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None,
-        **_shape_constants(tokens, k, launch_here, x.dtype),
+        *_normed_args(x, sum_squares, num_partials, norm_weight, eps, weight, w_scale, bias),
+        q_out, q_out.stride(0), positions, cos, sin, slot_mapping, layer_cache, layer_cache.stride(0),
+        tokens, k, H=num_heads, KVH=num_kv_heads, HALF=half,
+        **_constants(tokens, k, launch_here, x, w_scale, bias, num_partials),
     )  # fmt: skip
     return q_out
 

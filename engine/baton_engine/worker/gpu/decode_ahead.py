@@ -76,13 +76,17 @@ def match_rows(plan: AheadPlan, step: SchedulerOutput, block_size: int) -> npt.N
     restricted to some of its rows (others finished or were preempted); else None."""
     if not is_decode_only(step):
         return None
-    where = {int(s): j for j, s in enumerate(plan.req_ids.tolist())}
-    try:
-        index = np.array([where[int(s)] for s in step.req_ids], dtype=np.int64)
-    except KeyError:
-        return None
-    if len(set(index.tolist())) != len(index):
-        return None
+    req_ids = np.asarray(step.req_ids, dtype=np.int64)
+    if np.array_equal(req_ids, plan.req_ids):  # no row left: the common case, no per-row lookup
+        index = np.arange(len(req_ids), dtype=np.int64)
+    else:
+        where = {s: j for j, s in enumerate(plan.req_ids.tolist())}
+        try:
+            index = np.array([where[s] for s in req_ids.tolist()], dtype=np.int64)
+        except KeyError:
+            return None
+        if len(set(index.tolist())) != len(index):
+            return None
     seq_lens = np.asarray(step.seq_lens, dtype=np.int64)
     if not (
         np.array_equal(np.asarray(step.input_ids, dtype=np.int64), plan.input_ids[index])
