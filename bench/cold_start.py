@@ -45,9 +45,8 @@ from baton_dev.state import ClusterState
 from baton_dev.testing import DevCluster, is_ready, wait_for
 from baton_engine import contract
 from baton_operator import models
-from baton_support.operator_process import operator_process
+from baton_support.operator_process import cluster_operator
 
-REPO = Path(__file__).resolve().parents[1]
 NAME = "zero"
 MODEL = "builtin:smollm2-135m-instruct"
 ENGINE = {"device": "cpu", "dtype": "float32", "maxModelLen": 512, "numKvBlocks": 64}
@@ -247,9 +246,8 @@ def cluster_at(cluster_dir: Path | None) -> Iterator[DevCluster]:
 def run(config: Config, cluster_dir: Path | None) -> dict[str, Any]:
     floors: list[float] = []
     with cluster_at(cluster_dir) as cluster, tempfile.TemporaryDirectory(prefix="baton-bench-op-") as work:
-        cluster.kubectl("apply", "-f", str(REPO / "crds"))
         with (
-            operator_process(cluster.state.admin_kubeconfig, Path(work), "--no-peering"),
+            cluster_operator(cluster, Path(work), "--no-peering"),
             cluster.namespace(f"bench-cold-start-{uuid.uuid4().hex[:4]}") as ns,
         ):
             res = ZeroDeployment(cluster, ns)

@@ -46,6 +46,7 @@ from baton_engine.model.linear import QuantizationConfig
 from baton_engine.model.llama import Weights, build_model
 from baton_engine.model.loader.model_loading import LoadedModel
 from baton_engine.model.loader.reference import ResolvedModel
+from baton_engine.worker.gpu.fused_decoder import DecodeMeta
 from baton_engine.worker.gpu.model_runner import GpuModelRunner
 from bench.limits import Ceilings, DecoderCost, prefill_limit_s, run_limit_s, step_limit_s
 from bench.shapes import LLAMA_32_1B
@@ -141,7 +142,9 @@ def make_core(
     dtype_name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
     engine_config = EngineConfig(model=config.name, device="cuda", dtype=dtype_name, **settings)
     runner = GpuModelRunner(engine_config, loaded, graph_batch_sizes=graph_sizes, **(runner_options or {}))
-    scheduler = Scheduler.from_config(engine_config, num_blocks=runner.num_blocks, eos_token_id=None)
+    scheduler = Scheduler.from_config(
+        engine_config, num_blocks=runner.num_blocks, eos_token_id=None, decode_lookahead=runner.decode_ahead
+    )
     return EngineCore(scheduler, runner), runner
 
 
@@ -562,6 +565,42 @@ def graph_step_ms(runner: GpuModelRunner, batch: int, context: int) -> float:
     return statistics.median(cuda_time_ms(graph.replay, 10))
 
 
+def b1_attention_8b(runner: GpuModelRunner, context: int, copy_bps: float) -> dict[str, Any]:
+    """The batch-1 step's attention alone: each layer's split-K decode attention (split kernel
+    and reduce) over `context` positions, 32 layers in one graph — per layer, at the splits the
+    b1 graph was captured with and at fewer, against the time its K/V bytes take at copy
+    bandwidth."""
+    from baton_engine.model.kernels.triton_attention import DecodeWorkspace, paged_decode_attention
+
+    meta = runner._graphs[1].meta
+    assert isinstance(meta, DecodeMeta)
+    fused = runner.fused
+    h, d, layers = fused.num_heads, runner.model_config.head_dim, len(fused.layers)
+    graph_step_ms(runner, 1, context)  # tables and lengths of one row at `context` positions
+    q = torch.randn(1, h, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    engine_splits = meta.workspace.num_splits
+    by_splits: dict[int, float] = {}
+    for splits in sorted({engine_splits, 16, 8, 4}, reverse=True):
+        workspace = meta.workspace if splits == engine_splits else DecodeWorkspace(1, h, d, splits, q.device)
+
+        def attention(workspace: DecodeWorkspace = workspace) -> None:
+            for index in range(layers):
+                paged_decode_attention(
+                    q, runner.kv_cache[index], meta.block_tables, meta.seq_lens, d**-0.5, workspace,
+                    out=out, launch=fused.launch,
+                )  # fmt: skip
+
+        by_splits[splits] = round(graph_ms(attention, 20) * 1e3 / layers, 2)
+    kv_bytes = context * 2 * fused.num_kv_heads * d * 2
+    return {
+        "b1_attention_us_per_layer_8b": by_splits[engine_splits],
+        "b1_attention_limit_us_per_layer_8b": round(kv_bytes / copy_bps * 1e6, 2),
+        "b1_attention_splits_8b": engine_splits,
+        "b1_attention_us_by_splits_8b": by_splits,
+    }
+
+
 def eight_b(result: dict[str, Any], quick: bool) -> None:
     cfg = LLAMA_31_8B
     limits = ceilings(result)
@@ -619,6 +658,10 @@ def eight_b(result: dict[str, Any], quick: bool) -> None:
     limit_ms = step_limit_s(cost, limits, [552]) * 1e3
     result["b1_decode_ms_8b"] = round(step_ms, 3)
     result["b1_decode_graph_ms_8b"] = round(graph_ms_b1, 3)
+    try:
+        result.update(b1_attention_8b(runner, 552, copy_bps))
+    except Exception as exc:  # a figure to find the step's time, not one of the section's results
+        result["b1_attention_8b_failed"] = repr(exc)[:300]
     result["b1_limit_ms_8b"] = round(limit_ms, 3)
     result["b1_step_vs_limit_8b"] = round(step_ms / limit_ms, 3)
     result["b1_graph_vs_limit_8b"] = round(graph_ms_b1 / limit_ms, 3)

@@ -10,7 +10,8 @@ each at every ``--concurrency`` (1, 16, 64): completions, streaming, 200 input /
 (synthetic prompts, fixed seed, ``ignore_eos``), ``--duration`` seconds after a warm-up of one
 request per stream. Besides aiperf's figures, the bench reads the CPU time of each server's
 process tree over each level (``cpu_ms_per_output_token``: what the neighbours' load disturbs
-least on a shared machine).
+least on a shared machine), split into the HTTP server process (``server_cpu_...``: parsing,
+tokenizing, detokenizing, streaming) and its descendants (``core_cpu_...``: the engine core).
 
 Offline: Baton's `LLM` and ``vllm.LLM`` generate the same random token-id prompts
 (``--offline-prompts``: 16 and 64 of 200 tokens, 64 greedy output tokens each), each in a fresh
@@ -90,6 +91,9 @@ class Settings:
     vllm_bind: str = "nobind"
     """VLLM_CPU_OMP_THREADS_BIND: nobind (OMP_NUM_THREADS=threads, like Baton) or auto (vLLM's own)."""
     vllm_enforce_eager: bool = False
+    vllm_offline_multiprocessing: bool = True
+    """vLLM's offline `LLM` with its engine core in a child process (its default), or in-process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one process, like Baton's `LLM`)."""
     neighbour: bool = True
     quick: bool = False
 
@@ -156,20 +160,33 @@ def _children_of() -> dict[int, list[int]]:
     return children
 
 
-def tree_cpu_seconds(root: int) -> float:
-    """utime + stime of `root` and its live descendants (Linux /proc)."""
+def process_cpu_seconds(pid: int) -> float | None:
+    """utime + stime of one process (Linux /proc), None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds of a server's process tree: ``server`` (the root: HTTP, tokenization,
+    detokenization, streaming) and each live descendant by its name (``/proc/<pid>/comm``;
+    ``core`` for a plain Python interpreter: Baton's engine core; vLLM names its engine core
+    and model worker ``VLLM::EngineCor`` and ``VLLM::Worker``)."""
     children = _children_of()
-    ticks = os.sysconf("SC_CLK_TCK")
-    total, todo = 0.0, [root]
+    cpu = {"server": process_cpu_seconds(root) or 0.0}
+    todo = list(children.get(root, []))
     while todo:
         pid = todo.pop()
         todo.extend(children.get(pid, []))
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / ticks
-    return total
+        name = "core" if name.startswith("python") else name
+        cpu[name] = cpu.get(name, 0.0) + (process_cpu_seconds(pid) or 0.0)
+    return cpu
 
 
 @dataclass
@@ -307,9 +324,27 @@ def aiperf_command(
     return command
 
 
+def _per_token(cpu_seconds: float, tokens: float) -> float | None:
+    return round(1000 * cpu_seconds / tokens, 3) if tokens else None
+
+
 def _metric(summary: dict[str, Any], name: str, stat: str) -> float | None:
     value = summary.get(name, {}).get(stat)
     return None if value is None else round(float(value), 3)
+
+
+GENERATION_TOKENS_METRIC = "vllm:generation_tokens_total"
+"""Both servers export it (Baton under vLLM's name too): every token generated, warm-up included."""
+
+
+def generated_tokens(server: Server) -> float:
+    """The server's own count of generated tokens so far (its Prometheus counter)."""
+    text = httpx.get(server.url + "/metrics", timeout=30.0).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(GENERATION_TOKENS_METRIC + "{") or line.startswith(GENERATION_TOKENS_METRIC + " ")
+    )
 
 
 def run_level(
@@ -317,6 +352,7 @@ def run_level(
 ) -> dict[str, Any]:
     artifacts = work / f"aiperf-{server.side}-c{concurrency}-{server.port}"
     load_before = load_average()
+    tokens_before = generated_tokens(server)
     cpu_before = tree_cpu_seconds(server.process.pid)
     completed = subprocess.run(
         aiperf_command(aiperf, server, settings, concurrency, artifacts),
@@ -324,7 +360,11 @@ def run_level(
         stderr=subprocess.STDOUT,
         timeout=settings.duration_s + settings.grace_s + 900,
     )
-    cpu = tree_cpu_seconds(server.process.pid) - cpu_before
+    cpu_after = tree_cpu_seconds(server.process.pid)
+    cpu = {part: cpu_after[part] - cpu_before.get(part, 0.0) for part in cpu_after}
+    core_cpu = {part: seconds for part, seconds in cpu.items() if part != "server"}
+    # CPU per generated token over the whole level (warm-up included on both counts).
+    generated = generated_tokens(server) - tokens_before
     summary_path = artifacts / "profile_export_aiperf.json"
     output = completed.stdout.decode(errors="replace")
     if completed.returncode != 0 and "No profile results to export" in output:
@@ -356,9 +396,13 @@ def run_level(
         "completed": int(_metric(summary, "completed_request_count", "avg") or 0),
         "errors": len(errors),
         "output_tokens": int(output_tokens),
-        # The server's process tree over the whole level, warm-up included (aiperf counts the
-        # measured part only): an upper bound, the same one for both sides.
-        "cpu_ms_per_output_token": round(1000 * cpu / output_tokens, 3) if output_tokens else None,
+        "generated_tokens": int(generated),
+        "cpu_ms_per_output_token": _per_token(sum(cpu.values()), generated),
+        "server_cpu_ms_per_output_token": _per_token(cpu["server"], generated),
+        "core_cpu_ms_per_output_token": _per_token(sum(core_cpu.values()), generated),
+        "core_cpu_ms_per_output_token_by_process": {
+            part: _per_token(seconds, generated) for part, seconds in sorted(core_cpu.items())
+        },
         "load_average": [load_before, load_average()],
     }
 
@@ -449,6 +493,8 @@ def run_offline(
         env["VLLM_CPU_OMP_THREADS_BIND"] = settings.vllm_bind
         if settings.vllm_bind == "nobind":
             env["OMP_NUM_THREADS"] = str(settings.threads)
+        if not settings.vllm_offline_multiprocessing:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         command = [str(vllm_python), str(REPO / "bench" / "vllm_offline.py"), str(spec_path), str(out_path)]
     load_before = load_average()
     with busy_neighbour(neighbour), log_path.open("wb") as log:
@@ -473,6 +519,11 @@ def run_offline(
         "tokens_per_s": round(tokens / result["seconds"], 3),
         "seconds": round(result["seconds"], 3),
         "cpu_ms_per_output_token": round(1000 * result["cpu_seconds"] / tokens, 3),
+        # Baton's `LLM` is one process; vLLM's a frontend and (multiprocessing) an engine core.
+        "cpu_ms_per_output_token_by_process": {
+            part: round(1000 * seconds / tokens, 3)
+            for part, seconds in result.get("cpu_seconds_by_process", {"llm": result["cpu_seconds"]}).items()
+        },
         "load_average": [load_before, load_average()],
         "token_ids": result["token_ids"],
     }
@@ -519,6 +570,8 @@ SERVING_KEYS = (
     "itl_p50_ms",
     "itl_p99_ms",
     "cpu_ms_per_output_token",
+    "server_cpu_ms_per_output_token",
+    "core_cpu_ms_per_output_token",
 )
 
 
@@ -669,6 +722,11 @@ def main(argv: list[str] | None = None) -> int:
         "--offline-prompts", help="Comma-separated offline batch sizes (default 16,64); '' skips."
     )
     parser.add_argument("--vllm-bind", choices=("nobind", "auto"), help="vLLM's VLLM_CPU_OMP_THREADS_BIND.")
+    parser.add_argument(
+        "--vllm-offline-in-process",
+        action="store_true",
+        help="Run vLLM's offline LLM with its engine core in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0).",
+    )
     parser.add_argument("--no-neighbour", action="store_true", help="Skip the busy-neighbour runs.")
     parser.add_argument(
         "--work-dir", help="Keep server logs and aiperf artifacts here (default: a temp dir)."
@@ -692,6 +750,8 @@ def main(argv: list[str] | None = None) -> int:
         changes["offline_prompts"] = tuple(int(n) for n in args.offline_prompts.split(",") if n)
     if args.vllm_bind:
         changes["vllm_bind"] = args.vllm_bind
+    if args.vllm_offline_in_process:
+        changes["vllm_offline_multiprocessing"] = False
     if args.no_neighbour or not changes.get("offline_prompts", settings.offline_prompts):
         changes["neighbour"] = False
     settings = replace(settings, **changes)

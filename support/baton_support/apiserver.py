@@ -152,14 +152,18 @@ def _wait(
     raise TimeoutError(f"{check_url} not healthy after {deadline_s}s: {last}")
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 15) -> bool:
+    """SIGTERM, then SIGKILL after `grace_s`; True when it had to be killed (a running process)."""
+    if proc.poll() is not None:
+        return False
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return True
+    return False
 
 
 def _controller_manager(
@@ -191,7 +195,7 @@ def _controller_manager(
     try:
         _wait(f"https://127.0.0.1:{port}/healthz", 120, kcm, insecure)
     except BaseException:
-        _stop(kcm)
+        stop_process(kcm)
         raise
     return kcm
 
@@ -255,7 +259,7 @@ def api_server(workdir: Path, bin_dir: Path, controllers: tuple[str, ...] = ()) 
         yield server
     finally:
         for proc in reversed(procs):
-            _stop(proc)
+            stop_process(proc)
 
 
 class Rest:

@@ -8,23 +8,27 @@ run` as that ServiceAccount. Started and stopped by pid.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from baton_operator import models
 from baton_operator.kube import collection_path
-from baton_support.apiserver import ApiServer, Rest, write_kubeconfig
+from baton_support.apiserver import ApiServer, Rest, stop_process, write_kubeconfig
 from baton_support.ports import free_port
+from baton_support.wait import wait_for
+
+if TYPE_CHECKING:
+    from baton_dev.testing import DevCluster
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts/baton"
@@ -57,14 +61,16 @@ def create(rest: Rest, manifest: dict[str, Any]) -> None:
         raise RuntimeError(f"creating {kind} {manifest['metadata']['name']}: HTTP {status} {body}")
 
 
+def established(crd: Mapping[str, Any]) -> bool:
+    """Whether the API server serves a CRD's kind: its Established condition is True."""
+    conditions = (crd.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+
 def wait_established(rest: Rest, crd_name: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        conds = rest.get(f"{CLUSTER_PATHS['CustomResourceDefinition']}/{crd_name}").get("status", {})
-        if any(c["type"] == "Established" and c["status"] == "True" for c in conds.get("conditions") or []):
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"CRD {crd_name} not Established")
+    path = f"{CLUSTER_PATHS['CustomResourceDefinition']}/{crd_name}"
+    message = f"the CRD {crd_name} to be Established"
+    wait_for(lambda: established(rest.get(path)), timeout=timeout_s, interval=0.1, message=message)
 
 
 def install_chart(rest: Rest, helm: Path, *sets: str) -> str:
@@ -161,17 +167,28 @@ def operator_process(
         yield handle
     finally:
         if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+            if stop_process(proc, grace_s=20):
                 raise AssertionError(
                     f"the operator did not stop within 20 s of SIGTERM:\n{handle.log_text()[-4000:]}"
-                ) from None
+                )
             if sys.exc_info()[1] is None:  # never hide the test's own failure behind this one
                 assert_clean_stop(handle)
+
+
+@contextmanager
+def cluster_operator(
+    cluster: DevCluster, workdir: Path, *extra: str, namespace: str | None = None
+) -> Iterator[OperatorProcess]:
+    """`operator_process` on a `baton_dev` cluster, as its admin, once the committed CRD is
+    applied and Established."""
+    cluster.kubectl("apply", "-f", str(REPO / "crds"))
+    # Not `kubectl wait --for=condition=Established`: it fails at once ("accessor error") when it
+    # reads the CRD before the API server has written any condition.
+    path = f"{CLUSTER_PATHS['CustomResourceDefinition']}/{models.PLURAL}.{models.GROUP}"
+    message = "the CRD to be Established"
+    wait_for(lambda: established(cluster.admin.get(path)), timeout=60, interval=0.1, message=message)
+    with operator_process(cluster.state.admin_kubeconfig, workdir, *extra, namespace=namespace) as proc:
+        yield proc
 
 
 #: What a clean shutdown never logs: tracebacks, and clients left open (aiohttp's warnings).

@@ -13,11 +13,9 @@ Every client request during all of this succeeds.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +24,17 @@ import pytest
 import yaml
 
 from baton_dev.demo_manifests import PROCESS_NODES, with_node_selector
-from baton_dev.kubeapi import ApiAccess, AsyncKubeApi
+from baton_dev.kubeapi import ApiAccess
 from baton_dev.testing import DevCluster, is_ready
 from baton_engine import contract
 from baton_operator import models
-from baton_support.operator_process import OperatorProcess, operator_process
+from baton_support.operator_process import OperatorProcess, cluster_operator
 from baton_support.wait import wait_for
 from tests.autoscaler_e2e.load import LoadGenerator
+from tests.operator_tests.timeline import Timeline
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.model]
 
-REPO = Path(__file__).resolve().parents[2]
 NAME = "scale"
 TARGET_QUEUE = 1
 TARGET_KV = 0.5
@@ -89,83 +87,35 @@ SPEC: dict[str, Any] = {
 }
 
 
-class Recorder:
-    """Watches the resource and keeps every decision written to it (status snapshots and history
-    rows). A watch delivers every version of the object in order, so no decision is missed
-    however slowly this thread runs (polling could skip the one decision a test looks for)."""
+@dataclass
+class Decisions:
+    """Every decision written to the resource: status snapshots and history rows."""
 
-    def __init__(self, access: ApiAccess, namespace: str) -> None:
-        self.access = access
-        self.path = f"/apis/{models.API_VERSION}/namespaces/{namespace}/{models.PLURAL}"
-        self.snapshots: dict[str, dict[str, Any]] = {}  # decision time -> status.autoscaling
-        self.recommendations: set[tuple[float, str, int]] = set()
-        self.actions: set[tuple[float, str, int, int]] = set()
-        self.error: BaseException | None = None
-        self._loop = asyncio.new_event_loop()
-        self._task: asyncio.Task[None] | None = None
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="recorder", daemon=True)
-        self._thread.start()
-        assert self._started.wait(30), "the recorder's watch did not start"
-        assert self.error is None, f"the recorder's watch failed: {self.error!r}"
+    snapshots: dict[str, dict[str, Any]] = field(default_factory=dict)  # decision time -> status.autoscaling
+    recommendations: set[tuple[float, str, int]] = field(default_factory=set)
+    actions: set[tuple[float, str, int, int]] = field(default_factory=set)
 
-    def _run(self) -> None:
-        self._task = self._loop.create_task(self._watch())
-        try:
-            self._loop.run_until_complete(self._task)
-        except asyncio.CancelledError:
-            pass
-        except BaseException as exc:  # reported by stop(): a dead watch would miss decisions
-            self.error = exc
-            self._started.set()
-        finally:
-            self._loop.close()
 
-    async def _watch(self) -> None:
-        api = AsyncKubeApi(self.access)
-        try:
-            async for kind, obj in api.list_and_watch(self.path, fieldSelector=f"metadata.name={NAME}"):
-                for item in obj["items"] if kind == "SYNC" else [obj]:
-                    self._record(item)
-                self._started.set()
-        finally:
-            await api.aclose()
-
-    def _record(self, obj: dict[str, Any]) -> None:
+def decisions_in(versions: list[dict[str, Any]]) -> Decisions:
+    """The decisions in every version of the resource a watch saw (a watch delivers each version
+    in order, so none is missed however slowly the test ran; polling could skip the one
+    decision a test looks for)."""
+    found = Decisions()
+    for obj in versions:
         auto = (obj.get("status") or {}).get("autoscaling") or {}
         if not auto.get("time"):
-            return
-        self.snapshots.setdefault(auto["time"], auto)
+            continue
+        found.snapshots.setdefault(auto["time"], auto)
         history = json.loads(auto.get("history") or "{}")
-        self.recommendations.update((r[0], r[1], r[2]) for r in history.get("recommendations", []))
-        self.actions.update((a[0], a[1], a[2], a[3]) for a in history.get("actions", []))
-
-    def stop(self) -> None:
-        if self._task is not None:
-            with contextlib.suppress(RuntimeError):  # the loop closed already: the watch failed
-                self._loop.call_soon_threadsafe(self._task.cancel)
-        self._thread.join(timeout=30)
-        assert self.error is None, f"the recorder's watch failed: {self.error!r}"
+        found.recommendations.update((r[0], r[1], r[2]) for r in history.get("recommendations", []))
+        found.actions.update((a[0], a[1], a[2], a[3]) for a in history.get("actions", []))
+    return found
 
 
 @pytest.fixture
 def operator(dev_cluster: DevCluster, k8s_namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    dev_cluster.kubectl("apply", "-f", str(REPO / "crds"))
-    # Not `kubectl wait --for=condition=Established`: it fails at once ("accessor error") when it
-    # reads the CRD before the API server has written any condition.
-    crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencedeployments.baton.dev"
-
-    def established() -> bool:
-        conditions = dev_cluster.admin.get(crd).get("status", {}).get("conditions") or []
-        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
-
-    wait_for(established, timeout=60, interval=0.1, message="the CRD to be Established")
-    with operator_process(
-        dev_cluster.state.admin_kubeconfig,
-        tmp_path,
-        "--no-peering",
-        "--resync-seconds=5",
-        namespace=k8s_namespace,
+    with cluster_operator(
+        dev_cluster, tmp_path, "--no-peering", "--resync-seconds=5", namespace=k8s_namespace
     ) as proc:
         yield proc
 
@@ -211,76 +161,79 @@ def test_prefill_and_decode_scale_with_load_and_back(
     wait_for(all_ready, timeout=600, interval=1, message="one Ready prefill, decode and router pod")
     (router,) = _pods(dev_cluster, ns, contract.ROLE_ROUTER)
     (first_prefill,) = _pods(dev_cluster, ns, contract.ROLE_PREFILL)
-    recorder = Recorder(ApiAccess.from_kubeconfig(dev_cluster.state.admin_kubeconfig), ns)
-    load = LoadGenerator(_url(router, "/v1/completions"), PREFILL_HEAVY, timeout_s=300).start(concurrency=10)
-    try:
-        # 1. Prefill grows, and the new pod serves.
-        wait_for(
-            lambda: _replicas(dev_cluster, ns, "prefill") >= 2,
-            timeout=240,
-            interval=0.5,
-            message="prefill scaled to 2",
-        )
-
-        def new_prefill() -> dict[str, Any] | None:
-            pods = [
-                p
-                for p in _pods(dev_cluster, ns, "prefill")
-                if p["metadata"]["uid"] != first_prefill["metadata"]["uid"]
-            ]
-            return pods[0] if pods and is_ready(pods[0]) else None
-
-        added = wait_for(new_prefill, timeout=300, interval=1, message="the new prefill pod Ready")
-        wait_for(
-            lambda: _served(added) > 0,
-            timeout=120,
-            interval=1,
-            message="the new prefill pod to serve requests",
-        )
-
-        # 2. Decode grows on KV pressure.
-        load.set_body(DECODE_HEAVY)
-        load.set_concurrency(6)
-        wait_for(
-            lambda: _replicas(dev_cluster, ns, "decode") >= 2,
-            timeout=240,
-            interval=0.5,
-            message="decode scaled to 2",
-        )
-
-        # 3. Heavy load stops; a light load keeps requests in flight while pods are removed.
-        load.set_body(LIGHT)
-        load.set_concurrency(1)
-        for role in ("prefill", "decode"):
+    access = ApiAccess.from_kubeconfig(dev_cluster.state.admin_kubeconfig)
+    path = f"/apis/{models.API_VERSION}/namespaces/{ns}/{models.PLURAL}"
+    url = _url(router, "/v1/completions")
+    with Timeline(access, path, fieldSelector=f"metadata.name={NAME}") as versions:
+        load = LoadGenerator(url, PREFILL_HEAVY, timeout_s=300).start(concurrency=10)
+        try:
+            # 1. Prefill grows, and the new pod serves.
             wait_for(
-                lambda r=role: _replicas(dev_cluster, ns, r) == 1,
+                lambda: _replicas(dev_cluster, ns, "prefill") >= 2,
                 timeout=240,
                 interval=0.5,
-                message=f"{role} back to 1",
+                message="prefill scaled to 2",
             )
-        for role in ("prefill", "decode"):
+
+            def new_prefill() -> dict[str, Any] | None:
+                pods = [
+                    p
+                    for p in _pods(dev_cluster, ns, "prefill")
+                    if p["metadata"]["uid"] != first_prefill["metadata"]["uid"]
+                ]
+                return pods[0] if pods and is_ready(pods[0]) else None
+
+            added = wait_for(new_prefill, timeout=300, interval=1, message="the new prefill pod Ready")
             wait_for(
-                lambda r=role: len(_pods(dev_cluster, ns, r)) == 1,
+                lambda: _served(added) > 0,
                 timeout=120,
-                interval=0.5,
-                message=f"one {role} pod left",
+                interval=1,
+                message="the new prefill pod to serve requests",
             )
-    finally:
-        stats = load.stop()
-        recorder.stop()
+
+            # 2. Decode grows on KV pressure.
+            load.set_body(DECODE_HEAVY)
+            load.set_concurrency(6)
+            wait_for(
+                lambda: _replicas(dev_cluster, ns, "decode") >= 2,
+                timeout=240,
+                interval=0.5,
+                message="decode scaled to 2",
+            )
+
+            # 3. Heavy load stops; a light load keeps requests in flight while pods are removed.
+            load.set_body(LIGHT)
+            load.set_concurrency(1)
+            for role in ("prefill", "decode"):
+                wait_for(
+                    lambda r=role: _replicas(dev_cluster, ns, r) == 1,
+                    timeout=240,
+                    interval=0.5,
+                    message=f"{role} back to 1",
+                )
+            for role in ("prefill", "decode"):
+                wait_for(
+                    lambda r=role: len(_pods(dev_cluster, ns, r)) == 1,
+                    timeout=120,
+                    interval=0.5,
+                    message=f"one {role} pod left",
+                )
+        finally:
+            stats = load.stop()
 
     assert stats.failures == [], f"{len(stats.failures)} failed requests, first: {stats.failures[:3]}"
     assert stats.ok > 20
 
     # The first decision that saw prefill's queue above its target raised prefill 1 -> 2.
-    decisions = sorted(recorder.snapshots.values(), key=lambda a: a["time"])
+    recorded = decisions_in(versions.ever())
+    decisions = sorted(recorded.snapshots.values(), key=lambda a: a["time"])
     crossing = next(a for a in decisions if a["metrics"].get("prefill.waitingRequests", 0) > TARGET_QUEUE)
     assert crossing["currentReplicas"]["prefill"] == 1, crossing
     assert crossing["lastDecision"]["prefill"] == 2, crossing
     assert crossing["scrapedAt"] <= crossing["time"]
-    prefill_recs = sorted(r for r in recorder.recommendations if r[1] == "prefill")
+    prefill_recs = sorted(r for r in recorded.recommendations if r[1] == "prefill")
     first_high = next(r for r in prefill_recs if r[2] > 1)
-    prefill_ups = sorted(a for a in recorder.actions if a[1] == "prefill" and a[3] > a[2])
+    prefill_ups = sorted(a for a in recorded.actions if a[1] == "prefill" and a[3] > a[2])
     assert prefill_ups[0][0] == first_high[0] and prefill_ups[0][2:] == (1, 2)
     # Decode grew because its KV cache was over the target.
     decode_up = next(a for a in decisions if a["lastDecision"]["decode"] > a["currentReplicas"]["decode"])

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from baton_support.apiserver import ApiServer, api_server, binary_dir
+from baton_support.apiserver import ApiServer, binary_dir
 from tests.demo.readme import REPO, block_after
+from tests.operator_tests.kube_helpers import api_server_or_skip
 
 pytestmark = pytest.mark.k8s
 
@@ -23,10 +24,7 @@ DEPLOY = REPO / "docs" / "deploy.md"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
-    bin_dir = binary_dir()
-    if bin_dir is None:
-        pytest.skip("etcd/kube-apiserver not built yet (bash devcluster/scripts/build.sh)")
-    with api_server(tmp_path_factory.mktemp("readme-apiserver"), bin_dir) as started:
+    with api_server_or_skip(tmp_path_factory.mktemp("readme-apiserver")) as started:
         yield started
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
 from baton_engine.core.sampling_params import SamplingParams
 from baton_engine.entrypoints.engine_factory import build_engine_core, close_runner
+from baton_engine.worker.tp_executor import TensorParallelExecutor
 from baton_support.ports import free_port_range
 from baton_support.tiny_models import parity_model
 from baton_support.wait import wait_for
@@ -118,6 +120,7 @@ def _producer(model: Path, tp: int, log: Path) -> Iterator[ServerProcess]:
             wait_for(
                 lambda pid=pid: not pid_alive(pid), timeout=30, message=f"producer process {pid} to exit"
             )
+        assert "did not stop; killing it" not in server.log_text()  # each rank stopped when told
 
 
 @contextlib.contextmanager
@@ -130,6 +133,8 @@ def _consumer(model: Path, tp: int) -> Iterator[EngineCore]:
         assert core.kv_connector is not None
         core.kv_connector.close()
         close_runner(core)
+        if isinstance(core.runner, TensorParallelExecutor):  # each rank stopped when told, none killed
+            assert [r.process.returncode for r in core.runner.ranks] == [0] * (tp - 1)
 
 
 def _prefill(producer: ServerProcess, prompt: list[int]) -> dict[str, Any]:
@@ -206,4 +211,113 @@ def test_a_producer_of_other_kv_heads_is_refused_and_the_consumer_recomputes(
         "this engine's 2; refusing to pull); recomputing locally"
     )
     assert sum(refusal in r.getMessage() for r in caplog.records) == len(prompts)
+    assert live_children(before) == []
+
+
+def _connections_waiting_on(port: int) -> int:
+    """Established TCP connections to 127.0.0.1:`port` with bytes its owner has not read yet
+    (/proc/net/tcp: a consumer connected to a stopped producer and is waiting for its reply)."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, state, queues = fields[1], fields[3], fields[4]
+        if int(local.split(":")[1], 16) == port and state == "01" and int(queues.split(":")[1], 16) > 0:
+            count += 1
+    return count
+
+
+@contextlib.contextmanager
+def _stopped(pids: list[int]) -> Iterator[None]:
+    """The processes `pids` stopped (SIGSTOP) inside the block, continued after it."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+def _drain(core: EngineCore, name: str) -> list[Any]:
+    """Step `core` until nothing is left; the outputs of request `name`."""
+    outputs: list[Any] = []
+
+    def idle() -> bool:
+        outputs.extend(out for out in core.step() if out.request_id == name)
+        return not core.has_unfinished()
+
+    wait_for(idle, timeout=300, interval=0, message=f"{name} and its pulls to end")
+    return outputs
+
+
+@pytest.mark.parametrize(("producer_tp", "consumer_tp"), [(1, 2), (2, 1)])
+def test_an_abort_while_the_head_slice_pulls_are_in_flight_leaks_nothing(
+    models: dict[str, Path], single: list[list[int]], tmp_path: Path, producer_tp: int, consumer_tp: int
+) -> None:
+    before = live_children()
+    prompts = _prompts()
+    log = tmp_path / "producer.log"
+    with (
+        _producer(models["llama"], producer_tp, log) as producer,
+        _consumer(models["llama"], consumer_tp) as consumer,
+    ):
+        connector = consumer.kv_connector
+        assert connector is not None
+        kv = _prefill(producer, prompts[2])  # 21 tokens: 6 blocks leased on every producer rank
+        assert (producer.stats()["kv_leases_held"], producer.stats()["num_used_kv_blocks"]) == (1, 6)
+        core_pid = int(producer.stats()["core_pid"])
+        serving = [core_pid, *child_pids(core_pid)]
+        first_port = kv["port"]
+        with _stopped(serving):  # the producer cannot answer: every pull waits for its reply
+            consumer.add_request("aborted", prompts[2], GREEDY, kv_transfer_params=kv)
+            wait_for(
+                lambda: consumer.step() is not None and _connections_waiting_on(first_port) == consumer_tp,
+                timeout=60,
+                message="every consumer rank to be pulling from the producer's rank 0",
+            )
+            assert connector.busy()
+            consumer.abort_requests(["aborted"], "client gone")
+            consumer.step()
+            assert connector.busy()  # the blocks stay allocated until every part has stopped
+        outputs = _drain(consumer, "aborted")
+        assert [(o.finished, o.finish_reason, o.new_token_ids) for o in outputs] == [(True, "abort", [])]
+        stats = consumer.stats()
+        assert (stats.num_used_kv_blocks, stats.num_running, stats.num_waiting) == (0, 0, 0)
+        assert consumer.scheduler.kv_cache_manager.num_free_blocks == SETTINGS["num_kv_blocks"]
+        assert connector.stats.totals().to_dict()["failures"] == {"cancelled": 1}
+        # The producer heard RELEASE on every rank: no lease left, every block free.
+        producer.wait_idle()
+        assert (producer.stats()["kv_leases_held"], producer.stats()["num_used_kv_blocks"]) == (0, 0)
+        # The consumer serves the next request from a fresh pull, tokens as a single engine's.
+        assert _generate(consumer, "next", prompts[0], _prefill(producer, prompts[0])) == single[0]
+        assert connector.stats.totals().to_dict()["failures"] == {"cancelled": 1}
+        producer.wait_idle()
+        assert (producer.stats()["kv_leases_held"], producer.stats()["num_used_kv_blocks"]) == (0, 0)
+    assert live_children(before) == []
+
+
+def test_a_producer_gone_before_the_pulls_means_a_local_recompute(
+    models: dict[str, Path], single: list[list[int]], tmp_path: Path
+) -> None:
+    """A TP=2 producer whose rank 1 is killed ends (its core exits, the server with code 1);
+    the TP=2 consumer's pulls of a request it had leased find nobody listening on any rank,
+    and the consumer recomputes: the single engine's tokens, every block freed."""
+    before = live_children()
+    prompts = _prompts()
+    with _consumer(models["llama"], 2) as consumer:
+        connector = consumer.kv_connector
+        assert connector is not None
+        with _producer(models["llama"], 2, tmp_path / "producer.log") as producer:
+            kv = _prefill(producer, prompts[1])
+            core_pid = int(producer.stats()["core_pid"])
+            (rank1,) = child_pids(core_pid)
+            os.kill(rank1, signal.SIGKILL)
+            assert producer.proc.wait(60) == 1
+            assert f"tensor-parallel rank 1 (pid {rank1}) exited with code -9" in producer.log_text()
+        assert not pid_alive(core_pid) and not pid_alive(rank1)
+        assert _generate(consumer, "orphaned", prompts[1], kv) == single[1]
+        assert connector.stats.totals().to_dict()["failures"] == {"producer_unreachable": 1}
+        stats = consumer.stats()
+        assert (stats.num_used_kv_blocks, stats.num_running) == (0, 0)
+        assert consumer.scheduler.kv_cache_manager.num_free_blocks == SETTINGS["num_kv_blocks"]
     assert live_children(before) == []

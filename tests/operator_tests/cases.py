@@ -284,6 +284,50 @@ SPEC_CASES: list[Case] = [
         "spec.pool.engine.tensorParallelSize",
         "spec.pool.engine.tensorParallelSize must be <= spec.pool.resources.gpus (one GPU per rank)",
     ),
+    # A TP producer's ranks serve KV on kvTransfer.port + rank: the range holds no other port.
+    Case(
+        "tp-kv-range-over-events-port-by-one",
+        {"prefill": {"resources": {"gpus": 2}}, "kvTransfer": {"port": 5556}},  # 5556..5557
+        "spec.kvEvents.port",
+        "spec.kvEvents.port must be outside spec.kvTransfer.port .. spec.kvTransfer.port + "
+        "spec.prefill.engine.tensorParallelSize - 1 (the prefill pods' ranks serve KV on one port each)",
+    ),
+    Case(
+        "tp-kv-range-over-replay-port",
+        {
+            "prefill": {"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}},
+            "kvEvents": {"replayPort": 5601},
+        },
+        "spec.kvEvents.replayPort",
+        "spec.kvEvents.replayPort must be outside spec.kvTransfer.port .. spec.kvTransfer.port + "
+        "spec.prefill.engine.tensorParallelSize - 1",
+    ),
+    Case(
+        "tp-kv-range-over-http-port",
+        {"engine": {"port": 5603}, "prefill": {"resources": {"gpus": 4}}},  # 5600..5603
+        "spec.engine.port",
+        "spec.engine.port must be outside spec.kvTransfer.port .. spec.kvTransfer.port + "
+        "spec.prefill.engine.tensorParallelSize - 1",
+    ),
+    Case(
+        "tp-kv-range-of-a-cpu-pool",
+        {
+            **AGGREGATED,
+            "engine": {"tensorParallelSize": 3},
+            "pool": {"resources": {"gpus": 0}},
+            "kvEvents": {"port": 5602},
+        },
+        "spec.kvEvents.port",
+        "spec.kvEvents.port must be outside spec.kvTransfer.port .. spec.kvTransfer.port + "
+        "spec.pool.engine.tensorParallelSize - 1 (the pool pods' ranks serve KV on one port each)",
+    ),
+    Case(
+        "tp-kv-range-past-65535",
+        {"prefill": {"resources": {"gpus": 2}}, "kvTransfer": {"port": 65535}},
+        "spec.kvTransfer.port",
+        "spec.kvTransfer.port .. spec.kvTransfer.port + spec.prefill.engine.tensorParallelSize - 1 must end "
+        "at or below 65535",
+    ),
     Case(
         "tp-above-64",
         {"engine": {"tensorParallelSize": 65}},
@@ -617,6 +661,17 @@ SPEC_CASES += CHILD_REFUSED_CASES
 
 #: Specs at the limits of what the CRD accepts: the API server must accept each one's children.
 AT_THE_LIMITS: dict[str, dict[str, Any]] = {
+    # The TP producer's KV-transfer range touching the other ports, and the last TCP port.
+    "tp-kv-ports-touching": {
+        "prefill": {"resources": {"gpus": 2}},
+        "kvTransfer": {"port": 5555},  # 5555..5556, then kvEvents 5557
+        "engine": {"port": 5554},
+    },
+    "tp-kv-ports-end-65535": {"prefill": {"resources": {"gpus": 4}}, "kvTransfer": {"port": 65532}},
+    "tp-consumer-no-kv-ports": {
+        "decode": {"resources": {"gpus": 4}},  # decode pods serve no pulls
+        "kvEvents": {"port": 5601, "replayPort": 5602},
+    },
     "label-keys-and-values": {
         "prefill": {
             "nodeSelector": {("p" * 63 + "." + "q" * 189)[:253] + "/" + "n" * 63: "v" * 63, "zone": ""}

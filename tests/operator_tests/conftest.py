@@ -5,6 +5,7 @@ module's own with the chart's RBAC installed (`own_apiserver`, `own_kube`, `char
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -15,19 +16,16 @@ import yaml
 
 from baton_operator import crd
 from baton_operator.kube import Kube
-from baton_support.apiserver import ApiServer, Rest, api_server, binary_dir
+from baton_support.apiserver import ApiServer, Rest, binary_dir
 from baton_support.operator_process import install_chart, operator_kubeconfig
-from tests.operator_tests.kube_helpers import async_kube
+from tests.operator_tests.kube_helpers import api_server_or_skip, async_kube, create_namespace
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
 def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
-    bin_dir = binary_dir()
-    if bin_dir is None:
-        pytest.skip("etcd/kube-apiserver not built yet (bash devcluster/scripts/build.sh)")
-    with api_server(tmp_path_factory.mktemp("apiserver"), bin_dir) as server:
+    with api_server_or_skip(tmp_path_factory.mktemp("apiserver")) as server:
         yield server
 
 
@@ -77,15 +75,28 @@ def kube(apiserver: ApiServer) -> Iterator[Any]:
     client.close()
 
 
+@pytest.fixture
+def rest(apiserver: ApiServer) -> Rest:
+    return Rest(apiserver)
+
+
+_namespaces = itertools.count()
+
+
+@pytest.fixture
+def namespace(kube: Any) -> str:
+    """A namespace of its own on the session's API server (which has the CRD)."""
+    name = f"t{next(_namespaces)}"
+    create_namespace(kube, name)
+    return name
+
+
 @pytest.fixture(scope="module")
 def own_apiserver(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[ApiServer]:
-    bin_dir = binary_dir()
-    if bin_dir is None:
-        pytest.skip("etcd/kube-apiserver not built yet (bash devcluster/scripts/build.sh)")
     module = request.module.__name__.rsplit(".", 1)[-1]
-    with api_server(tmp_path_factory.mktemp(f"{module}-apiserver"), bin_dir) as server:
+    with api_server_or_skip(tmp_path_factory.mktemp(f"{module}-apiserver")) as server:
         yield server
 
 

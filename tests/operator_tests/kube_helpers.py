@@ -2,14 +2,41 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import kopf
+import pytest
 
 from baton_operator import metrics, models
 from baton_operator.kube import Kube
-from baton_support.apiserver import ApiServer, Rest
+from baton_support.apiserver import ApiServer, Rest, api_server, binary_dir
+from baton_support.operator_process import established
 from baton_support.wait import wait_for
+
+#: Every kind the operator writes as a resource's child: (apiVersion, kind).
+CHILD_KINDS = [
+    ("v1", "ServiceAccount"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("v1", "Service"),
+    ("policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("apps/v1", "Deployment"),
+    ("v1", "Secret"),
+]
+
+
+@contextmanager
+def api_server_or_skip(workdir: Path, controllers: tuple[str, ...] = ()) -> Iterator[ApiServer]:
+    """`baton_support.apiserver.api_server`, or the test skipped where the binaries are not built."""
+    bin_dir = binary_dir()
+    if bin_dir is None:
+        pytest.skip("etcd/kube-apiserver not built yet (bash devcluster/scripts/build.sh)")
+    with api_server(workdir, bin_dir, controllers) as server:
+        yield server
 
 
 def async_kube(server: ApiServer, token: str | None = None) -> Kube:
@@ -87,10 +114,7 @@ def install_crd_in(cluster: Any, crd: dict[str, Any]) -> None:
             raise
     path = f"{crds}/{crd['metadata']['name']}"
     wait_for(
-        lambda: any(
-            c["type"] == "Established" and c["status"] == "True"
-            for c in (cluster.admin.get(path).get("status") or {}).get("conditions") or []
-        ),
+        lambda: established(cluster.admin.get(path)),
         timeout=30,
         interval=0.1,
         message=f"the CRD {crd['metadata']['name']} to be Established",

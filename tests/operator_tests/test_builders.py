@@ -127,15 +127,30 @@ def test_engine_args_flags_and_kv_roles() -> None:
 
 
 def test_tensor_parallel_size_defaults_to_the_gpus_and_gets_a_memory_backed_shm() -> None:
-    deployments = by_kind(
-        build(
-            {
-                "prefill": {"resources": {"gpus": 2}},  # TP 2 by default
-                "decode": {"resources": {"gpus": 4}, "engine": {"tensorParallelSize": 2}},
-            }
-        ),
-        "Deployment",
+    children = build(
+        {
+            "prefill": {"resources": {"gpus": 2}},  # TP 2 by default
+            "decode": {"resources": {"gpus": 4}, "engine": {"tensorParallelSize": 2}},
+        }
     )
+    deployments = by_kind(children, "Deployment")
+    # Producer rank r serves its KV heads on kvTransfer.port + r; a consumer serves none.
+    ranks = [
+        ("http", 8000),
+        ("kv-transfer", 5600),
+        ("kv-transfer-1", 5601),
+        ("kv-events", 5557),
+        ("kv-replay", 5558),
+    ]
+    assert [(p["name"], p["containerPort"]) for p in container(deployments["demo-prefill"])["ports"]] == ranks
+    assert [
+        (p["name"], p["port"]) for p in by_kind(children, "Service")["demo-prefill"]["spec"]["ports"]
+    ] == ranks
+    assert [p["name"] for p in container(deployments["demo-decode"])["ports"]] == [
+        "http",
+        "kv-events",
+        "kv-replay",
+    ]
     tp = {
         name: flag(container(d)["args"], "--tensor-parallel-size")
         for name, d in deployments.items()

@@ -21,11 +21,17 @@ import pytest
 
 from baton_operator import models
 from baton_operator.kube import collection_path
-from baton_support.apiserver import ApiServer, Rest, api_server, binary_dir
+from baton_support.apiserver import ApiServer, Rest
 from baton_support.operator_process import OperatorProcess, operator_process
 from baton_support.wait import wait_for
 from tests.operator_tests.cases import merged
-from tests.operator_tests.kube_helpers import create_infd, create_namespace, get_infd
+from tests.operator_tests.kube_helpers import (
+    CHILD_KINDS,
+    api_server_or_skip,
+    create_infd,
+    create_namespace,
+    get_infd,
+)
 from tests.operator_tests.watching import Watch, resource_version
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -39,26 +45,12 @@ SPEC: dict[str, Any] = {
     "model": {"name": "smollm2", "source": "builtin:smollm2-135m-instruct"},
     "autoscaling": {"mode": "builtin", "intervalSeconds": 1},
 }
-#: Every kind the operator writes (apiVersion, kind), each watched while the test waits.
-CHILD_KINDS = [
-    ("v1", "ServiceAccount"),
-    ("rbac.authorization.k8s.io/v1", "Role"),
-    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
-    ("v1", "Service"),
-    ("policy/v1", "PodDisruptionBudget"),
-    ("networking.k8s.io/v1", "NetworkPolicy"),
-    ("apps/v1", "Deployment"),
-    ("v1", "Secret"),
-]
 CONTROLLERS = ("garbagecollector", "deployment", "replicaset")
 
 
 @pytest.fixture(scope="module")
 def own_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
-    bin_dir = binary_dir()
-    if bin_dir is None:
-        pytest.skip("etcd/kube-apiserver not built yet (bash devcluster/scripts/build.sh)")
-    with api_server(tmp_path_factory.mktemp("deletion-apiserver"), bin_dir, CONTROLLERS) as server:
+    with api_server_or_skip(tmp_path_factory.mktemp("deletion-apiserver"), CONTROLLERS) as server:
         yield server
 
 

@@ -4,7 +4,6 @@ control plane the pods it selects: exactly the engine pods, with llm-d's role la
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +25,6 @@ from tests.operator_tests.cases import VALID_SPEC, merged
 from tests.operator_tests.kube_helpers import (
     async_kube,
     create_infd,
-    create_namespace,
     dev_cluster_kube,
     install_crd_in,
 )
@@ -35,7 +33,6 @@ CRD = ecosystem_crds.GIE_INFERENCE_POOL
 POOLS = "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools"
 OWNER = Owner(name="demo", namespace="llm", uid="0f1e-uid")
 AGGREGATED: dict[str, Any] = {"mode": "aggregated"}
-_namespaces = itertools.count()
 
 
 def children(patch: dict[str, Any] | None = None) -> Any:
@@ -181,18 +178,6 @@ def gie_crd(apiserver: ApiServer, kube: Any) -> Iterator[dict[str, Any]]:
         yield crd
     finally:
         _delete_crd(rest)
-
-
-@pytest.fixture
-def rest(apiserver: ApiServer) -> Rest:
-    return Rest(apiserver)
-
-
-@pytest.fixture
-def namespace(kube: Any) -> str:
-    name = f"pool{next(_namespaces)}"
-    create_namespace(kube, name)
-    return name
 
 
 CFG = OperatorConfig()

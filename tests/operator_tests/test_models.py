@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from baton_operator.models import InferenceDeploymentSpec, parse_source
 from baton_operator.models.source import ModelSource
+from baton_operator.models.spec import kv_transfer_range_errors, kv_transfer_range_message
 from tests.operator_tests.cases import SPEC_CASES, VALID_SPEC, Case
 
 
@@ -82,3 +83,40 @@ def test_models_refuse_what_the_crd_refuses(case: Case) -> None:
     with pytest.raises(ValidationError) as err:
         InferenceDeploymentSpec.model_validate(case.spec())
     assert case.pydantic_fragment() in str(err.value)
+
+
+OTHERS = {"engine.port": 8000, "kvEvents.port": 5557, "kvEvents.replayPort": 5558}
+
+
+@pytest.mark.parametrize(
+    ("kv_port", "tp", "others", "refused"),
+    [
+        (5600, 1, OTHERS, []),
+        (5555, 2, OTHERS, []),  # 5555..5556 touches kvEvents.port
+        (5556, 2, OTHERS, ["kvEvents.port"]),  # 5556..5557: over it by one
+        (5556, 3, OTHERS, ["kvEvents.port", "kvEvents.replayPort"]),
+        (5557, 4, OTHERS, ["kvEvents.replayPort"]),  # the base port's own clash is the pairwise rule's
+        (7993, 8, OTHERS, ["engine.port"]),  # 7993..8000
+        (7992, 8, OTHERS, []),  # 7992..7999
+        (65532, 4, OTHERS, []),  # ends at 65535
+        (65533, 4, OTHERS, [None]),  # would end at 65536
+        (65534, 64, {"engine.port": 65535}, ["engine.port", None]),
+    ],
+)
+def test_kv_transfer_range_errors(
+    kv_port: int, tp: int, others: dict[str, int], refused: list[str | None]
+) -> None:
+    assert kv_transfer_range_errors(kv_port, tp, others, "prefill") == [
+        kv_transfer_range_message("prefill", name) for name in refused
+    ]
+
+
+def test_kv_transfer_range_messages_name_the_fields() -> None:
+    assert kv_transfer_range_message("pool", "engine.port") == (
+        "spec.engine.port must be outside spec.kvTransfer.port .. spec.kvTransfer.port + "
+        "spec.pool.engine.tensorParallelSize - 1 (the pool pods' ranks serve KV on one port each)"
+    )
+    assert kv_transfer_range_message("prefill", None) == (
+        "spec.kvTransfer.port .. spec.kvTransfer.port + spec.prefill.engine.tensorParallelSize - 1 must end "
+        "at or below 65535 (the prefill pods' ranks serve KV on one port each)"
+    )

@@ -3,7 +3,6 @@ idempotent re-applies, drift repair, replica ownership, crash consistency, PodSe
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +16,7 @@ from baton_support.apiserver import ApiServer, Rest
 from baton_support.wait import wait_for
 from tests.operator_tests.cases import DEMO_APPLIED_CHILDREN, VALID_SPEC, merged
 from tests.operator_tests.kube_helpers import (
+    CHILD_KINDS,
     async_kube,
     create_foreign_deployment,
     create_infd,
@@ -27,36 +27,13 @@ from tests.operator_tests.kube_helpers import (
 pytestmark = pytest.mark.k8s
 
 CFG = OperatorConfig(operator_namespace="baton-system", monitoring_namespace="monitoring")
-KINDS = [
-    ("v1", "ServiceAccount"),
-    ("rbac.authorization.k8s.io/v1", "Role"),
-    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
-    ("v1", "Service"),
-    ("policy/v1", "PodDisruptionBudget"),
-    ("networking.k8s.io/v1", "NetworkPolicy"),
-    ("apps/v1", "Deployment"),
-    ("v1", "Secret"),
-]
 EXPECTED = {*DEMO_APPLIED_CHILDREN, ("Secret", "demo-kv-transfer")}
-_namespaces = itertools.count()
-
-
-@pytest.fixture
-def rest(apiserver: ApiServer) -> Rest:
-    return Rest(apiserver)
-
-
-@pytest.fixture
-def namespace(kube: Any) -> str:
-    name = f"r{next(_namespaces)}"
-    create_namespace(kube, name)
-    return name
 
 
 def children(rest: Rest, namespace: str) -> dict[tuple[str, str], dict[str, Any]]:
     """Every object of the kinds Baton writes, in `namespace`, carrying the deployment label."""
     found = {}
-    for api_version, kind in KINDS:
+    for api_version, kind in CHILD_KINDS:
         path = collection_path(api_version, kind, namespace) + "?labelSelector=baton.dev/deployment%3Ddemo"
         for item in rest.get(path)["items"]:
             found[(kind, item["metadata"]["name"])] = item

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,15 +21,19 @@ from baton_dev.kubeapi import ApiAccess
 from baton_dev.testing import DevCluster, condition, is_ready, wait_for
 from baton_engine import contract
 from baton_operator import models
-from baton_operator.models import InferenceDeploymentSpec
 from baton_operator.rollout.generations import LABEL_RETIRING
-from baton_operator.rollout.kv_key import kv_compat_key
-from baton_support.operator_process import OperatorProcess, operator_process
-from tests.operator_tests.timeline import Timeline, deleting, key_of_pod, role_of, rollout_invariants
+from baton_support.operator_process import OperatorProcess, cluster_operator
+from tests.operator_tests.timeline import (
+    Timeline,
+    key_of,
+    key_of_pod,
+    role_of,
+    rollout_invariants,
+    rollout_settled,
+)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 KWOK = {cluster_spec.NODE_TYPE_LABEL: "kwok"}
 ON_KWOK = {"nodeSelector": KWOK, "tolerations": [cluster_spec.KWOK_TOLERATION]}  # kwok nodes are tainted
 CPU_POD = {"gpus": 0, "cpu": "100m", "memory": "256Mi"}
@@ -52,24 +55,9 @@ def spec(prefill: int, decode: int, mode: str = "off", **engine: Any) -> dict[st
     }
 
 
-def key_of(doc: dict[str, Any]) -> str:
-    parsed = InferenceDeploymentSpec.model_validate(doc)
-    return kv_compat_key(parsed.model, parsed.engine)
-
-
 @pytest.fixture(scope="module")
 def operator(dev_cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    dev_cluster.kubectl("apply", "-f", str(REPO / "crds"))
-    crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencedeployments.baton.dev"
-
-    def established() -> bool:
-        conditions = dev_cluster.admin.get(crd).get("status", {}).get("conditions") or []
-        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
-
-    wait_for(established, timeout=60, message="the CRD to be Established")
-    with operator_process(
-        dev_cluster.state.admin_kubeconfig, tmp_path_factory.mktemp("operator"), "--no-peering"
-    ) as proc:
+    with cluster_operator(dev_cluster, tmp_path_factory.mktemp("operator"), "--no-peering") as proc:
         yield proc
 
 
@@ -115,17 +103,10 @@ class Resource:
         ]
 
     def settled(self, key: str, counts: dict[str, int]) -> bool:
-        """Every pool at its count, all pods Ready with `key`, no old generation left, Stable."""
-        for role, n in counts.items():
-            pods = self.pods(role)
-            if len(pods) != n or not all(
-                is_ready(p) and key_of_pod(p) == key and not deleting(p) for p in pods
-            ):
-                return False
-        if any(LABEL_RETIRING in (rs["metadata"].get("labels") or {}) for rs in self.replica_sets()):
-            return False
-        progressing = condition(self.get(), "Progressing")
-        return progressing is not None and progressing["reason"] == "Stable"
+        return rollout_settled(self.cluster, self.ns, self.name, key, counts)
+
+    def wait_settled(self, key: str, counts: dict[str, int], what: str, timeout: float = 120) -> None:
+        wait_for(lambda: self.settled(key, counts), timeout=timeout, interval=0.5, message=what)
 
 
 def test_key_change_rolls_decode_first_in_two_generations_then_a_plain_change_rolls_in_place(
@@ -135,7 +116,7 @@ def test_key_change_rolls_decode_first_in_two_generations_then_a_plain_change_ro
     body = spec(1, 2)
     res.create(body)
     old_key, counts = key_of(body), {"prefill": 1, "decode": 2}
-    wait_for(lambda: res.settled(old_key, counts), timeout=120, interval=0.5, message="the pools Ready")
+    res.wait_settled(old_key, counts, "the pools Ready")
     uids = {role: res.deployment(role)["metadata"]["uid"] for role in counts}
     access = ApiAccess.from_kubeconfig(dev_cluster.state.admin_kubeconfig)
     pods_path = f"/api/v1/namespaces/{k8s_namespace}/pods"
@@ -147,12 +128,7 @@ def test_key_change_rolls_decode_first_in_two_generations_then_a_plain_change_ro
     assert new_key != old_key
     with Timeline(access, pods_path) as pods, Timeline(access, rs_path) as replica_sets:
         res.patch({"engine": {"blockSize": 32}})
-        wait_for(
-            lambda: res.settled(new_key, counts),
-            timeout=180,
-            interval=0.5,
-            message="the new generation alone",
-        )
+        res.wait_settled(new_key, counts, "the new generation alone", timeout=180)
     states = rollout_invariants(pods, counts, new_key)
     assert states >= 10  # every pod of both generations went through several states
     released = {
@@ -211,12 +187,7 @@ def test_builtin_mode_keeps_the_autoscalers_replicas_through_a_rollout(
     res = Resource(dev_cluster, k8s_namespace, "auto")
     body = spec(1, 1, mode="builtin")
     res.create(body)
-    wait_for(
-        lambda: res.settled(key_of(body), {"prefill": 1, "decode": 1}),
-        timeout=120,
-        interval=0.5,
-        message="the pools Ready",
-    )
+    res.wait_settled(key_of(body), {"prefill": 1, "decode": 1}, "the pools Ready")
     path = f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/auto-decode"
     claim = {
         "apiVersion": "apps/v1",
@@ -232,19 +203,14 @@ def test_builtin_mode_keeps_the_autoscalers_replicas_through_a_rollout(
         params={"fieldManager": "baton-autoscaler"},
     )
     counts = {"prefill": 1, "decode": 2}
-    wait_for(lambda: res.settled(key_of(body), counts), timeout=120, interval=0.5, message="decode at 2")
+    res.wait_settled(key_of(body), counts, "decode at 2")
     changed = copy.deepcopy(body)
     changed["engine"]["dtype"] = "bfloat16"
     new_key = key_of(changed)
     access = ApiAccess.from_kubeconfig(dev_cluster.state.admin_kubeconfig)
     with Timeline(access, f"/api/v1/namespaces/{k8s_namespace}/pods") as pods:
         res.patch({"engine": {"dtype": "bfloat16"}})
-        wait_for(
-            lambda: res.settled(new_key, counts),
-            timeout=180,
-            interval=0.5,
-            message="the new generation alone",
-        )
+        res.wait_settled(new_key, counts, "the new generation alone", timeout=180)
     rollout_invariants(pods, counts, new_key)
     for role, count in counts.items():
         deployment = res.deployment(role)
@@ -265,23 +231,13 @@ def test_external_mode_rolls_decode_first_each_pool_with_its_own_strategy(
     res = Resource(dev_cluster, k8s_namespace, "ext")
     body = spec(1, 1, mode="external")
     res.create(body)
-    wait_for(
-        lambda: res.settled(key_of(body), {"prefill": 1, "decode": 1}),
-        timeout=120,
-        interval=0.5,
-        message="the pools Ready",
-    )
+    res.wait_settled(key_of(body), {"prefill": 1, "decode": 1}, "the pools Ready")
     scale = f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/ext-decode/scale"
     merge = "application/merge-patch+json"
     hpa = {"fieldManager": "hpa"}
     dev_cluster.admin.request("PATCH", scale, {"spec": {"replicas": 2}}, content_type=merge, params=hpa)
     counts = {"prefill": 1, "decode": 2}
-    wait_for(
-        lambda: res.settled(key_of(body), counts),
-        timeout=120,
-        interval=0.5,
-        message="decode at 2 (the HPA's)",
-    )
+    res.wait_settled(key_of(body), counts, "decode at 2 (the HPA's)")
     access = ApiAccess.from_kubeconfig(dev_cluster.state.admin_kubeconfig)
     changed = copy.deepcopy(body)
     changed["engine"]["blockSize"] = 8
@@ -293,12 +249,7 @@ def test_external_mode_rolls_decode_first_each_pool_with_its_own_strategy(
         Timeline(access, deployments) as deploys,
     ):
         res.patch({"engine": {"blockSize": 8}})
-        wait_for(
-            lambda: res.settled(new_key, counts),
-            timeout=180,
-            interval=0.5,
-            message="the new generation alone",
-        )
+        res.wait_settled(new_key, counts, "the new generation alone", timeout=180)
     assert not [rs for rs in replica_sets.ever() if LABEL_RETIRING in (rs["metadata"].get("labels") or {})]
     # Prefill's first new pod came once no old decode pod was left.
     for state in pods.states():
@@ -324,7 +275,7 @@ def test_a_stuck_rollout_is_rolled_forward_and_a_deleted_resource_takes_every_ge
     body = spec(1, 1)
     res.create(body)
     counts = {"prefill": 1, "decode": 1}
-    wait_for(lambda: res.settled(key_of(body), counts), timeout=120, interval=0.5, message="the pools Ready")
+    res.wait_settled(key_of(body), counts, "the pools Ready")
     nowhere = {cluster_spec.NODE_TYPE_LABEL: "no-such-node"}
     res.patch({"engine": {"blockSize": 32}, "decode": {"nodeSelector": nowhere}})
 
@@ -341,12 +292,7 @@ def test_a_stuck_rollout_is_rolled_forward_and_a_deleted_resource_takes_every_ge
     forward = copy.deepcopy(body)
     forward["engine"]["blockSize"] = 64
     res.patch({"engine": {"blockSize": 64}, "decode": {"nodeSelector": KWOK}})
-    wait_for(
-        lambda: res.settled(key_of(forward), counts),
-        timeout=180,
-        interval=0.5,
-        message="rolled forward to the newest key",
-    )
+    res.wait_settled(key_of(forward), counts, "rolled forward to the newest key", timeout=180)
 
     res.patch({"engine": {"blockSize": 16}, "decode": {"nodeSelector": nowhere}})
     wait_for(stuck, timeout=120, interval=0.5, message="stuck again")
@@ -375,7 +321,7 @@ def test_a_rollback_mid_rollout_returns_to_the_old_key_within_the_bounds(
     body = spec(1, 1, mode=mode)
     res.create(body)
     old_key, counts = key_of(body), {"prefill": 1, "decode": 1}
-    wait_for(lambda: res.settled(old_key, counts), timeout=120, interval=0.5, message="the pools Ready")
+    res.wait_settled(old_key, counts, "the pools Ready")
     nowhere = {cluster_spec.NODE_TYPE_LABEL: "no-such-node"}
     changed = copy.deepcopy(body)
     changed["engine"]["blockSize"] = 32
@@ -394,12 +340,7 @@ def test_a_rollback_mid_rollout_returns_to_the_old_key_within_the_bounds(
         Timeline(access, f"/apis/apps/v1/namespaces/{k8s_namespace}/replicasets") as replica_sets,
     ):
         res.patch({"engine": {"blockSize": None}, "decode": {"nodeSelector": KWOK}})
-        wait_for(
-            lambda: res.settled(old_key, counts),
-            timeout=180,
-            interval=0.5,
-            message="back at the old key alone",
-        )
+        res.wait_settled(old_key, counts, "back at the old key alone", timeout=180)
     rollout_invariants(pods, counts, old_key)
     assert not [p for p in pods.ever() if key_of_pod(p) == new_key and is_ready(p)]
     # Taken back, not replaced: the old generation's pods serve on (their template is the

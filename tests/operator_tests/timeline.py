@@ -2,7 +2,8 @@
 watch on its own thread: what a rollout did between two moments a test looked, never sampled.
 
 A watch delivers each change in order, so the states replayed from it (`states()`) are exactly
-the states the API server went through, however slowly this thread ran.
+the states the API server went through, however slowly this thread ran. With the rollout checks
+built on it (`rollout_invariants`) and the rollout tests' keys and end state (`rollout_settled`).
 """
 
 from __future__ import annotations
@@ -10,12 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from baton_dev.kubeapi import ApiAccess, AsyncKubeApi
-from baton_dev.testing import is_ready
+from baton_dev.testing import DevCluster, condition, is_ready
 from baton_engine import contract
+from baton_operator import models
+from baton_operator.models import InferenceDeploymentSpec
+from baton_operator.rollout.generations import LABEL_RETIRING
+from baton_operator.rollout.kv_key import kv_compat_key
 
 Event = tuple[str, dict[str, Any]]  # (ADDED | MODIFIED | DELETED, object)
 
@@ -98,6 +103,12 @@ class Timeline:
         return initial + [obj for _, obj in events]
 
 
+def key_of(spec: dict[str, Any]) -> str:
+    """The KV-compatibility key of the pods of an InferenceDeployment `spec`."""
+    parsed = InferenceDeploymentSpec.model_validate(spec)
+    return kv_compat_key(parsed.model, parsed.engine)
+
+
 def key_of_pod(pod: dict[str, Any]) -> str:
     return str((pod["metadata"].get("labels") or {}).get(contract.LABEL_KV_COMPAT, ""))
 
@@ -144,3 +155,32 @@ def rollout_invariants(timeline: Timeline, counts: dict[str, int], new_key: str,
             assert ready_new_decode, "a new prefill pod was created before a new decode pod was Ready"
     assert first_new_prefill_seen
     return states
+
+
+def rollout_settled(
+    cluster: DevCluster,
+    namespace: str,
+    name: str,
+    key: str,
+    counts: Mapping[str, int],
+    check: Callable[[dict[str, Any]], bool] | None = None,
+) -> bool:
+    """InferenceDeployment `name`'s pools each at its count, every pod Ready with `key` (and
+    passing `check`) and none being deleted, no old generation's ReplicaSet left, Stable."""
+    selector = f"{contract.LABEL_DEPLOYMENT}={name}"
+    for role, n in counts.items():
+        pods = cluster.pods(namespace, f"{selector},{contract.LABEL_ROLE}={role}")
+        if len(pods) != n or not all(
+            is_ready(p) and key_of_pod(p) == key and not deleting(p) and (check is None or check(p))
+            for p in pods
+        ):
+            return False
+    path = f"/apis/apps/v1/namespaces/{namespace}/replicasets"
+    if any(
+        LABEL_RETIRING in (rs["metadata"].get("labels") or {})
+        for rs in cluster.admin.get(path, labelSelector=selector)["items"]
+    ):
+        return False
+    resource = cluster.admin.get(f"/apis/{models.API_VERSION}/namespaces/{namespace}/{models.PLURAL}/{name}")
+    progressing = condition(resource, "Progressing")
+    return progressing is not None and progressing["reason"] == "Stable"

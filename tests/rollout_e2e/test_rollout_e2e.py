@@ -16,28 +16,30 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from baton_dev.demo_manifests import PROCESS_NODES, with_node_selector
 from baton_dev.kubeapi import ApiAccess
-from baton_dev.testing import DevCluster, condition, is_ready, wait_for
+from baton_dev.testing import DevCluster, is_ready, wait_for
 from baton_engine import contract
 from baton_operator import models
-from baton_operator.models import InferenceDeploymentSpec
-from baton_operator.rollout.generations import LABEL_RETIRING
-from baton_operator.rollout.kv_key import kv_compat_key
-from baton_support.operator_process import OperatorProcess, operator_process
+from baton_support.operator_process import OperatorProcess, cluster_operator
 from bench.cold_start import http_url
 from tests.autoscaler_e2e.load import LoadGenerator
-from tests.operator_tests.timeline import Timeline, key_of_pod, role_of, rollout_invariants
+from tests.operator_tests.timeline import (
+    Timeline,
+    key_of,
+    key_of_pod,
+    role_of,
+    rollout_invariants,
+    rollout_settled,
+)
 from tests.rollout_e2e.engines import EngineSampler
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(2400)]
 
-REPO = Path(__file__).resolve().parents[2]
 NAME = "roll"
 COUNTS = {"prefill": 1, "decode": 1}
 POD = {"resources": {"gpus": 0, "cpu": "1", "memory": "2Gi"}, "startupTimeoutSeconds": 600,
@@ -70,24 +72,9 @@ BODY = {
 }
 
 
-def key_of(spec: dict[str, Any]) -> str:
-    parsed = InferenceDeploymentSpec.model_validate(spec)
-    return kv_compat_key(parsed.model, parsed.engine)
-
-
 @pytest.fixture(scope="module")
 def operator(dev_cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    dev_cluster.kubectl("apply", "-f", str(REPO / "crds"))
-    crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencedeployments.baton.dev"
-
-    def established() -> bool:
-        conditions = dev_cluster.admin.get(crd).get("status", {}).get("conditions") or []
-        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
-
-    wait_for(established, timeout=60, message="the CRD to be Established")
-    with operator_process(
-        dev_cluster.state.admin_kubeconfig, tmp_path_factory.mktemp("operator"), "--no-peering"
-    ) as proc:
+    with cluster_operator(dev_cluster, tmp_path_factory.mktemp("operator"), "--no-peering") as proc:
         yield proc
 
 
@@ -97,20 +84,7 @@ def pods(cluster: DevCluster, ns: str, role: str) -> list[dict[str, Any]]:
 
 def settled(cluster: DevCluster, ns: str, key: str, check: Any = None) -> bool:
     """One Ready pod per pool, all of `key` (and passing `check`), no old generation, Stable."""
-    for role, n in COUNTS.items():
-        found = pods(cluster, ns, role)
-        if len(found) != n or not all(is_ready(p) and key_of_pod(p) == key for p in found):
-            return False
-        if any(p["metadata"].get("deletionTimestamp") or (check and not check(p)) for p in found):
-            return False
-    rs = cluster.admin.get(
-        f"/apis/apps/v1/namespaces/{ns}/replicasets", labelSelector=f"{contract.LABEL_DEPLOYMENT}={NAME}"
-    )["items"]
-    if any(LABEL_RETIRING in (r["metadata"].get("labels") or {}) for r in rs):
-        return False
-    infd = cluster.admin.get(f"/apis/{models.API_VERSION}/namespaces/{ns}/{models.PLURAL}/{NAME}")
-    progressing = condition(infd, "Progressing")
-    return progressing is not None and progressing["reason"] == "Stable"
+    return rollout_settled(cluster, ns, NAME, key, COUNTS, check)
 
 
 def has_env(pod: dict[str, Any]) -> bool:
@@ -152,37 +126,30 @@ def test_key_change_then_plain_change_under_load(
                 interval=0.5,
                 message="requests served before the rollout",
             )
-            with Timeline(access, f"/api/v1/namespaces/{ns}/pods") as key_change:
-                dev_cluster.admin.patch(path, {"spec": {"engine": {"blockSize": 32}}})
-                wait_for(
-                    lambda: settled(dev_cluster, ns, new_key),
-                    timeout=1200,
-                    interval=1,
-                    message="the new generation alone",
-                )
-                served = load.snapshot()[0]
-                wait_for(
-                    lambda: load.snapshot()[0] >= served + 5,
-                    timeout=300,
-                    interval=0.5,
-                    message="the new generation serving",
-                )
-            with Timeline(access, f"/api/v1/namespaces/{ns}/pods") as plain_change:
-                env = {"engine": {"env": [{"name": "PLAIN_CHANGE", "value": "1"}]}}
-                dev_cluster.admin.patch(path, {"spec": env})
-                wait_for(
-                    lambda: settled(dev_cluster, ns, new_key, has_env),
-                    timeout=1200,
-                    interval=1,
-                    message="the plain change rolled out",
-                )
-                served = load.snapshot()[0]
-                wait_for(
-                    lambda: load.snapshot()[0] >= served + 5,
-                    timeout=300,
-                    interval=0.5,
-                    message="requests served after it",
-                )
+
+            def roll(change: dict[str, Any], check: Any, what: str) -> Timeline:
+                """Apply a spec change; every pod state until it has rolled out and served 5 more."""
+                with Timeline(access, f"/api/v1/namespaces/{ns}/pods") as states:
+                    dev_cluster.admin.patch(path, {"spec": change})
+                    wait_for(
+                        lambda: settled(dev_cluster, ns, new_key, check),
+                        timeout=1200,
+                        interval=1,
+                        message=f"{what} rolled out",
+                    )
+                    served = load.snapshot()[0]
+                    wait_for(
+                        lambda: load.snapshot()[0] >= served + 5,
+                        timeout=300,
+                        interval=0.5,
+                        message=f"requests served after {what}",
+                    )
+                return states
+
+            key_change = roll({"engine": {"blockSize": 32}}, None, "the key change")
+            plain_change = roll(
+                {"engine": {"env": [{"name": "PLAIN_CHANGE", "value": "1"}]}}, has_env, "the plain change"
+            )
     finally:
         stats = load.stop()
 

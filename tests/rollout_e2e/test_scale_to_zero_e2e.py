@@ -21,34 +21,21 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from baton_dev.testing import DevCluster, condition, is_ready, wait_for
 from baton_engine.contract import FLAG_ROUTER_HOLD_TIMEOUT
-from baton_support.operator_process import OperatorProcess, operator_process
+from baton_support.operator_process import OperatorProcess, cluster_operator
 from bench.cold_start import QUICK, ZeroDeployment, cold_start, http_url, post
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(2400)]
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def operator(dev_cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    dev_cluster.kubectl("apply", "-f", str(REPO / "crds"))
-    crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencedeployments.baton.dev"
-
-    def established() -> bool:
-        conditions = dev_cluster.admin.get(crd).get("status", {}).get("conditions") or []
-        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
-
-    wait_for(established, timeout=60, message="the CRD to be Established")
-    with operator_process(
-        dev_cluster.state.admin_kubeconfig, tmp_path_factory.mktemp("operator"), "--no-peering"
-    ) as proc:
+    with cluster_operator(dev_cluster, tmp_path_factory.mktemp("operator"), "--no-peering") as proc:
         yield proc
 
 

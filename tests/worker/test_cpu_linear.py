@@ -1,7 +1,11 @@
-"""CPU linears through oneDNN with weights reordered once: same results as F.linear, same tokens."""
+"""CPU linears through oneDNN with weights reordered once: same results as F.linear, same tokens,
+and a bounded number of oneDNN primitives however many row counts the steps have."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -10,7 +14,7 @@ import torch.nn.functional as F
 
 from baton_engine.config import EngineConfig
 from baton_engine.model.cpu_linear import pack_linears
-from baton_engine.model.linear import ColumnParallelLinear, ParallelLinear
+from baton_engine.model.linear import ColumnParallelLinear, ParallelLinear, onednn_rows
 from baton_engine.worker.model_runner import ModelRunner
 from baton_support.tiny_models import PARITY
 from tests.model.driver import TestDriver
@@ -39,9 +43,12 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, bias: bool) -> None:
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
-def _runner(tmp_path: Path, dtype: str) -> ModelRunner:
+def _runner(tmp_path: Path, dtype: str, hidden_size: int = PARITY.hidden_size) -> ModelRunner:
     spec = PARITY.replace(
-        family="qwen2", llama3_rope=False, dtype="float32" if dtype != "float64" else "float64"
+        family="qwen2",
+        llama3_rope=False,
+        dtype="float32" if dtype != "float64" else "float64",
+        hidden_size=hidden_size,
     )
     spec.save(tmp_path / "model")
     config = EngineConfig(model=str(tmp_path / "model"), dtype=dtype, block_size=8, num_kv_blocks=64)  # type: ignore[arg-type]
@@ -86,3 +93,57 @@ def test_packed_and_plain_linears_generate_the_same_tokens(tmp_path: Path) -> No
     ]
     assert packed == plain
     assert [len(tokens) for tokens in packed] == [12, 12, 12]
+
+
+_CREATED = re.compile(r",create:cache_miss,cpu,inner_product,.*,mb(\d+)ic(\d+)oc(\d+),")
+
+
+@contextmanager
+def _onednn_log(capfd: pytest.CaptureFixture[str]) -> Iterator[list[tuple[int, int, int]]]:
+    """The (rows, in, out) of every inner-product primitive oneDNN creates meanwhile (a cache
+    miss: its verbose log, written by the library to file descriptor 1)."""
+    created: list[tuple[int, int, int]] = []
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):  # type: ignore[no-untyped-call]
+        yield created
+    out = capfd.readouterr().out
+    created.extend((int(m), int(i), int(o)) for m, i, o in _CREATED.findall(out))
+
+
+def test_row_buckets() -> None:
+    rows = (1, 2, 7, 8, 9, 10, 11, 15, 16, 17, 20, 21, 33, 100, 1000, 2048)
+    assert [onednn_rows(n) for n in rows] == [1, 2, 7, 8, 10, 10, 12, 16, 16, 20, 20, 24, 40, 112, 1024, 2048]
+    buckets = {onednn_rows(rows) for rows in range(1, 2049)}
+    assert len(buckets) == 40
+    assert all(rows <= onednn_rows(rows) <= rows * 1.25 for rows in range(1, 4097))
+
+
+def test_each_row_bucket_builds_one_primitive(capfd: pytest.CaptureFixture[str]) -> None:
+    # oneDNN caches a primitive (0.2-1.8 MiB) per input shape: one per row count made an engine
+    # core grow by hundreds of MiB as its steps' sizes varied.
+    layer = ColumnParallelLinear(96, (176,), bias=True, prefix="proj", dtype=torch.float32, device="cpu")
+    layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
+    with torch.inference_mode(), _onednn_log(capfd) as created:
+        outputs = {rows: layer(torch.ones(rows, 96)) for rows in range(1, 301)}
+        again = layer(torch.ones(37, 96))
+    assert sorted(created) == sorted((rows, 96, 176) for rows in {onednn_rows(r) for r in range(1, 301)})
+    assert all(out.shape == (rows, 176) for rows, out in outputs.items())
+    assert torch.equal(again, outputs[37])
+
+
+def test_an_engine_step_of_any_size_reuses_the_bucket_primitives(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # Its own width: oneDNN's cache is the process's, and no other test builds these shapes.
+    runner = _runner(tmp_path, "float32", hidden_size=80)
+    generator = torch.Generator().manual_seed(5)
+    lengths = range(1, 49)
+    with _onednn_log(capfd) as created:
+        for length in lengths:  # one prompt per step: the step has `length` rows
+            prompt = torch.randint(0, 256, (length,), generator=generator).tolist()
+            TestDriver(runner, max_num_batched_tokens=64, max_num_seqs=1).generate([prompt], [1])
+    buckets = {onednn_rows(length) for length in lengths}
+    shapes = {(i, o) for _, i, o in created}
+    assert len(buckets) == 18 and len(shapes) == 5  # qkv, o, gate_up, down, the LM head
+    assert {rows for rows, i, _ in created if i == 80} == buckets  # a step of N rows ran as onednn_rows(N)
+    assert len(created) == len(set(created))  # each (rows, shape) built once

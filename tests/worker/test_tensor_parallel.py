@@ -247,6 +247,7 @@ def test_step_message_round_trip_cuts_the_block_table() -> None:
         num_prefill_tokens=5,
         num_decode_tokens=1,
         finished_req_ids=[4],
+        decode_lookahead=True,
     )
     frames = step_message.encode_step(step, block_size=4)
     assert frames[0] == step_message.STEP
@@ -259,6 +260,7 @@ def test_step_message_round_trip_cuts_the_block_table() -> None:
         )
     assert np.array_equal(back.sampling.seeds, step.sampling.seeds) and back.sampling.all_greedy is False
     assert (back.step_id, back.req_ids, back.finished_req_ids, back.num_tokens) == (7, [3, 9], [4], 6)
+    assert back.decode_lookahead is True
 
 
 @pytest.fixture(autouse=True)

@@ -107,9 +107,13 @@ class Scheduler:
         kv_connector: KVConnector | None = None,
         structured_output: StructuredOutputManager | None = None,
         clock: Callable[[], float] = time.monotonic,
+        decode_lookahead: bool = False,
     ) -> None:
         """`structured_output`: follows the grammars of requests that have one (None: such
-        requests are rejected, e.g. for a model without a tokenizer)."""
+        requests are rejected, e.g. for a model without a tokenizer). `decode_lookahead`: give
+        each decode row the block of its next step's token one step early, when the pool has
+        them all without preempting (`SchedulerOutput.decode_lookahead`); not with speculation or a
+        KV connector."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
@@ -134,6 +138,7 @@ class Scheduler:
         self.kv_connector = kv_connector
         self.structured_output = structured_output
         self.clock = clock
+        self.decode_lookahead = decode_lookahead and not num_speculative_tokens and kv_connector is None
 
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
@@ -180,6 +185,7 @@ class Scheduler:
         kv_connector: KVConnector | None = None,
         structured_output: StructuredOutputManager | None = None,
         clock: Callable[[], float] = time.monotonic,
+        decode_lookahead: bool = False,
     ) -> Scheduler:
         return cls(
             num_blocks=num_blocks,
@@ -197,6 +203,7 @@ class Scheduler:
             kv_connector=kv_connector,
             structured_output=structured_output,
             clock=clock,
+            decode_lookahead=decode_lookahead,
         )
 
     # -- inspection -------------------------------------------------------------------------
@@ -337,6 +344,7 @@ class Scheduler:
         preemptions_before = self.num_preemptions
         self._grow_decode_blocks()
         preempted = self.num_preemptions != preemptions_before
+        lookahead = self.decode_lookahead and self._grow_lookahead_blocks()
         num_decode = batch.num_decode
         num_decode_tokens = num_decode
         if self.num_speculative_tokens and num_decode:
@@ -371,6 +379,7 @@ class Scheduler:
             drafts=drafts if self.num_speculative_tokens else None,
             finished_req_ids=finished_ids,
         )
+        out.decode_lookahead = lookahead
         grammars = self._grammars
         if grammars is not None:
             self._attach_bitmask(out, grammars, drafts if self.num_speculative_tokens else None)
@@ -432,6 +441,26 @@ class Scheduler:
                 break
             if not preempted:
                 return
+
+    def _grow_lookahead_blocks(self) -> bool:
+        """Each decode row gets the block of its next step's token now, if that token opens one;
+        all of them or, when the pool lacks blocks, none (a prediction never preempts). Rows
+        that finish in this step get theirs too: a step run ahead computes every row of this
+        one, and its write must land in a block the row holds. True when every decode row owns
+        its next token's slot."""
+        batch = self.batch
+        d = batch.num_decode
+        bs = self.block_size
+        needed_blocks = (batch.num_computed[:d] + 2 + (bs - 1)) // bs
+        short_rows = np.flatnonzero(needed_blocks > batch.num_blocks[:d])
+        if not len(short_rows):
+            return True
+        kv = self.kv_cache_manager
+        if kv.num_free_blocks < len(short_rows):
+            return False
+        new_blocks = kv.append_one_block_each([batch.req_ids[row] for row in short_rows.tolist()])
+        batch.append_block_per_row(short_rows, new_blocks)
+        return True
 
     def _admit(self, budget: int, chunks: list[int], now: float) -> int:
         """Give rows to queued requests, first come first served within each queue: first the P/D

@@ -127,6 +127,11 @@ class SchedulerOutput:
     """Requests that finished or were aborted since the last step; a runner drops any per-row
     state it keeps for them (e.g. captured-graph slots, drafter state)."""
 
+    decode_lookahead: bool = False
+    """Every decode row already owns the KV slot of its next step's query token (the token it
+    samples now; also a row that finishes now), in `block_tables`: a runner may launch the next
+    decode step before it is scheduled even where a row's next token opens a new block."""
+
     @property
     def num_rows(self) -> int:
         return len(self.req_ids)

@@ -181,15 +181,24 @@ RANK_FAILED_EXIT_CODE = 3
 """The core's exit code when a tensor-parallel rank failed."""
 
 
-def _exit_on_rank_failure(ctx: zmq.Context[Any], output: str) -> Callable[[str], None]:
-    """Tell the server (`ipc.FATAL`, on a socket of this thread's own) and exit at once: the
-    main thread may be stuck in a collective with the rank that is gone."""
+FATAL_LINGER_MS = 2000
+"""How long the core waits for `ipc.FATAL` to reach the server before it exits anyway."""
+
+
+def _exit_on_rank_failure(output: str) -> Callable[[str], None]:
+    """Tell the server (`ipc.FATAL`) and exit at once: the main thread may be stuck in a
+    collective with the rank that is gone. The message goes through a context of its own,
+    terminated before the exit: that is what flushes it (``os._exit`` would drop a message still
+    queued in a context's I/O thread), and the main context's sockets would block a `term`."""
 
     def on_failure(message: str) -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
         sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, FATAL_LINGER_MS)
         sock.connect(output)
         sock.send(ipc.encode(ipc.FATAL, message))
-        sock.close(linger=2000)
+        sock.close()
+        ctx.term()
         logging.shutdown()
         os._exit(RANK_FAILED_EXIT_CODE)
 
@@ -220,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
 
         config = EngineConfig.model_validate_json(args.config_json)
         log.info("engine core %d: loading %s on %s", os.getpid(), config.model, config.device)
-        core, info = build_engine_core(config, on_rank_failure=_exit_on_rank_failure(ctx, args.output))
+        core, info = build_engine_core(config, on_rank_failure=_exit_on_rank_failure(args.output))
         publisher = _start_kv_event_publisher(config, info.name)
         if publisher is not None:
             core.kv_event_sink = publisher.publish

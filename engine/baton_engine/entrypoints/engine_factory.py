@@ -102,6 +102,9 @@ def build_engine_core(
         prefix_hasher=prefix_hasher(config.prefix_hash, config.prefix_hash_seed),
         kv_connector=connector,
         structured_output=structured_output,
+        # The GPU runner runs decode steps ahead: with the next blocks handed out a step early,
+        # also where a row's next token opens a block.
+        decode_lookahead=bool(getattr(runner, "decode_ahead", False)),
     )
     info = ModelInfo(
         name=name,

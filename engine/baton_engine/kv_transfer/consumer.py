@@ -233,28 +233,25 @@ class KVTransferConsumer:
             sources = self.sources(params)
             whole = params.tp_size == 1 and self.layout.tp_size == 1  # every head, one pull: no slice
             for source in sources:
-                channel = channels.get(source.producer_rank)
-                if channel is None:
-                    channel = _Channel(self._ctx, endpoint(params, source.producer_rank), self.timeout_s)
-                    channels[source.producer_rank] = channel
                 if wanted:
+                    channel = self._channel(channels, params, source.producer_rank)
                     heads = None if whole else source
                     self._transfer(channel, uuid.uuid4().hex, params, wanted, dst_block_ids, on_chunk, heads)
             if end_lease:
                 for rank in range(params.tp_size):
-                    channel = channels.get(rank)
-                    if channel is None:
-                        channel = _Channel(self._ctx, endpoint(params, rank), self.timeout_s)
-                        channels[rank] = channel
                     pull_id = uuid.uuid4().hex
+                    channel = self._channel(channels, params, rank)
                     channel.send(Kind.DONE, self._ids(params, pull_id))
                     channel.recv(pull_id)  # ACK
         except KVTransferError as exc:
             self.stats.failed(exc.reason.value)
             if end_lease and exc.reason not in _NOTHING_HELD:
+                # Every producer rank holds the lease, also those this pull had not reached yet
+                # (the sources are pulled one after the other).
                 for rank in range(params.tp_size):
-                    if rank in channels:
-                        channels[rank].send(Kind.RELEASE, self._ids(params, uuid.uuid4().hex))
+                    self._channel(channels, params, rank).send(
+                        Kind.RELEASE, self._ids(params, uuid.uuid4().hex)
+                    )
                 linger = _RELEASE_LINGER_MS
             raise
         finally:
@@ -264,6 +261,13 @@ class KVTransferConsumer:
         nbytes = sum(len(wanted) * self._slice_spec(source).block_bytes for source in sources)
         self.stats.received(nbytes, seconds)
         return PullResult(num_blocks=len(wanted), num_bytes=nbytes, seconds=seconds)
+
+    def _channel(self, channels: dict[int, _Channel], params: KVTransferParams, rank: int) -> _Channel:
+        """The open channel to producer rank `rank` of this pull (opened on first use)."""
+        channel = channels.get(rank)
+        if channel is None:
+            channel = channels[rank] = _Channel(self._ctx, endpoint(params, rank), self.timeout_s)
+        return channel
 
     def release(self, params: KVTransferParams) -> bool:
         """Tell the producer (every rank) to drop a lease this engine will not pull (request

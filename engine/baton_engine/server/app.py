@@ -22,7 +22,7 @@ from baton_engine.server import errors
 from baton_engine.server.engine_client import EngineDeadError
 from baton_engine.server.errors import APIError, bad_request
 from baton_engine.server.generation import ChoiceDelta, DeadlineExceeded, Generation
-from baton_engine.server.openai_format import TokenText, chat_logprobs, completion_logprobs, now
+from baton_engine.server.openai_format import chat_logprobs, completion_logprobs, now
 from baton_engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -561,7 +561,7 @@ def _completion_stream(
     state: ServerState, gen: Generation, request_id: str, include_usage: bool
 ) -> AsyncGenerator[str, None]:
     chunk = _chunk_writer(state, request_id, "text_completion", include_usage)
-    token_text = TokenText(state.tokenizer) if state.tokenizer is not None else None
+    token_text = state.token_text
     offsets: dict[int, int] = {}
 
     async def events() -> AsyncGenerator[str, None]:
@@ -584,7 +584,7 @@ def _chat_stream(
     state: ServerState, gen: Generation, request_id: str, include_usage: bool, tools: _ToolOutput | None
 ) -> AsyncGenerator[str, None]:
     chunk = _chunk_writer(state, request_id, "chat.completion.chunk", include_usage)
-    token_text = TokenText(state.tokenizer) if state.tokenizer is not None else None
+    token_text = state.token_text
     n = len(gen.prompts) * gen.params.n
     parsers = [StreamingToolParser(tools.format) for _ in range(n)] if tools is not None else None
 
@@ -690,7 +690,7 @@ async def _collect(
                 await task
         state.in_flight -= 1
 
-    token_text = TokenText(state.tokenizer) if state.tokenizer is not None else None
+    token_text = state.token_text
     want_logprobs = gen.params.logprobs is not None and token_text is not None
     choices: list[dict[str, Any]] = []
     for i in range(n):

@@ -152,4 +152,20 @@ async def _serve(config: EngineConfig, grace_seconds: float, log_level: str) -> 
 def serve(config: EngineConfig, *, grace_seconds: float = 30.0, log_level: str = "info") -> int:
     """Serve until drained; the process exit code (1 when loading failed)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_serve(config, grace_seconds, log_level))
+    with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+        return runner.run(_serve(config, grace_seconds, log_level))
+
+
+def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    """uvloop's event loop where it is installed (the engine extra installs it), else asyncio's.
+
+    The server process shares the machine's cores with the engine core: every streamed token
+    passes through the loop (the core's output socket, the request's queue, the SSE write), and
+    uvloop does that in C. uvicorn picks uvloop only for a loop it creates itself; this one
+    runs uvicorn inside `_serve`'s loop.
+    """
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop

@@ -69,6 +69,7 @@ def encode_step(step: SchedulerOutput, block_size: int) -> list[Any]:
         "num_prefill_tokens": step.num_prefill_tokens,
         "num_decode_tokens": step.num_decode_tokens,
         "finished_req_ids": list(step.finished_req_ids),
+        "decode_lookahead": step.decode_lookahead,
         "all_greedy": step.sampling.all_greedy,
         "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in contiguous.items()],
     }
@@ -97,6 +98,7 @@ def decode_step(frames: list[Any]) -> SchedulerOutput:
         num_prefill_tokens=header["num_prefill_tokens"],
         num_decode_tokens=header["num_decode_tokens"],
         finished_req_ids=header["finished_req_ids"],
+        decode_lookahead=header["decode_lookahead"],
         **arrays,
     )
 

@@ -51,6 +51,9 @@ STUCK_GRACE_S = 5.0
 """Offline: how long rank 0 may stay inside a collective after a rank failed before the
 process exits (gloo raises at once when a peer's connection drops; NCCL may wait forever)."""
 _POLL_S = 0.1
+BLAME_WAIT_S = 1.0
+"""After a failed step: how long rank 0 waits for a rank process to have exited before it
+blames itself."""
 
 
 class RankFailure(RuntimeError):
@@ -177,6 +180,8 @@ class TensorParallelExecutor:
                 rank.control.send_multipart(frames, copy=False)
             return self.runner.execute(step)
         except BaseException as exc:
+            if self.failure is None:
+                self._blame_a_dead_rank()
             if self.failure is not None:
                 raise RankFailure(self.failure) from exc
             self._fail(f"tensor-parallel rank 0 failed a step ({type(exc).__name__}: {exc})")
@@ -251,6 +256,17 @@ class TensorParallelExecutor:
             return
         if self._in_step:
             threading.Thread(target=self._exit_if_stuck, name="tp-stuck", daemon=True).start()
+
+    def _blame_a_dead_rank(self) -> None:
+        """A collective failed because a peer is gone (gloo raises when its connection drops),
+        perhaps before the watchdog saw the process exit: name that rank, not rank 0. The
+        socket closes while the process exits, so its exit status follows within moments."""
+        deadline = time.monotonic() + BLAME_WAIT_S
+        while self.failure is None:
+            self._check_ranks()
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(_POLL_S / 10)
 
     def _exit_if_stuck(self) -> None:
         deadline = time.monotonic() + STUCK_GRACE_S

@@ -86,10 +86,14 @@ def engine_args(ctx: BuildContext, role: str, engine: EngineSpec, model_ref: str
 
 
 def engine_ports(ctx: BuildContext, role: str, engine: EngineSpec) -> list[tuple[str, int]]:
-    """Named ports one pod of `role` listens on (decode pods serve no pulls)."""
+    """Named ports one pod of `role` listens on (decode pods serve no pulls; a producer's rank r
+    serves its KV heads on the KV-transfer port + r, named ``kv-transfer-r``)."""
     ports = [(contract.PORT_HTTP, engine.port)]
     if contract.KV_ROLE_OF[role] in ("producer", "both"):
-        ports.append((contract.PORT_KV_TRANSFER, ctx.spec.kv_transfer.port))
+        base = ctx.spec.kv_transfer.port
+        ports.append((contract.PORT_KV_TRANSFER, base))
+        ranks = role_tensor_parallel_size(ctx, role)
+        ports += [(f"{contract.PORT_KV_TRANSFER}-{rank}", base + rank) for rank in range(1, ranks)]
     if ctx.spec.kv_events.enabled:
         ports.append((contract.PORT_KV_EVENTS, ctx.spec.kv_events.port))
         ports.append((contract.PORT_KV_EVENTS_REPLAY, ctx.spec.kv_events.replay_port))

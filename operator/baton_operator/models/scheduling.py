@@ -203,7 +203,23 @@ def _check_values(operator: str, values: list[str]) -> None:
         raise ValueError("values must be one integer when operator is Gt or Lt")
 
 
-class NodeSelectorRequirement(CrdModel):
+class _Requirement(CrdModel):
+    """The checks of a label requirement (a subclass declares key, operator and values, in that
+    order: values are checked against the operator)."""
+
+    @field_validator("key", check_fields=False)
+    @classmethod
+    def _key(cls, key: str) -> str:
+        return _qualified(key)
+
+    @field_validator("values", check_fields=False)
+    @classmethod
+    def _values(cls, values: list[str], info: ValidationInfo) -> list[str]:
+        _check_values(str(info.data.get("operator")), values)
+        return values
+
+
+class NodeSelectorRequirement(_Requirement):
     """A node label the node must (not) have, or a value range it must be in."""
 
     model_config = {"json_schema_extra": validations(*_values_rules("In NotIn Exists DoesNotExist Gt Lt"))}
@@ -218,17 +234,6 @@ class NodeSelectorRequirement(CrdModel):
         validate_default=True,
         description="Label values the operator compares with (Gt, Lt: one non-negative integer).",
     )
-
-    @field_validator("key")
-    @classmethod
-    def _key(cls, key: str) -> str:
-        return _qualified(key)
-
-    @field_validator("values")
-    @classmethod
-    def _values(cls, values: list[str], info: ValidationInfo) -> list[str]:
-        _check_values(str(info.data.get("operator")), values)
-        return values
 
 
 class NodeFieldRequirement(CrdModel):
@@ -278,7 +283,7 @@ class NodeAffinity(CrdModel):
     )
 
 
-class LabelSelectorRequirement(CrdModel):
+class LabelSelectorRequirement(_Requirement):
     """A label a pod must (not) have."""
 
     model_config = {"json_schema_extra": validations(*_values_rules("In NotIn Exists DoesNotExist"))}
@@ -293,17 +298,6 @@ class LabelSelectorRequirement(CrdModel):
         validate_default=True,
         description="Label values the operator compares with.",
     )
-
-    @field_validator("key")
-    @classmethod
-    def _key(cls, key: str) -> str:
-        return _qualified(key)
-
-    @field_validator("values")
-    @classmethod
-    def _values(cls, values: list[str], info: ValidationInfo) -> list[str]:
-        _check_values(str(info.data.get("operator")), values)
-        return values
 
 
 class LabelSelector(CrdModel):

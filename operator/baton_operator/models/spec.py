@@ -15,6 +15,7 @@ from baton_operator.models.engine import (
     check_budget,
     check_tensor_parallel,
     tensor_parallel_message,
+    tensor_parallel_size,
 )
 from baton_operator.models.inference_pool import InferencePoolSettings
 from baton_operator.models.pods import Quantity, RoleSpec, RouterSpec, _quantity
@@ -105,7 +106,12 @@ class KVTransferSpec(CrdModel):
     """KV-cache transfer from prefill (producer) to decode (consumer) pods."""
 
     port: int = Field(
-        contract.DEFAULT_KV_TRANSFER_PORT, ge=1, le=65535, description="Producer pull port ('kv-transfer')."
+        contract.DEFAULT_KV_TRANSFER_PORT,
+        ge=1,
+        le=65535,
+        description="Producer pull port ('kv-transfer'): rank r of a tensor-parallel producer pod serves "
+        "its KV heads on port + r ('kv-transfer-r'), so the range port .. port + tensorParallelSize - 1 "
+        "must hold no other port of the pod.",
     )
     lease_seconds: int = Field(
         30, ge=1, le=3600, description="How long a producer holds prefilled blocks for the consumer's pull."
@@ -165,6 +171,71 @@ def _port_rules() -> list[dict[str, str]]:
     ]
 
 
+#: The roles whose pods serve KV pulls (one port per tensor-parallel rank), with their mode.
+PRODUCER_ROLES: dict[str, str] = {"prefill": "disaggregated", "pool": "aggregated"}
+#: The ports an engine pod opens besides its KV-transfer range.
+OTHER_ENGINE_PORTS = ENGINE_PORTS[:1] + ENGINE_PORTS[2:]
+
+
+def kv_transfer_range_message(role: str, other: str | None) -> str:
+    """Why a producer's KV-transfer port range is refused: it holds port `other` (a path under
+    spec), or (None) it runs past the last TCP port."""
+    span = f"spec.kvTransfer.port .. spec.kvTransfer.port + spec.{role}.engine.tensorParallelSize - 1"
+    if other is None:
+        return f"{span} must end at or below 65535 (the {role} pods' ranks serve KV on one port each)"
+    return f"spec.{other} must be outside {span} (the {role} pods' ranks serve KV on one port each)"
+
+
+def kv_transfer_range_errors(kv_port: int, tp: int, others: dict[str, int], role: str) -> list[str]:
+    """The refusals of a producer pod's KV-transfer ports ``kv_port .. kv_port + tp - 1``
+    against the pod's `others` ports (path under spec -> port); the base port itself equal to
+    another is the pairwise rule's to report."""
+    errors = [
+        kv_transfer_range_message(role, name)
+        for name, port in others.items()
+        if kv_port < port < kv_port + tp
+    ]
+    if kv_port + tp - 1 > 65535:
+        errors.append(kv_transfer_range_message(role, None))
+    return errors
+
+
+def _role_tensor_parallel_cel(role: str) -> tuple[str, str]:
+    """CEL of (the role's GPUs, its pods' tensor-parallel size): the role's tensorParallelSize,
+    else the top-level one, else its GPU count (at least 1); a role left out has one GPU."""
+    r = f"self.{role}"
+    gpus = f"((has({r}) && has({r}.resources) && has({r}.resources.gpus)) ? {r}.resources.gpus : 1)"
+    own = f"{r}.engine.tensorParallelSize"
+    top = (
+        f"(has(self.engine.tensorParallelSize) ? self.engine.tensorParallelSize : ({gpus} > 1 ? {gpus} : 1))"
+    )
+    return gpus, f"((has({r}) && has({r}.engine) && has({own})) ? {own} : {top})"
+
+
+def _kv_transfer_range_rules(role: str) -> list[dict[str, str]]:
+    _, tp = _role_tensor_parallel_cel(role)
+    mode = f"self.mode != '{PRODUCER_ROLES[role]}' ||"
+    kv = "self.kvTransfer.port"
+    rules = [
+        cel(
+            f"{mode} {expr} <= {kv} || {expr} >= {kv} + {tp}",
+            kv_transfer_range_message(role, name),
+            f".{name}",
+            "FieldValueInvalid",
+        )
+        for name, expr in OTHER_ENGINE_PORTS
+    ]
+    rules.append(
+        cel(
+            f"{mode} {kv} + {tp} - 1 <= 65535",
+            kv_transfer_range_message(role, None),
+            ".kvTransfer.port",
+            "FieldValueInvalid",
+        )
+    )
+    return rules
+
+
 def _override_rules(role: str) -> list[dict[str, str]]:
     over = f"self.{role}.engine"
     mnbt = f"(has({over}.maxNumBatchedTokens) ? {over}.maxNumBatchedTokens : self.engine.maxNumBatchedTokens)"
@@ -194,11 +265,7 @@ ROLE_MODES: dict[str, str] = {"prefill": "disaggregated", "decode": "disaggregat
 def _tensor_parallel_rule(role: str) -> dict[str, str]:
     """A pod's ranks fit its GPUs: the role's tensorParallelSize, else the top-level one, else
     the GPU count (always fits); a role left out has one GPU. CPU pods (0 GPUs) run any size."""
-    r = f"self.{role}"
-    gpus = f"((has({r}) && has({r}.resources) && has({r}.resources.gpus)) ? {r}.resources.gpus : 1)"
-    top = "(has(self.engine.tensorParallelSize) ? self.engine.tensorParallelSize : 1)"
-    own = f"{r}.engine.tensorParallelSize"
-    tp = f"((has({r}) && has({r}.engine) && has({own})) ? {own} : {top})"
+    gpus, tp = _role_tensor_parallel_cel(role)
     return cel(
         f"self.mode != '{ROLE_MODES[role]}' || {gpus} == 0 || {tp} <= {gpus}",
         tensor_parallel_message(role),
@@ -238,6 +305,7 @@ SPEC_RULES: list[dict[str, str]] = [
     *_port_rules(),
     *(rule for role in ROLE_FIELDS for rule in _override_rules(role)),
     *(_tensor_parallel_rule(role) for role in ROLE_FIELDS),
+    *(rule for role in PRODUCER_ROLES for rule in _kv_transfer_range_rules(role)),
 ]
 
 
@@ -327,7 +395,14 @@ class InferenceDeploymentSpec(CrdModel):
                 check_budget(self.engine.merged(spec.engine), f"spec.{role}.engine")
             if ROLE_MODES[role] == self.mode:
                 role_spec = spec or RoleSpec()
-                check_tensor_parallel(self.engine.merged(role_spec.engine), role_spec.resources.gpus, role)
+                engine = self.engine.merged(role_spec.engine)
+                check_tensor_parallel(engine, role_spec.resources.gpus, role)
+                if role in PRODUCER_ROLES:
+                    tp = tensor_parallel_size(engine, role_spec.resources.gpus)
+                    others = {name: port for name, port in ports.items() if name != "kvTransfer.port"}
+                    errors = kv_transfer_range_errors(self.kv_transfer.port, tp, others, role)
+                    if errors:
+                        raise ValueError("; ".join(errors))
         return self
 
     def roles(self) -> dict[str, RoleSpec]:

@@ -113,48 +113,26 @@ async def act(
             guard()
             await _set_replicas(kube, ctx, role, action.adopt_replicas)
         for rs in action.release:
-            current = await kube.get("apps/v1", "ReplicaSet", namespace, rs.name)
-            if current is None:
-                continue
-            refs = [
-                r for r in current["metadata"].get("ownerReferences") or [] if r.get("uid") != ctx.owner.uid
-            ]
-            guard()
-            await kube.merge_patch(
-                "apps/v1",
-                "ReplicaSet",
-                namespace,
+            # Out of the Deployment's selector, into the retiring generation, owned by the resource.
+            await _relabel_replica_set(
+                kube,
+                ctx,
                 rs.name,
-                {
-                    "metadata": {
-                        "resourceVersion": current["metadata"]["resourceVersion"],
-                        "labels": {contract.LABEL_ROLE: None, LABEL_RETIRING: role},
-                        "annotations": {ANNOTATION_TARGET: str(action.target)},
-                        "ownerReferences": [*refs, _owner_ref(ctx)],
-                    }
-                },
+                guard,
+                labels={contract.LABEL_ROLE: None, LABEL_RETIRING: role},
+                annotations={ANNOTATION_TARGET: str(action.target)},
+                owned=True,
             )
         for rs in action.adopt:
-            current = await kube.get("apps/v1", "ReplicaSet", namespace, rs.name)
-            if current is None:
-                continue
-            refs = [
-                r for r in current["metadata"].get("ownerReferences") or [] if r.get("uid") != ctx.owner.uid
-            ]
-            guard()
-            await kube.merge_patch(
-                "apps/v1",
-                "ReplicaSet",
-                namespace,
+            # A rollback: back under the Deployment's selector, which adopts it again.
+            await _relabel_replica_set(
+                kube,
+                ctx,
                 rs.name,
-                {
-                    "metadata": {
-                        "resourceVersion": current["metadata"]["resourceVersion"],
-                        "labels": {contract.LABEL_ROLE: role, LABEL_RETIRING: None},
-                        "annotations": {ANNOTATION_TARGET: None},
-                        "ownerReferences": refs,
-                    }
-                },
+                guard,
+                labels={contract.LABEL_ROLE: role, LABEL_RETIRING: None},
+                annotations={ANNOTATION_TARGET: None},
+                owned=False,
             )
         for rs in view.retiring:
             wanted = action.retiring_replicas.get(rs.name)
@@ -178,6 +156,42 @@ async def act(
             except KubeError as exc:
                 if exc.status != 409:
                     raise
+
+
+async def _relabel_replica_set(
+    kube: Kube,
+    ctx: BuildContext,
+    name: str,
+    guard: Guard,
+    *,
+    labels: Mapping[str, str | None],
+    annotations: Mapping[str, str | None],
+    owned: bool,
+) -> None:
+    """Merge `labels` and `annotations` (None deletes) into a ReplicaSet and set its owner
+    references: its others, plus the resource's when `owned`. Conditional on the version just
+    read; a ReplicaSet already gone is left so."""
+    namespace = ctx.owner.namespace
+    current = await kube.get("apps/v1", "ReplicaSet", namespace, name)
+    if current is None:
+        return
+    meta = current["metadata"]
+    refs = [r for r in meta.get("ownerReferences") or [] if r.get("uid") != ctx.owner.uid]
+    guard()
+    await kube.merge_patch(
+        "apps/v1",
+        "ReplicaSet",
+        namespace,
+        name,
+        {
+            "metadata": {
+                "resourceVersion": meta["resourceVersion"],
+                "labels": dict(labels),
+                "annotations": dict(annotations),
+                "ownerReferences": [*refs, _owner_ref(ctx)] if owned else refs,
+            }
+        },
+    )
 
 
 async def _set_replicas(kube: Kube, ctx: BuildContext, role: str, replicas: int) -> None:

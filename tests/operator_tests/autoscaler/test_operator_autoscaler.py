@@ -42,6 +42,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 NS = "autoscale"
 WINDOW_S = 3
 SPEC = autoscaled_spec(WINDOW_S)
+ROLES = ("prefill", "decode")
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +61,36 @@ def counter(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def timer_reconciles(operator: OperatorProcess) -> float:
+    """The operator's successful periodic reconciles so far (of every resource)."""
+    found = re.search(
+        r'baton_operator_reconciles_total\{result="ok",trigger="timer"\} (\S+)', operator.metrics()
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+def create_running(
+    rest: Rest, kube: Any, name: str, spec: dict[str, Any], loads: dict[str, Load] | None = None
+) -> None:
+    """InferenceDeployment `name` once its role Deployments exist, with a Ready engine pod per
+    role of `loads` answering that role's load."""
+    create_infd(kube, NS, name, spec)
+    wait_for(
+        lambda: all(rest.call("GET", deployment_path(NS, f"{name}-{role}"))[0] == 200 for role in ROLES),
+        timeout=30,
+        interval=0.1,
+        message="the role Deployments",
+    )
+    for role, load in (loads or {}).items():
+        add_ready_pod(rest, NS, name, role, load.port)
+
+
 def test_builtin_scales_up_then_down_one_step_per_window(
     own_apiserver: ApiServer, own_kube: Any, operator: OperatorProcess, loads: dict[str, Load]
 ) -> None:
     rest = Rest(own_apiserver)
     kube = own_kube
-    create_infd(kube, NS, "grow", SPEC)
-    wait_for(
-        lambda: rest.call("GET", deployment_path(NS, "grow-decode"))[0] == 200,
-        timeout=30,
-        interval=0.1,
-        message="the role Deployments",
-    )
-    for role, load in loads.items():
-        add_ready_pod(rest, NS, "grow", role, load.port)
+    create_running(rest, kube, "grow", SPEC, loads)
 
     # Idle: the autoscaler decides "hold" and says so in status.
     def held() -> dict[str, Any] | None:
@@ -110,15 +127,9 @@ def test_builtin_scales_up_then_down_one_step_per_window(
     assert "scale up 1 -> 3" in auto["reason"]
 
     # The operator's own reconciles (every second) leave the autoscaler's replicas alone.
-    pattern = r'baton_operator_reconciles_total\{result="ok",trigger="timer"\} (\S+)'
-
-    def timer_reconciles() -> float:
-        found = re.search(pattern, operator.metrics())
-        return float(found.group(1)) if found else 0.0
-
-    start = timer_reconciles()
+    before = timer_reconciles(operator)
     wait_for(
-        lambda: timer_reconciles() >= start + 3,
+        lambda: timer_reconciles(operator) >= before + 3,
         timeout=30,
         interval=0.1,
         message="three more timer reconciles",
@@ -187,13 +198,7 @@ def test_external_mode_never_writes_replicas(
     rest = Rest(own_apiserver)
     kube = own_kube
     spec = {**SPEC, "autoscaling": {**SPEC["autoscaling"], "mode": "external"}}
-    create_infd(kube, NS, "ext", spec)
-    wait_for(
-        lambda: rest.call("GET", deployment_path(NS, "ext-prefill"))[0] == 200,
-        timeout=30,
-        interval=0.1,
-        message="the role Deployments",
-    )
+    create_running(rest, kube, "ext", spec)
     patch = {"spec": {"replicas": 4}}
     status, body = rest.call(
         "PATCH",
@@ -203,16 +208,10 @@ def test_external_mode_never_writes_replicas(
     )
     assert status == 200, body
 
-    pattern = r'baton_operator_reconciles_total\{result="ok",trigger="timer"\} (\S+)'
-
-    def timer_reconciles() -> float:
-        found = re.search(pattern, operator.metrics())
-        return float(found.group(1)) if found else 0.0
-
     # Every resource is resynced each second; wait for several periods of both resources.
-    start = timer_reconciles()
+    before = timer_reconciles(operator)
     wait_for(
-        lambda: timer_reconciles() >= start + 8,
+        lambda: timer_reconciles(operator) >= before + 8,
         timeout=40,
         interval=0.1,
         message="eight more timer reconciles",
@@ -232,15 +231,7 @@ def test_a_steady_load_does_not_rewrite_the_resource(
     decisions (and the resyncs between them) leave it untouched: no watch event, no new
     resourceVersion for GitOps tools to see."""
     rest = Rest(own_apiserver)
-    create_infd(own_kube, NS, "steady", SPEC)
-    wait_for(
-        lambda: rest.call("GET", deployment_path(NS, "steady-decode"))[0] == 200,
-        timeout=30,
-        interval=0.1,
-        message="the role Deployments",
-    )
-    for role, load in loads.items():
-        add_ready_pod(rest, NS, "steady", role, load.port)
+    create_running(rest, own_kube, "steady", SPEC, loads)
 
     def written() -> dict[str, Any] | None:
         # The writes that follow a creation, each once: Kopf's record of the handled creation,
@@ -251,7 +242,7 @@ def test_a_steady_load_does_not_rewrite_the_resource(
         auto = status.get("autoscaling") or {}
         handled = LAST_HANDLED_ANNOTATION in (body["metadata"].get("annotations") or {})
         ready = any(c["type"] == "Ready" for c in status.get("conditions", []))
-        known = {role: (auto.get("metrics") or {}).get(f"{role}.knownPods") for role in ("prefill", "decode")}
+        known = {role: (auto.get("metrics") or {}).get(f"{role}.knownPods") for role in ROLES}
         both = known == {"prefill": 1, "decode": 1}
         return body if handled and ready and auto.get("action") == "hold" and both else None
 
@@ -268,10 +259,10 @@ def test_a_steady_load_does_not_rewrite_the_resource(
     with Watch(
         own_apiserver, infds, body["metadata"]["resourceVersion"], field_selector="metadata.name=steady"
     ) as w:
-        start = decisions()
+        before = decisions()
         # Within the heartbeat: a decision stored a minute ago is rewritten by design.
         wait_for(
-            lambda: decisions() >= start + 5,
+            lambda: decisions() >= before + 5,
             timeout=decided_at + STATUS_HEARTBEAT_S - time.time(),
             interval=0.1,
             message="five more decisions within the status heartbeat",
@@ -298,15 +289,7 @@ def posted(rest: Rest, name: str, reason: str) -> list[str]:
 
 def start_capped(rest: Rest, kube: Any, loads: dict[str, Load], name: str, capped_role: str) -> Refusal:
     """InferenceDeployment `name` with its engine pods; the cap on `capped_role` (at most 1) to enter."""
-    create_infd(kube, NS, name, CAPPED_SPEC)
-    wait_for(
-        lambda: rest.call("GET", deployment_path(NS, f"{name}-decode"))[0] == 200,
-        timeout=30,
-        interval=0.1,
-        message="the role Deployments",
-    )
-    for role, load in loads.items():
-        add_ready_pod(rest, NS, name, role, load.port)
+    create_running(rest, kube, name, CAPPED_SPEC, loads)
     deployment = f"{name}-{capped_role}"
     return replicas_cap(deployment_path(NS, deployment), deployment, 1)
 

@@ -28,7 +28,7 @@ WINDOW_S = 120
 SPEC = autoscaled_spec(WINDOW_S)
 
 
-def create_role_deployment(rest: Rest, name: str) -> None:
+def create_role_deployment(rest: Rest, name: str, namespace: str = NS) -> None:
     """What the reconcile would have created, as far as the autoscaler reads it: one replica."""
     labels = {"app": name}
     deployment = {
@@ -44,7 +44,7 @@ def create_role_deployment(rest: Rest, name: str) -> None:
             },
         },
     }
-    status, answer = rest.call("POST", collection_path("apps/v1", "Deployment", NS), deployment)
+    status, answer = rest.call("POST", collection_path("apps/v1", "Deployment", namespace), deployment)
     assert status == 201, answer
 
 
@@ -112,21 +112,7 @@ async def test_a_steady_load_leaves_the_status_unwritten(
     create_namespace(kube, namespace)
     create_infd(kube, namespace, name, SPEC)
     for role, load in loads.items():
-        deployment = {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": {"name": f"{name}-{role}"},
-            "spec": {
-                "replicas": 1,
-                "selector": {"matchLabels": {"app": role}},
-                "template": {
-                    "metadata": {"labels": {"app": role}},
-                    "spec": {"containers": [{"name": "engine", "image": "baton"}]},
-                },
-            },
-        }
-        status, answer = rest.call("POST", collection_path("apps/v1", "Deployment", namespace), deployment)
-        assert status == 201, answer
+        create_role_deployment(rest, f"{name}-{role}", namespace)
         add_ready_pod(rest, namespace, name, role, load.port)
     loads["decode"].kv = 0.30
     async with httpx.AsyncClient(timeout=30) as client:

@@ -10,9 +10,10 @@ in once step n's tokens reach the host. When the real step arrives, `match_rows`
 by field against the prediction; only an exact match (rows may have left the batch) takes the
 precomputed tokens, anything else runs normally.
 
-A prediction is made only when every row's next position lies inside the last block it owns
-(not at a block boundary, where the scheduler may allocate a new block), so the step writes
-nothing outside blocks that row holds at launch time; a block freed later is rewritten by its
+A prediction is made only when every row's next position lies inside a block it owns: inside
+its last block, or, when the scheduler handed out the next blocks one step early
+(`SchedulerOutput.decode_lookahead`), also at a block boundary. So the step writes nothing
+outside blocks that row holds at launch time; a block freed later is rewritten by its
 next owner after this step in stream order. Pure numpy: the predicate is tested on the CPU.
 """
 
@@ -50,12 +51,15 @@ def is_decode_only(step: SchedulerOutput) -> bool:
 
 def plan_next_decode(step: SchedulerOutput, block_size: int, max_model_len: int) -> AheadPlan | None:
     """The step after decode-only `step` (its input ids unknown yet: -1); None when any row
-    would cross into a block it does not own yet or reach `max_model_len`."""
+    would cross into a block it does not own yet (a boundary without `decode_lookahead`) or
+    reach `max_model_len`."""
     seq_lens = np.asarray(step.seq_lens, dtype=np.int64)
     tables = np.asarray(step.block_tables, dtype=np.int64)
     nxt = seq_lens  # the next position of every row is its current length
     col = nxt // block_size
-    if bool((nxt % block_size == 0).any()) or bool((nxt >= max_model_len).any()):
+    if not step.decode_lookahead and bool((nxt % block_size == 0).any()):
+        return None
+    if bool((nxt >= max_model_len).any()):
         return None
     if bool((col >= tables.shape[1]).any()):
         return None
