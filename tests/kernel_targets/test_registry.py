@@ -86,6 +86,7 @@ def test_the_engine_package_has_the_jit_functions_the_compile_test_expects() -> 
         "_decode_reduce_kernel",
         "_decode_split_kernel",
         "_finish",
+        "_fold",
         "_fp8_gemm_kernel",
         "_gemv_kernel",
         "_gemv_qkv_rope_kernel",

@@ -274,9 +274,10 @@ def _fp8_gemm_launches(case: KernelCase) -> None:
 # -- FP8 weights in the decode products ----------------------------------------------------------
 
 _FP8_ONE_CUDA = (
-    "measured on the H200 (fp8-s3's A/B of 7 tables on the 8B-shape batch-1 step, 2026-12-01): "
-    "3.101 ms graph replay; the bf16 entry (8 x 512, 4 warps) 3.141, 8 x 1024 over 8 warps 3.187, "
-    "16 x 512 3.432; every candidate 1.65-1.8x the step's weight-bytes limit (see bench/RESULTS.md)"
+    "measured on the H200 (fp8-s3's A/B of 7 tables on the 8B-shape batch-1 step, 2026-12-01, "
+    "before the products folded FP8 products): 3.101 ms graph replay; the bf16 entry (8 x 512, "
+    "4 warps) 3.141, 8 x 1024 over 8 warps 3.187, 16 x 512 3.432; with the fold 2.756 ms "
+    "(bench/RESULTS.md); not re-measured against the others since the fold"
 )
 _FP8_ONE_ROCM = "the NVIDIA FP8 entry's 128 lanes as 2 wavefronts, one stage (LDS); not measured on AMD"
 _FP8_FEW = "not run by the engine (FP8_DECODE_MAX_ROWS is 1): a 16-row dot tile as in bf16"
