@@ -245,17 +245,22 @@ def _finish(acc, rows, row_mask, scale_ptr, bias_ptr, HAS_SCALE: tl.constexpr, H
 
 @triton.jit
 def _plain_product(
-    x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows, row_mask, scale_ptr, bias_ptr,
+    x_ptr, stride_x, tokens, N, K, w_ptr, stride_w, scale_ptr, bias_ptr,
     T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    """``x @ W[rows]^T`` with its epilogue, in float32 as [T_PAD, BLOCK_N] (`gemv`, `gemv_residual`)."""
+    """This program's BLOCK_N output rows of ``x @ W^T`` with the epilogue, in float32 as
+    [T_PAD, BLOCK_N] (`gemv`, `gemv_residual`); with the rows, the token rows and their mask."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
     acc, _ = _product(
         x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows, rows, row_mask, None, None,
         NORM=False, PAIRED=False, T_PAD=T_PAD, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN_K=EVEN_K,
         USE_DOT=USE_DOT, PRECISION=PRECISION,
     )  # fmt: skip
-    return _finish(acc, rows, row_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
+    acc = _finish(acc, rows, row_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
+    t, mask = _token_mask(tokens, row_mask, T_PAD)
+    return acc, rows, t, mask
 
 
 @triton.jit
@@ -293,13 +298,10 @@ def _gemv_kernel(
     T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    acc = _plain_product(
-        x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows, row_mask, scale_ptr, bias_ptr,
+    acc, rows, t, mask = _plain_product(
+        x_ptr, stride_x, tokens, N, K, w_ptr, stride_w, scale_ptr, bias_ptr,
         T_PAD, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION, HAS_SCALE, HAS_BIAS,
     )  # fmt: skip
-    t, mask = _token_mask(tokens, row_mask, T_PAD)
     tl.store(out_ptr + t[:, None] * stride_out + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -312,14 +314,10 @@ def _gemv_residual_kernel(
     T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    acc = _plain_product(
-        x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows, row_mask, scale_ptr, bias_ptr,
+    acc, rows, t, mask = _plain_product(
+        x_ptr, stride_x, tokens, N, K, w_ptr, stride_w, scale_ptr, bias_ptr,
         T_PAD, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION, HAS_SCALE, HAS_BIAS,
     )  # fmt: skip
-    t, mask = _token_mask(tokens, row_mask, T_PAD)
     res_ptrs = residual_ptr + t[:, None] * stride_res + rows[None, :]
     residual = tl.load(res_ptrs, mask=mask, other=0.0)
     dtype = residual_ptr.dtype.element_ty
@@ -327,7 +325,7 @@ def _gemv_residual_kernel(
     total = (residual.to(tl.float32) + acc.to(dtype).to(tl.float32)).to(dtype)
     tl.store(res_ptrs, total, mask=mask)
     t32 = tl.where(mask, total.to(tl.float32), 0.0)
-    tl.store(ss_ptr + t * ss_stride + pid, tl.sum(t32 * t32, 1), mask=t < tokens)
+    tl.store(ss_ptr + t * ss_stride + tl.program_id(0), tl.sum(t32 * t32, 1), mask=t < tokens)
 
 
 @triton.jit
