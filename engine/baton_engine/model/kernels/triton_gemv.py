@@ -142,6 +142,15 @@ def _norm_scale(ss_ptr, ss_stride, num_ss, tokens, K, eps, T_PAD: tl.constexpr, 
 
 
 @triton.jit
+def _fold(products, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] products -> [BLOCK_N, BLOCK_K // FOLD], each run of FOLD adjacent
+    columns summed (FOLD 1: unchanged)."""
+    if FOLD == 1:
+        return products
+    return tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // FOLD, FOLD]), 2)
+
+
+@triton.jit
 def _product(
     x_ptr,
     stride_x,
@@ -171,9 +180,13 @@ def _product(
     t = tl.arange(0, T_PAD)
     t_mask = t < tokens
     kk = tl.arange(0, BLOCK_K)
+    # One-byte (FP8) weights: the one-token branch sums each run of FOLD adjacent products in the
+    # thread before accumulating, so a tile keeps the accumulators per weight byte of a 16-bit
+    # one (registers, hence programs in flight per SM); 16-bit weights keep one per weight.
+    FOLD: tl.constexpr = 4 if w_ptr.dtype.element_ty.primitive_bitwidth == 8 else 1
     if T_PAD == 1:
-        acc_a = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc_b = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_a = tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32)
+        acc_b = tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32)
     else:
         acc_a = tl.zeros([T_PAD, BLOCK_N], tl.float32)
         acc_b = tl.zeros([T_PAD, BLOCK_N], tl.float32)
@@ -199,9 +212,9 @@ def _product(
             w_b = tl.load(w_ptr + rows_b[:, None] * stride_w + k[None, :], mask=w_mask, other=0.0)
         if T_PAD == 1:
             x32 = x.to(tl.float32)
-            acc_a += w_a.to(tl.float32) * x32
+            acc_a += _fold(w_a.to(tl.float32) * x32, BLOCK_N, BLOCK_K, FOLD)
             if PAIRED:
-                acc_b += w_b.to(tl.float32) * x32
+                acc_b += _fold(w_b.to(tl.float32) * x32, BLOCK_N, BLOCK_K, FOLD)
         elif USE_DOT:
             acc_a = tl.dot(x, tl.trans(w_a.to(x.dtype)), acc_a, input_precision=PRECISION)
             if PAIRED:
