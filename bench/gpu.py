@@ -1028,6 +1028,7 @@ def main() -> None:
         "b1_step_vs_limit_8b<=1.15": result.get("b1_step_vs_limit_8b", 99) <= 1.15,
         "baton_tok_s_1b>=65000": result.get("baton_tokens_per_s_1b", 0) >= 65000,
         "ratio>=8": result.get("throughput_ratio_vs_hf_1b", 0) >= 8,
+        "fp8_vs_bf16_step<=0.6": result.get("fp8_vs_bf16_step", 99) <= 0.6,
     }
     result["targets_met"] = targets
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))

@@ -86,6 +86,7 @@ def test_the_engine_package_has_the_jit_functions_the_compile_test_expects() -> 
         "_decode_reduce_kernel",
         "_decode_split_kernel",
         "_finish",
+        "_fold",
         "_fp8_gemm_kernel",
         "_gemv_kernel",
         "_gemv_qkv_rope_kernel",
@@ -95,6 +96,8 @@ def test_the_engine_package_has_the_jit_functions_the_compile_test_expects() -> 
         "_moe_gate_up_kernel",
         "_multi_query_split_kernel",
         "_norm_scale",
+        "_normed_pair",
+        "_plain_product",
         "_prefill_kernel",
         "_product",
         "_quantize_rows_kernel",
@@ -104,6 +107,7 @@ def test_the_engine_package_has_the_jit_functions_the_compile_test_expects() -> 
         "_sum_squares_kernel",
         "_tile_pairs",
         "_to_fp8",
+        "_token_mask",
         "attend_paged_keys",
         "round_to_fp8_grid",
         "split_k_program",
@@ -275,6 +279,7 @@ def test_scenarios_declare_kernels_the_package_defines() -> None:
         "_silu_launches",
         "_moe_launches",
         "_fp8_gemm_launches",
+        "_fp8_decode_product_launches",
     }
 
 

@@ -124,8 +124,10 @@ def _producer(model: Path, tp: int, log: Path) -> Iterator[ServerProcess]:
 
 
 @contextlib.contextmanager
-def _consumer(model: Path, tp: int) -> Iterator[EngineCore]:
-    config = EngineConfig(model=str(model), kv_role="consumer", tensor_parallel_size=tp, **SETTINGS)
+def _consumer(model: Path, tp: int, **settings: Any) -> Iterator[EngineCore]:
+    config = EngineConfig(
+        model=str(model), kv_role="consumer", tensor_parallel_size=tp, **(SETTINGS | settings)
+    )
     core, _ = build_engine_core(config)
     try:
         yield core
@@ -296,15 +298,17 @@ def test_an_abort_while_the_head_slice_pulls_are_in_flight_leaks_nothing(
     assert live_children(before) == []
 
 
-def test_a_producer_gone_before_the_pulls_means_a_local_recompute(
-    models: dict[str, Path], single: list[list[int]], tmp_path: Path
+@pytest.mark.parametrize("on_failure", ["recompute", "fail"])
+def test_a_producer_gone_before_the_pulls_means_a_recompute_or_a_clean_error(
+    models: dict[str, Path], single: list[list[int]], tmp_path: Path, on_failure: str
 ) -> None:
     """A TP=2 producer whose rank 1 is killed ends (its core exits, the server with code 1);
-    the TP=2 consumer's pulls of a request it had leased find nobody listening on any rank,
-    and the consumer recomputes: the single engine's tokens, every block freed."""
+    the TP=2 consumer's pulls of a request it had leased find nobody listening on any rank.
+    The consumer recomputes (the single engine's tokens) or, with ``fail``, finishes the request
+    with the reason; every block freed either way."""
     before = live_children()
     prompts = _prompts()
-    with _consumer(models["llama"], 2) as consumer:
+    with _consumer(models["llama"], 2, kv_transfer_on_failure=on_failure) as consumer:
         connector = consumer.kv_connector
         assert connector is not None
         with _producer(models["llama"], 2, tmp_path / "producer.log") as producer:
@@ -315,7 +319,16 @@ def test_a_producer_gone_before_the_pulls_means_a_local_recompute(
             assert producer.proc.wait(60) == 1
             assert f"tensor-parallel rank 1 (pid {rank1}) exited with code -9" in producer.log_text()
         assert not pid_alive(core_pid) and not pid_alive(rank1)
-        assert _generate(consumer, "orphaned", prompts[1], kv) == single[1]
+        if on_failure == "recompute":
+            assert _generate(consumer, "orphaned", prompts[1], kv) == single[1]
+        else:
+            consumer.add_request("orphaned", prompts[1], GREEDY, kv_transfer_params=kv)
+            (out,) = _drain(consumer, "orphaned")
+            assert (out.finished, out.finish_reason, out.new_token_ids) == (True, "abort", [])
+            reason = "KV transfer from the prefill engine failed: producer_unreachable: cannot connect to "
+            assert out.finish_message in {
+                f"{reason}tcp://127.0.0.1:{port} (refused)" for port in kv["rank_ports"]
+            }
         assert connector.stats.totals().to_dict()["failures"] == {"producer_unreachable": 1}
         stats = consumer.stats()
         assert (stats.num_used_kv_blocks, stats.num_running) == (0, 0)

@@ -2,8 +2,10 @@
 own (`test_tensor_parallel_failure` runs it: if rank 0 stayed stuck in a collective the process
 would exit 1 after `STUCK_GRACE_S`, which must not take pytest with it).
 
-``python -m tests.worker.llm_rank_kill MODEL_DIR KILL_AT_STEP``; prints one JSON line: the
-error `generate` raised, the killed rank's pid, and the live children left after `close`.
+``python -m tests.worker.llm_rank_kill MODEL_DIR KILL_AT_STEP [rank1|self]``; prints one JSON
+line: the error `generate` raised, the killed rank's pid, and the live children left after
+`close`. With ``self`` this process (rank 0) SIGKILLs itself instead, having printed its ranks'
+pids first (``{"ranks": [...]}``): they must die with it.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from baton_engine.worker.tp_executor import TensorParallelExecutor
 from tests.worker.tp_helpers import live_children
 
 
-def main(model: str, kill_at_step: int) -> None:
+def main(model: str, kill_at_step: int, who: str) -> None:
     llm = LLM(model, tensor_parallel_size=2, tensor_parallel_timeout_seconds=300.0, dtype="float32")
     executor = llm.core.runner
     assert isinstance(executor, TensorParallelExecutor)
-    victim = executor.pids[0]
+    victim = executor.pids[0] if who == "rank1" else os.getpid()
+    print(json.dumps({"ranks": executor.pids}), flush=True)
     steps = 0
     execute = executor.execute
 
@@ -58,4 +61,4 @@ def main(model: str, kill_at_step: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "rank1")

@@ -181,12 +181,11 @@ def test_killing_the_engine_core_takes_its_ranks(
     assert not pid_alive(core)
 
 
-def test_offline_llm_raises_rank_failure_when_a_rank_is_killed(
-    model_dir: Path, no_process_left: None
-) -> None:
+def _offline_run(model_dir: Path, who: str) -> subprocess.CompletedProcess[str]:
+    """`llm_rank_kill` in a process of its own (the offline `LLM` is rank 0 there)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.worker.llm_rank_kill", str(model_dir), "4"],
+    return subprocess.run(
+        [sys.executable, "-m", "tests.worker.llm_rank_kill", str(model_dir), "4", who],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -194,6 +193,12 @@ def test_offline_llm_raises_rank_failure_when_a_rank_is_killed(
         timeout=600,
         check=False,
     )
+
+
+def test_offline_llm_raises_rank_failure_when_a_rank_is_killed(
+    model_dir: Path, no_process_left: None
+) -> None:
+    run = _offline_run(model_dir, "rank1")
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     victim = result["victim"]
@@ -204,3 +209,11 @@ def test_offline_llm_raises_rank_failure_when_a_rank_is_killed(
     assert result["steps"] == 4  # killed as step 4 went out: that step reported it, none ran after
     assert result["children_after_close"] == []
     assert not pid_alive(victim)
+
+
+def test_the_ranks_of_an_offline_llm_die_with_its_process(model_dir: Path, no_process_left: None) -> None:
+    run = _offline_run(model_dir, "self")
+    assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+    (line,) = run.stdout.strip().splitlines()  # killed mid-request: nothing printed after the ranks
+    (rank1,) = json.loads(line)["ranks"]
+    wait_for(lambda: not pid_alive(rank1), timeout=30, message="rank 1 to die with its rank 0")

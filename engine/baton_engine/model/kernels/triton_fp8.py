@@ -22,7 +22,21 @@ import triton
 import triton.language as tl
 
 from baton_engine.model.kernels.kernel_registry import KernelCase, launch_scenario
-from baton_engine.model.quantization.fp8 import MIN_SCALE, fp8_max
+from baton_engine.model.kernels.launch_table import LaunchTable, launch_table_for
+from baton_engine.model.kernels.triton_gemv import (
+    ROCM_GEMV,
+    SITES,
+    TOKEN_BUCKETS,
+    GemvLaunch,
+    GemvTable,
+    gemv,
+    gemv_qkv_rope,
+    gemv_residual,
+    gemv_silu,
+    gemv_table_for,
+    residual_programs,
+)
+from baton_engine.model.quantization.fp8 import FP8_DECODE_MAX_ROWS, MIN_SCALE, fp8_max
 
 #: 1.5 * 2**23: adding and subtracting it rounds a float32 of magnitude below 2**22 to the nearest
 #: integer, ties to even (the FPU's rounding), for either sign.
@@ -36,12 +50,21 @@ def round_to_fp8_grid(x, MIN_NORMAL_EXP: tl.constexpr):
     The cast to FP8 that follows is then exact on every backend: Triton's CPU interpreter rounds
     half up and drops the carry into the exponent (124.3 -> 64), GPUs round to nearest even. E4M3
     has 3 mantissa bits, so the grid step at exponent e is 2**(e - 3), and the subnormals below
-    2**MIN_NORMAL_EXP (-6 for fn, -7 for fnuz) share the smallest normal's step.
+    2**MIN_NORMAL_EXP (-6 for fn, -7 for fnuz) share the smallest normal's step; the exponent
+    also names the format, for the sign of a zero.
     """
     bits = x.to(tl.int32, bitcast=True)
     exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_NORMAL_EXP)
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    return ((x / step + _ROUND_MAGIC) - _ROUND_MAGIC) * step
+    # Multiplying by the power of two 1 / step is exact; a division would be an approximate
+    # one on NVIDIA GPUs (Triton's fp32 `/` is div.full.f32, up to 2 ulp off).
+    inverse_step = ((127 - (exponent - 3)) << 23).to(tl.float32, bitcast=True)
+    rounded = ((x * inverse_step + _ROUND_MAGIC) - _ROUND_MAGIC) * step
+    if MIN_NORMAL_EXP == -6:
+        # e4m3fn has a negative zero, and torch's cast rounds a tiny negative value to it; the
+        # rounding above returns +0 for it (fnuz has no -0: 0x80 is its NaN, +0 is right there).
+        rounded = tl.where(x < 0, -tl.abs(rounded), rounded)
+    return rounded
 
 
 def min_normal_exponent(fp8_dtype: torch.dtype) -> int:
@@ -72,12 +95,14 @@ def _quantize_rows_kernel(
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, 0), MIN_SCALE) / FP8_MAX
+        # IEEE-rounded divisions (tl.div_rn), as torch divides: Triton's `/` on fp32 is an
+        # approximate division on NVIDIA GPUs, 1 ulp off the reference's scale now and then.
+        scale = tl.div_rn(tl.maximum(tl.max(amax, 0), MIN_SCALE), FP8_MAX)
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + cols < K
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-        q = round_to_fp8_grid(tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX), MIN_NORMAL_EXP)
+        q = round_to_fp8_grid(tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX), MIN_NORMAL_EXP)
         tl.store(q_ptr + row * K + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -150,7 +175,10 @@ def _fp8_gemm_kernel(
                 b = b.to(tl.float16)
         else:
             b = b.to(a.dtype)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        # max_num_imprecise_acc=0: on sm_90 Triton's default lets FP8 wgmma chains accumulate
+        # in the tensor cores' reduced-precision adder over all of K (1e-3 relative off the
+        # float32 sum); 0 adds every instruction's partial into the float32 accumulator.
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION, max_num_imprecise_acc=0)
     b_scale = tl.load(b_scale_ptr + n, mask=n_mask, other=0.0)
     acc = acc * b_scale[None, :]
     if A_FP8:
@@ -241,3 +269,97 @@ def _fp8_gemm_launches(case: KernelCase) -> None:
             for bias in (None, torch.zeros(width, dtype=activation_dtype)):
                 fp8_gemm(q, row_scale, weight, weight_scale, bias, activation_dtype, native_fp8_dot=True)
                 fp8_gemm(x, None, weight, weight_scale, bias, activation_dtype, native_fp8_dot=True)
+
+
+# -- FP8 weights in the decode products ----------------------------------------------------------
+
+_FP8_ONE_CUDA = (
+    "measured on the H200 (fp8-s3's A/B of 7 tables on the 8B-shape batch-1 step, 2026-12-01, "
+    "before the products folded FP8 products): 3.101 ms graph replay; the bf16 entry (8 x 512, "
+    "4 warps) 3.141, 8 x 1024 over 8 warps 3.187, 16 x 512 3.432; with the fold 2.756 ms "
+    "(bench/RESULTS.md); not re-measured against the others since the fold"
+)
+_FP8_ONE_ROCM = "the NVIDIA FP8 entry's 128 lanes as 2 wavefronts, one stage (LDS); not measured on AMD"
+_FP8_FEW = "not run by the engine (FP8_DECODE_MAX_ROWS is 1): a 16-row dot tile as in bf16"
+
+
+def _fp8_table(name: str, one: GemvLaunch, few: GemvLaunch) -> GemvTable:
+    return GemvTable(
+        name, {(site, bucket): one if bucket == 1 else few for site in SITES for bucket in TOKEN_BUCKETS}
+    )
+
+
+#: Decode-product launches for FP8 weights (the same kernels as 16-bit ones, with ``w_scale``).
+FP8_CUDA_GEMV = _fp8_table(
+    "cuda-fp8",
+    GemvLaunch(8, 1024, 4, 2, False, _FP8_ONE_CUDA),
+    GemvLaunch(16, 256, 4, 3, True, _FP8_FEW),
+)
+FP8_ROCM_GEMV = _fp8_table(
+    "rocm-fp8",
+    GemvLaunch(8, 1024, 2, 1, False, _FP8_ONE_ROCM),
+    GemvLaunch(16, 256, 2, 2, True, _FP8_FEW),
+)
+
+
+def fp8_gemv_table_for(launch: LaunchTable) -> GemvTable:
+    """The FP8-weight decode products' table of the backend whose launch table is `launch`."""
+    return FP8_ROCM_GEMV if gemv_table_for(launch) is ROCM_GEMV else FP8_CUDA_GEMV
+
+
+def fp8_gemv_table(device: torch.device) -> GemvTable:
+    return fp8_gemv_table_for(launch_table_for(device))
+
+
+def fp8_weight_gemv(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``(x @ weight^T) * weight_scale (+ bias)`` for at most `FP8_DECODE_MAX_ROWS` rows of 16/32-bit
+    `x` and an FP8 `weight` [N, K] with one float32 scale per row, in x's dtype: the decode
+    product the fused decoder runs (the "lm_head" entry: every site's entry is the same)."""
+    launch = fp8_gemv_table(x.device).launch("lm_head", x.shape[0])
+    return gemv(x, weight, launch, bias=bias, w_scale=weight_scale)
+
+
+@launch_scenario(
+    "_gemv_kernel", "_gemv_residual_kernel", "_gemv_silu_kernel", "_gemv_qkv_rope_kernel", dtypes=("fp8",)
+)
+def _fp8_decode_product_launches(case: KernelCase) -> None:
+    """A decode step's products over FP8 weights (the target's format, one scale per row) for
+    bfloat16 and float16 activations, as `FusedDecoder._forward_few` launches them for an FP8
+    model (a 16-bit KV cache; the LM head stays 16-bit), and the plain product an FP8 linear
+    layer runs for a one-row input (`fp8_weight_gemv`)."""
+    m = case.model
+    table = fp8_gemv_table_for(case.launch)
+    h, kvh, d = m.num_heads, m.num_kv_heads, m.head_dim
+
+    def weight(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty(rows, cols, dtype=case.dtype), torch.empty(rows, dtype=torch.float32)
+
+    qkv_w, qkv_s = weight((h + 2 * kvh) * d, m.hidden_size)
+    o_w, o_s = weight(m.hidden_size, h * d)
+    gate_up_w, gate_up_s = weight(2 * m.intermediate_size, m.hidden_size)
+    down_w, down_s = weight(m.hidden_size, m.intermediate_size)
+    for dtype in (torch.bfloat16, torch.float16):
+        tokens = FP8_DECODE_MAX_ROWS
+        residual = torch.empty(tokens, m.hidden_size, dtype=dtype)
+        norm = torch.empty(m.hidden_size, dtype=dtype)
+        cos = torch.empty(64, d, dtype=dtype)
+        cache = torch.empty(2, 4, case.block_size, kvh, d, dtype=dtype)
+        widest = max(
+            residual_programs(m.hidden_size, table.launch("o", tokens)),
+            residual_programs(m.hidden_size, table.launch("down", tokens)),
+        )
+        squares = torch.empty(tokens, widest, dtype=torch.float32)
+        positions = torch.zeros(tokens, dtype=torch.int64)
+        q = gemv_qkv_rope(
+            residual, squares, 1, norm, 1e-5, qkv_w, positions, cos, cos, positions, cache, h, kvh, d,
+            table.launch("qkv", tokens), w_scale=qkv_s,
+        )  # fmt: skip
+        partials = gemv_residual(q, o_w, residual, squares, table.launch("o", tokens), w_scale=o_s)
+        act = gemv_silu(
+            residual, squares, partials, norm, 1e-5, gate_up_w, table.launch("gate_up", tokens),
+            w_scale=gate_up_s,
+        )  # fmt: skip
+        gemv_residual(act, down_w, residual, squares, table.launch("down", tokens), w_scale=down_s)
+        fp8_weight_gemv(residual, qkv_w, qkv_s, torch.empty(qkv_w.shape[0], dtype=dtype))

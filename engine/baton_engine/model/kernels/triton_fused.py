@@ -165,7 +165,9 @@ def _rotary_cache_kernel(
 @triton.jit
 def _to_fp8(x, scale, FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, cache_ptr):
     """`x / scale` saturated and rounded into the cache's FP8 format."""
-    scaled = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+    # tl.div_rn: the IEEE division torch's reference cache write does (`/` is approximate on
+    # NVIDIA GPUs), so both store the same bytes.
+    scaled = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -FP8_MAX), FP8_MAX)
     return round_to_fp8_grid(scaled, MIN_NORMAL_EXP).to(cache_ptr.dtype.element_ty)
 
 

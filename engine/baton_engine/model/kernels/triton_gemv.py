@@ -142,6 +142,15 @@ def _norm_scale(ss_ptr, ss_stride, num_ss, tokens, K, eps, T_PAD: tl.constexpr, 
 
 
 @triton.jit
+def _fold(products, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] products -> [BLOCK_N, BLOCK_K // FOLD], each run of FOLD adjacent
+    columns summed (FOLD 1: unchanged)."""
+    if FOLD == 1:
+        return products
+    return tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // FOLD, FOLD]), 2)
+
+
+@triton.jit
 def _product(
     x_ptr,
     stride_x,
@@ -171,9 +180,13 @@ def _product(
     t = tl.arange(0, T_PAD)
     t_mask = t < tokens
     kk = tl.arange(0, BLOCK_K)
+    # One-byte (FP8) weights: the one-token branch sums each run of FOLD adjacent products in the
+    # thread before accumulating, so a tile keeps the accumulators per weight byte of a 16-bit
+    # one (registers, hence programs in flight per SM); 16-bit weights keep one per weight.
+    FOLD: tl.constexpr = 4 if w_ptr.dtype.element_ty.primitive_bitwidth == 8 else 1
     if T_PAD == 1:
-        acc_a = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc_b = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_a = tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32)
+        acc_b = tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32)
     else:
         acc_a = tl.zeros([T_PAD, BLOCK_N], tl.float32)
         acc_b = tl.zeros([T_PAD, BLOCK_N], tl.float32)
@@ -199,9 +212,9 @@ def _product(
             w_b = tl.load(w_ptr + rows_b[:, None] * stride_w + k[None, :], mask=w_mask, other=0.0)
         if T_PAD == 1:
             x32 = x.to(tl.float32)
-            acc_a += w_a.to(tl.float32) * x32
+            acc_a += _fold(w_a.to(tl.float32) * x32, BLOCK_N, BLOCK_K, FOLD)
             if PAIRED:
-                acc_b += w_b.to(tl.float32) * x32
+                acc_b += _fold(w_b.to(tl.float32) * x32, BLOCK_N, BLOCK_K, FOLD)
         elif USE_DOT:
             acc_a = tl.dot(x, tl.trans(w_a.to(x.dtype)), acc_a, input_precision=PRECISION)
             if PAIRED:
@@ -232,17 +245,22 @@ def _finish(acc, rows, row_mask, scale_ptr, bias_ptr, HAS_SCALE: tl.constexpr, H
 
 @triton.jit
 def _plain_product(
-    x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows, row_mask, scale_ptr, bias_ptr,
+    x_ptr, stride_x, tokens, N, K, w_ptr, stride_w, scale_ptr, bias_ptr,
     T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    """``x @ W[rows]^T`` with its epilogue, in float32 as [T_PAD, BLOCK_N] (`gemv`, `gemv_residual`)."""
+    """This program's BLOCK_N output rows of ``x @ W^T`` with the epilogue, in float32 as
+    [T_PAD, BLOCK_N] (`gemv`, `gemv_residual`); with the rows, the token rows and their mask."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
     acc, _ = _product(
         x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows, rows, row_mask, None, None,
         NORM=False, PAIRED=False, T_PAD=T_PAD, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN_K=EVEN_K,
         USE_DOT=USE_DOT, PRECISION=PRECISION,
     )  # fmt: skip
-    return _finish(acc, rows, row_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
+    acc = _finish(acc, rows, row_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
+    t, mask = _token_mask(tokens, row_mask, T_PAD)
+    return acc, rows, t, mask
 
 
 @triton.jit
@@ -280,13 +298,10 @@ def _gemv_kernel(
     T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    acc = _plain_product(
-        x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows, row_mask, scale_ptr, bias_ptr,
+    acc, rows, t, mask = _plain_product(
+        x_ptr, stride_x, tokens, N, K, w_ptr, stride_w, scale_ptr, bias_ptr,
         T_PAD, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION, HAS_SCALE, HAS_BIAS,
     )  # fmt: skip
-    t, mask = _token_mask(tokens, row_mask, T_PAD)
     tl.store(out_ptr + t[:, None] * stride_out + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -299,14 +314,10 @@ def _gemv_residual_kernel(
     T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    acc = _plain_product(
-        x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows, row_mask, scale_ptr, bias_ptr,
+    acc, rows, t, mask = _plain_product(
+        x_ptr, stride_x, tokens, N, K, w_ptr, stride_w, scale_ptr, bias_ptr,
         T_PAD, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION, HAS_SCALE, HAS_BIAS,
     )  # fmt: skip
-    t, mask = _token_mask(tokens, row_mask, T_PAD)
     res_ptrs = residual_ptr + t[:, None] * stride_res + rows[None, :]
     residual = tl.load(res_ptrs, mask=mask, other=0.0)
     dtype = residual_ptr.dtype.element_ty
@@ -314,7 +325,7 @@ def _gemv_residual_kernel(
     total = (residual.to(tl.float32) + acc.to(dtype).to(tl.float32)).to(dtype)
     tl.store(res_ptrs, total, mask=mask)
     t32 = tl.where(mask, total.to(tl.float32), 0.0)
-    tl.store(ss_ptr + t * ss_stride + pid, tl.sum(t32 * t32, 1), mask=t < tokens)
+    tl.store(ss_ptr + t * ss_stride + tl.program_id(0), tl.sum(t32 * t32, 1), mask=t < tokens)
 
 
 @triton.jit

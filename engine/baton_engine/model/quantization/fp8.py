@@ -31,6 +31,14 @@ FNUZ_ARCHS = ("gfx940", "gfx941", "gfx942")
 #: weights are dequantized into the activations' 16-bit dtype: weight-only FP8).
 ActivationScheme = Literal["static", "dynamic", "none"]
 
+#: Rows (tokens) up to which an FP8 linear layer multiplies weight-only, its activations kept
+#: 16-bit whatever its scheme: batch-1 decode, the engine's decode-product bucket
+#: (`triton_gemv.GEMV_ENGINE_MAX_TOKENS`). Such a product is bound by the weight bytes: on a GPU it
+#: reads the FP8 weight (1 byte a weight), widens it in registers and applies the per-channel
+#: scale in the epilogue, with no activation-quantization launch, and it is closer to the 16-bit
+#: model than W8A8.
+FP8_DECODE_MAX_ROWS = 1
+
 #: The smallest scale a dynamic quantization uses (an all-zero row would otherwise divide by 0).
 MIN_SCALE = 1e-12
 

@@ -16,6 +16,11 @@ output channel, so merging never requantizes), and for static activations ``inpu
   static scale), then ``torch._scaled_mm`` with row-wise scales where the device takes it
   (bfloat16 out), else the Triton GEMM (`kernels.triton_fp8.fp8_gemm`); weight-only layers
   (no activation scheme) go to the Triton GEMM with 16-bit activations.
+
+Inputs of at most `fp8.FP8_DECODE_MAX_ROWS` rows (batch-1 decode) are multiplied weight-only on every
+device whatever the scheme (`arithmetic_for_rows`): on a GPU through the decode product
+(`kernels.triton_fp8.fp8_weight_gemv`, 1 byte read a weight, no quantization launch), on the CPU
+through the reference's weight-only branch, so both compute the same thing.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ from baton_engine.model.quantization import fp8
 from baton_engine.model.quantization.fp8_config import Fp8Checkpoint, Fp8Scheme
 
 #: How an FP8 GEMM runs on a GPU: "auto" (torch._scaled_mm where the device supports row-wise
-#: scales, else Triton), or one of the two.
-GemmBackend = Literal["auto", "scaled_mm", "triton"]
+#: scales, else Triton), or one of the two; "reference" runs the CPU path's torch arithmetic on
+#: the GPU too (dequantized float32 operands: what `bench.gpu` checks the kernels against).
+GemmBackend = Literal["auto", "scaled_mm", "triton", "reference"]
 
 #: The checkpoint modules a merged layer of the decoder is made of.
 MERGED_PARTS: dict[str, tuple[str, ...]] = {
@@ -149,12 +155,15 @@ class Fp8LinearMethod:
         weight = layer.weight
         scale = cast(torch.Tensor, layer.weight_scale)
         input_scale: torch.Tensor | None = getattr(layer, "input_scale", None)
-        activation = self.scheme.activation
-        if x.device.type != "cuda":
-            return fp8.fp8_linear_reference(x, weight, scale, activation, input_scale, bias)
-        from baton_engine.model.kernels.triton_fp8 import fp8_gemm, quantize_rows
-
         rows = x.reshape(-1, x.shape[-1])
+        activation = arithmetic_for_rows(self.scheme.activation, rows.shape[0])
+        if x.device.type != "cuda" or self.gemm == "reference":
+            return fp8.fp8_linear_reference(x, weight, scale, activation, input_scale, bias)
+        from baton_engine.model.kernels.triton_fp8 import fp8_gemm, fp8_weight_gemv, quantize_rows
+
+        if activation == "none" and 0 < rows.shape[0] <= fp8.FP8_DECODE_MAX_ROWS:
+            out = fp8_weight_gemv(rows, weight, scale, bias)
+            return out.reshape(*x.shape[:-1], weight.shape[0])
         native = native_fp8_dot(x.device)
         if activation == "none":
             out = fp8_gemm(rows, None, weight, scale, bias, x.dtype, native)
@@ -177,6 +186,13 @@ class Fp8LinearMethod:
         if self.gemm == "triton" or x.dtype != torch.bfloat16:
             return False
         return self.gemm == "scaled_mm" or scaled_mm_rowwise_works(x.device, self.fp8_dtype)
+
+
+def arithmetic_for_rows(scheme: fp8.ActivationScheme, rows: int) -> fp8.ActivationScheme:
+    """How an FP8 layer multiplies an input of `rows` rows: as its scheme says, except inputs of at
+    most `fp8.FP8_DECODE_MAX_ROWS` rows, which stay 16-bit ("none"). Their product is bound by the
+    weight bytes, and quantizing the activations would cost a launch per layer for less accuracy."""
+    return "none" if rows <= fp8.FP8_DECODE_MAX_ROWS else scheme
 
 
 def _replace(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:

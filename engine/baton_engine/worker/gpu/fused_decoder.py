@@ -5,9 +5,11 @@ The model already merges q/k/v and gate/up into single projections. Steps of mor
 quantization methods) with the fused element-wise kernels between them, 9 launches a layer:
 add+norm, qkv, rotary+cache write, attention, o_proj, add+norm, gate_up, silu*mul, down (a sparse
 layer's MLP is the MoE block: router, top-k, two grouped expert GEMMs). Single-token decode steps
-(up to `GEMV_MAX_TOKENS` tokens when asked) of a dense, unquantized model on one rank with a
-16/32-bit cache are weight sweeps: they run the decode products of `triton_gemv` on the layers'
-weights with the element-wise work folded in, 5 launches a layer besides attention
+(up to `GEMV_MAX_TOKENS` tokens when asked) of a dense model on one rank with a 16/32-bit cache,
+its projections unquantized or FP8 (`Fp8LinearMethod`: the products read the FP8 weights and
+apply their per-row scales, the arithmetic of the layers' own one-row products), are weight
+sweeps: they run the decode products of `triton_gemv` on the layers' weights with the
+element-wise work folded in, 5 launches a layer besides attention
 (norm+qkv+rotary+cache write, attention, o_proj+residual, norm+gate_up+silu*mul, down+residual).
 It holds no weights of its own.
 """
@@ -15,6 +17,7 @@ It holds no weights of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +29,7 @@ from baton_engine.model.kernels.triton_attention import (
     paged_decode_attention,
     paged_prefill_attention,
 )
+from baton_engine.model.kernels.triton_fp8 import fp8_gemv_table
 from baton_engine.model.kernels.triton_fused import (
     fused_add_rms_norm,
     rms_norm,
@@ -48,6 +52,7 @@ from baton_engine.model.layers import GatedMLP
 from baton_engine.model.linear import ParallelLinear, UnquantizedLinearMethod
 from baton_engine.model.llama import CausalLM
 from baton_engine.model.moe import SparseMoeBlock
+from baton_engine.model.quantization.fp8_linear import Fp8LinearMethod
 
 
 @dataclass
@@ -147,15 +152,18 @@ class FusedDecoder:
             if isinstance(x.mlp, GatedMLP)
             for p in (x.mlp.gate_up_proj, x.mlp.down_proj)
         ]
+        methods = {type(p.quant_method) for p in projections}
+        fp8_weights = methods == {Fp8LinearMethod}
         plain = (
             dense
             and not self.lm_head.parallel.is_parallel
-            and all(
-                not p.parallel.is_parallel and type(p.quant_method) is UnquantizedLinearMethod
-                for p in projections
-            )
+            and not any(p.parallel.is_parallel for p in projections)
+            and (methods == {UnquantizedLinearMethod} or fp8_weights)
         )
         self.gemv_max_tokens = gemv_max_tokens if decode_gemv and plain and not config.qk_norm else 0
+        # The projections' launches: FP8 weights take their own table (twice the columns a loop
+        # for the same bytes); the LM head stays 16-bit and keeps the 16-bit table's entry.
+        self.projection_table = fp8_gemv_table(self.embed.weight.device) if fp8_weights else self.gemv_table
 
     def forward(
         self,
@@ -215,7 +223,7 @@ class FusedDecoder:
         """`forward` for a few tokens: the residual is updated in place by the o_proj and down
         products, which leave per-program sums of squares for the next product's RMSNorm."""
         tokens = input_ids.shape[0]
-        table = self.gemv_table
+        table = self.projection_table
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         residual = self.embed(input_ids)
         hidden_size = residual.shape[1]
@@ -233,20 +241,21 @@ class FusedDecoder:
             q_flat = gemv_qkv_rope(
                 residual, squares, partials, layer.input_norm, self.eps, qkv.weight,
                 positions, self.cos, self.sin, slot_mapping, layer_cache, h, kvh, d,
-                table.launch("qkv", tokens), bias=qkv.bias,
+                table.launch("qkv", tokens), bias=qkv.bias, w_scale=_weight_scale(qkv),
             )  # fmt: skip
             attn = self._attention(q_flat.view(tokens, h, d), layer_cache, meta)
             partials = gemv_residual(
                 attn.view(tokens, self.q_size), o.weight, residual, squares, table.launch("o", tokens),
-                bias=o.bias,
+                bias=o.bias, w_scale=_weight_scale(o),
             )  # fmt: skip
             act = gemv_silu(
                 residual, squares, partials, layer.post_norm, self.eps, gate_up.weight,
-                table.launch("gate_up", tokens), bias=gate_up.bias,
+                table.launch("gate_up", tokens), bias=gate_up.bias, w_scale=_weight_scale(gate_up),
             )  # fmt: skip
             partials = gemv_residual(
-                act, down.weight, residual, squares, table.launch("down", tokens), bias=down.bias
-            )
+                act, down.weight, residual, squares, table.launch("down", tokens), bias=down.bias,
+                w_scale=_weight_scale(down),
+            )  # fmt: skip
         return rms_norm(residual, self.final_norm, self.eps, launch=self.launch)
 
     def _attention(
@@ -289,3 +298,10 @@ class FusedDecoder:
         if out is None:
             return F.linear(hidden, head.weight)
         return torch.mm(hidden, head.weight.t(), out=out)
+
+
+def _weight_scale(layer: ParallelLinear) -> torch.Tensor | None:
+    """An FP8 projection's per-row float32 scale (None for a 16-bit one)."""
+    if isinstance(layer.quant_method, Fp8LinearMethod):
+        return cast(torch.Tensor, layer.weight_scale)
+    return None
