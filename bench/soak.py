@@ -264,13 +264,17 @@ class Mix:
         """Read the first chunks of a long stream, then hang up."""
         body = {"model": self.model, "prompt": rng.choice(PROMPTS), "max_tokens": 200, "stream": True}
         body["ignore_eos"] = True
+        self.tally.record("dropped_stream", await self._hang_up_early(body, rng), (200,))
+
+    async def _hang_up_early(self, body: dict[str, object], rng: random.Random) -> int:
+        """Stream a completion, read its first 1-4 chunks, close the connection; the status."""
         async with self.client.stream("POST", "/v1/completions", json=body) as response:
             seen = 0
             async for line in response.aiter_lines():
                 seen += line.startswith("data: {")
                 if seen >= rng.randint(1, 4):
                     break
-        self.tally.record("dropped_stream", response.status_code, (200,))
+        return response.status_code
 
     async def dropped_request(self, rng: random.Random) -> None:
         """A non-streamed request whose client goes away before the answer."""
@@ -317,13 +321,7 @@ class Mix:
             "max_tokens": 200,
             "stream": True,
         }
-        async with self.client.stream("POST", "/v1/completions", json=body) as response:
-            seen = 0
-            async for line in response.aiter_lines():
-                seen += line.startswith("data: {")
-                if seen >= rng.randint(1, 4):
-                    break
-        self.tally.record("dropped_structured_stream", response.status_code, (200,))
+        self.tally.record("dropped_structured_stream", await self._hang_up_early(body, rng), (200,))
 
     async def bad_request(self, rng: random.Random) -> None:
         name, raw, expected = rng.choice(self.bad)

@@ -32,27 +32,35 @@ def tracked_markdown() -> list[Path]:
 
 
 def unbalanced_fences(text: str) -> list[int]:
-    """Line numbers of fences left open at the end (a fence opens with ``` or ~~~ and closes
-    with the same run of at least its length)."""
+    """Line numbers of fences left open (a fence opens with ``` or ~~~ and closes with the same
+    run of at least its length). An opening fence of the same run met inside an open one (its
+    info string says it opens) means the one before it lost its closing line: both are reported,
+    since Markdown would pair them wrongly from there on."""
     open_at: tuple[int, str] | None = None
+    unclosed: list[int] = []
     for number, line in enumerate(text.splitlines(), 1):
         stripped = line.lstrip()
         marker = stripped[:3]
         if marker not in ("```", "~~~"):
             continue
         run = stripped[: len(stripped) - len(stripped.lstrip(marker[0]))]
+        info = stripped[len(run) :].strip()
         if open_at is None:
             open_at = (number, run)
-        elif run.startswith(open_at[1]) and not stripped[len(run) :].strip():
+        elif run.startswith(open_at[1]) and not info:
             open_at = None
-    return [] if open_at is None else [open_at[0]]
+        elif run == open_at[1]:
+            unclosed.append(open_at[0])
+            open_at = (number, run)
+    return unclosed if open_at is None else [*unclosed, open_at[0]]
 
 
 def test_unbalanced_fences_are_found() -> None:
     assert unbalanced_fences("a\n```json\n{}\n```\n") == []
     assert unbalanced_fences("```json\n{}\n\n## next\n") == [1]
     assert unbalanced_fences("````md\n```sh\nx\n```\n````\n") == []
-    assert unbalanced_fences("```sh\nx\n```json\n") == [1]
+    assert unbalanced_fences("```json\n{}\n\ntext\n```json\n{}\n```\n") == [1]
+    assert unbalanced_fences("```sh\nx\n```json\n") == [1, 3]
 
 
 @pytest.mark.parametrize("path", tracked_markdown(), ids=rel)
