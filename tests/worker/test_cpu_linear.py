@@ -122,6 +122,10 @@ def test_each_row_bucket_builds_one_primitive(capfd: pytest.CaptureFixture[str])
     # oneDNN caches a primitive (0.2-1.8 MiB) per input shape: one per row count made an engine
     # core grow by hundreds of MiB as its steps' sizes varied.
     layer = ColumnParallelLinear(96, (176,), bias=True, prefix="proj", dtype=torch.float32, device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the layer's parameters start uninitialised: NaNs would make equal() fail
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator))
+        layer.bias.copy_(torch.randn(layer.bias.shape, generator=generator))
     layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
     with torch.inference_mode(), _onednn_log(capfd) as created:
         outputs = {rows: layer(torch.ones(rows, 96)) for rows in range(1, 301)}
