@@ -62,6 +62,29 @@ def test_router_accepts_the_rendered_flags() -> None:
     assert ids == tokenizer.tokenizer.encode("Hello")
 
 
+def test_router_accepts_the_rendered_flags_of_an_aggregated_deployment() -> None:
+    """Aggregated mode: the router is told its mode, so it takes the engine pool's selector (it
+    refused a router without ``--mode aggregated``: the default mode routes to prefill/decode)."""
+    doc = yaml.safe_load((REPO / "examples" / "smollm2-pd.yaml").read_text())
+    doc["spec"]["mode"] = "aggregated"
+    for role in ("prefill", "decode"):
+        doc["spec"].pop(role, None)
+    spec = models.InferenceDeploymentSpec.model_validate(doc["spec"])
+    children = desired_children(BuildContext(owner=Owner("agg", "demo-ns", "uid-1"), spec=spec), "k" * 32)
+    [router] = [
+        m["spec"]["template"]["spec"]["containers"][0]
+        for m in children.applied
+        if m["kind"] == "Deployment" and m["metadata"]["name"] == "agg-router"
+    ]
+    parser = build_parser()
+    args = parser.parse_args(pod_ip(router["args"]))
+    assert args.mode == "aggregated"
+    settings = RouterSettings(mode=args.mode, block_size=args.block_size, model=args.model)
+    [discovery] = _discovery(args, settings, EndpointRegistry(), parser)
+    assert isinstance(discovery, KubernetesDiscovery)
+    assert discovery.selectors == {"engine": "baton.dev/deployment=agg,baton.dev/role=engine"}
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_router_hashes_each_pod_as_its_engine_flags_say(role: str) -> None:
     """The annotations the router reads (discovery.pod_hashing) equal the pod's own engine flags,

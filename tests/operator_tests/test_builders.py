@@ -389,6 +389,7 @@ def test_router_discovery_flags_and_rbac() -> None:
     assert router["args"] == [
         "--discovery", "kubernetes",
         "--namespace", "llm",
+        "--mode", "disaggregated",
         "--prefill-selector", "baton.dev/deployment=demo,baton.dev/role=prefill",
         "--decode-selector", "baton.dev/deployment=demo,baton.dev/role=decode",
         "--model", "smollm2",

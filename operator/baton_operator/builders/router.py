@@ -28,6 +28,8 @@ def router_args(ctx: BuildContext, tokenizer: str) -> list[str]:
     args = [
         contract.FLAG_ROUTER_DISCOVERY, contract.DISCOVERY_KUBERNETES,
         contract.FLAG_ROUTER_NAMESPACE, ctx.owner.namespace,
+        # The router refuses the other mode's selectors: it must be told which roles it routes to.
+        contract.FLAG_ROUTER_MODE, spec.mode,
     ]  # fmt: skip
     if spec.mode == "aggregated":
         args += [
