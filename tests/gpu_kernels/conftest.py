@@ -8,15 +8,13 @@ import pytest
 import torch
 
 from baton_engine.model.quantization.fp8 import FP8_DTYPES, fp8_dtype_for_device
+from tests.torch_threads import one_torch_thread
 
 
 @pytest.fixture(autouse=True)
 def _single_torch_thread() -> Iterator[None]:
-    # Tiny shapes on a shared 2-core machine: intra-op threads only add contention.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -27,6 +27,7 @@ from baton_engine.model.kernels.triton_gemv import (
     residual_programs,
     sum_squares,
 )
+from baton_engine.model.kernels.triton_tiles import pdl_supported
 from baton_engine.model.linear import ParallelLinear, UnquantizedLinearMethod
 from baton_engine.model.loader.model_loading import load_model
 from baton_engine.model.rope import apply_rotary
@@ -236,6 +237,48 @@ def test_decoder_few_token_path_matches_the_matmul_path(
     assert _rel(caches[0], caches[1].double().cpu()) < 1e-5
     with torch.no_grad():
         assert fast.logits(outs[0]).argmax(-1).tolist() == plain.logits(outs[1]).argmax(-1).tolist()
+
+
+def test_programmatic_dependent_launch_changes_no_bit(tmp_path: Path, kernel_device: torch.device) -> None:
+    """A one-row decode step (products, split-K attention merged in its kernel, LM head) captured
+    in a graph with and without programmatic dependent launch: the kernels differ only in when
+    they launch, so hidden states, logits and the K/V written are equal bit for bit, replay after
+    replay, and every split counter is back at zero. PDL is on by default exactly where supported."""
+    parity_model("llama").save(tmp_path / "llama")
+    loaded = load_model(str(tmp_path / "llama"), kernel_device, torch.float32)
+    config = loaded.config
+    assert FusedDecoder(loaded.model).pdl is pdl_supported(kernel_device)
+    if not pdl_supported(kernel_device):
+        pytest.skip("programmatic dependent launch needs an NVIDIA GPU of compute capability 9.0+")
+    gen = np.random.default_rng(7)
+    shape = (config.num_layers, 2, 64, 4, config.num_kv_heads, config.head_dim)
+    start = torch.from_numpy(gen.standard_normal(shape).astype(np.float32)).to(kernel_device)
+    tables = torch.arange(50, dtype=torch.int32, device=kernel_device)[None, :]
+    lens = torch.tensor([200], dtype=torch.int32, device=kernel_device)  # 4 splits of 64 keys
+    ids = torch.from_numpy(gen.integers(0, config.vocab_size, size=1)).to(kernel_device)
+    positions = (lens - 1).long()
+    slots = positions.clone()  # the table is the identity: position p lives in slot p
+    results = []
+    for pdl in (False, True):
+        decoder = FusedDecoder(loaded.model, pdl=pdl)
+        workspace = DecodeWorkspace(1, config.num_heads, config.head_dim, 4, kernel_device)
+        meta = DecodeMeta(tables, lens, workspace)
+        cache = start.clone()
+        with torch.no_grad():
+            decoder.logits(decoder.forward(ids, positions, slots, cache, meta))  # compile outside
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                hidden = decoder.forward(ids, positions, slots, cache, meta)
+                logits = decoder.logits(hidden)
+        replays = []
+        for _ in range(2):
+            cache.copy_(start)
+            graph.replay()
+            replays.append((hidden.clone(), logits.clone(), cache.clone()))
+        assert all(torch.equal(a, b) for a, b in zip(*replays, strict=True))
+        assert int(workspace.arrivals.count_nonzero()) == 0
+        results.append(replays[0])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 def test_models_with_qk_norm_keep_the_matmul_path(tmp_path: Path, kernel_device: torch.device) -> None:

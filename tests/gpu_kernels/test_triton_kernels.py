@@ -66,13 +66,18 @@ def _reference(
 @pytest.mark.parametrize(("num_splits", "head_major"), [(1, False), (3, False), (3, True)])
 def test_decode_matches_reference(num_splits: int, head_major: bool, kernel_device: torch.device) -> None:
     gen = torch.Generator().manual_seed(1)
-    seq_lens = [5, 1, 37, 0]  # the last row is graph padding: zeros, no NaN
+    seq_lens = [5, 1, 37, 150, 0]  # 150: 3 splits of 64 keys see keys; the last row is graph padding
     cache, table, slots = _paged_cache([max(n, 1) for n in seq_lens], gen, kernel_device)
     q = torch.randn(len(seq_lens), HEADS, HEAD_DIM, generator=gen).to(kernel_device)
     workspace = DecodeWorkspace(len(seq_lens), HEADS, HEAD_DIM, num_splits, kernel_device)
     out = torch.full_like(q, float("nan"))
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=kernel_device)
     paged_decode_attention(q, cache, table, lens, HEAD_DIM**-0.5, workspace, out=out, head_major=head_major)
+    # The last split of each (row, kv head) merged the splits and reset its counter: a second
+    # launch (a graph replay) finds them at zero and gives the same result.
+    assert int(workspace.arrivals.count_nonzero()) == 0
+    again = paged_decode_attention(q, cache, table, lens, HEAD_DIM**-0.5, workspace, head_major=head_major)
+    assert torch.equal(again, out)
     for row, n in enumerate(seq_lens):
         if n == 0:
             assert torch.equal(out[row], torch.zeros_like(out[row]))

@@ -18,9 +18,12 @@ from baton_engine.model.kernels.kernel_registry import KernelCase, launch_scenar
 from baton_engine.model.kernels.launch_table import Launch, LaunchTable, launch_table_for
 from baton_engine.model.kernels.triton_tiles import (
     attend_paged_keys,
+    await_producer,
     packed_output,
     paged_kernel_args,
     paged_kernel_constants,
+    pdl_options,
+    scenario_pdl,
     split_k_program,
     store_attention_rows,
 )
@@ -39,19 +42,27 @@ def _decode_split_kernel(
     seq_lens_ptr,  # [B] int32
     out_ptr,  # [B, H, D] (NUM_SPLITS == 1) or partial [B, H, S, D] fp32
     lse_ptr,  # [B, H, S] fp32
+    merged_ptr,  # [B, H, D]: the merged result (NUM_SPLITS > 1)
+    arrivals_ptr,  # [B * KVH] int32, zero between launches: splits of (row, kv head) finished
     NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KVH: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
+    GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    # The lengths are the step's inputs, which no kernel of the step writes: read before waiting
+    # for the kernel before this one (PDL), whose q and K/V this program reads after.
     row, kvh, split, seq_len, start, end = split_k_program(seq_lens_ptr, NUM_SPLITS, BLOCK_N, HEAD_MAJOR)
+    await_producer(PDL)
     H: tl.constexpr = KVH * GROUP
 
     g = tl.arange(0, GROUP_PAD)
@@ -73,6 +84,60 @@ def _decode_split_kernel(
     store_attention_rows(
         out_ptr, lse_ptr, m_i, l_i, acc, row * H + heads, g_mask, split, NUM_SPLITS, HEAD_DIM
     )
+    if NUM_SPLITS > 1:
+        # The last split of (row, kv head) to finish merges the group's splits: no reduce launch.
+        # The barrier orders every thread's partial stores before the counter's release; the
+        # acquire side of the last arrival makes the other splits' stores visible to its loads.
+        tl.debug_barrier()
+        counter = arrivals_ptr + row * KVH + kvh
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            tl.store(counter, 0)  # ready for the next launch (the graph replays this kernel)
+            first = row * H + kvh * GROUP
+            _merge_splits(
+                out_ptr, lse_ptr, merged_ptr, first,
+                GROUP, GROUP_P2, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD,
+            )  # fmt: skip
+
+
+@triton.jit
+def _merge_splits(
+    partial_ptr,  # [rows, S, D] fp32
+    lse_ptr,  # [rows, S]
+    out_ptr,  # [rows, D]
+    first,  # the first of the ROWS (token * H + head) rows merged
+    ROWS: tl.constexpr,
+    ROWS_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """``out[r] = sum_s partial[r, s] * 2^(lse[r, s] - lse_r)`` for ROWS rows from `first`: the
+    splits' results weighted by their share of each row's softmax sum (splits that saw no key
+    have lse -inf and weight 0). Loads bypass the SM's L1 (``.cg``): the partials may have been
+    written by other programs of the same launch."""
+    r = tl.arange(0, ROWS_PAD)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    r_mask = r < ROWS
+    rs_mask = r_mask[:, None] & (s < NUM_SPLITS)[None, :]
+    rs = (first + r)[:, None] * NUM_SPLITS + s[None, :]
+    lse = tl.load(lse_ptr + rs, mask=rs_mask, other=float("-inf"), cache_modifier=".cg")
+    top = tl.max(lse, 1)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top[:, None])
+    w = w / tl.maximum(tl.sum(w, 1), 1e-30)[:, None]
+    part = tl.load(
+        partial_ptr + rs[:, :, None] * HEAD_DIM + d[None, None, :],
+        mask=rs_mask[:, :, None] & (d < HEAD_DIM)[None, None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    result = tl.sum(part * w[:, :, None], 1)
+    rd = (first + r)[:, None] * HEAD_DIM + d[None, :]
+    rd_mask = r_mask[:, None] & (d < HEAD_DIM)[None, :]
+    tl.store(out_ptr + rd, result.to(out_ptr.dtype.element_ty), mask=rd_mask)
 
 
 @triton.jit
@@ -85,22 +150,9 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM_PAD)
-    s_mask = s < NUM_SPLITS
-    lse = tl.load(lse_ptr + bh * NUM_SPLITS + s, mask=s_mask, other=float("-inf"))
-    top = tl.max(lse, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.exp2(lse - top)
-    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
-    part = tl.load(
-        partial_ptr + (bh * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
-        mask=s_mask[:, None] & (d < HEAD_DIM)[None, :],
-        other=0.0,
+    _merge_splits(
+        partial_ptr, lse_ptr, out_ptr, tl.program_id(0), 1, 1, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD
     )
-    result = tl.sum(part * w[:, None], 0)
-    tl.store(out_ptr + bh * HEAD_DIM + d, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def decode_num_splits(
@@ -113,7 +165,10 @@ def decode_num_splits(
 
 
 class DecodeWorkspace:
-    """Scratch for split-K partial results, allocated once per (batch, splits) so graphs can reuse it."""
+    """Scratch for split-K partial results, allocated once per (batch, splits) so graphs can reuse it.
+
+    `arrivals` counts the finished splits of each (row, kv head) for the decode kernel's in-kernel
+    merge; the last split resets its counter, so it is zero between launches."""
 
     def __init__(
         self, batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
@@ -122,6 +177,7 @@ class DecodeWorkspace:
         shape = (batch, num_heads, max(num_splits, 1))
         self.partial = torch.empty((*shape, head_dim), dtype=torch.float32, device=device)
         self.lse = torch.empty(shape, dtype=torch.float32, device=device)
+        self.arrivals = torch.zeros(batch * num_heads, dtype=torch.int32, device=device)
 
 
 def launch_split_k(
@@ -139,7 +195,7 @@ def launch_split_k(
     num_stages: int | None,
     unsplit: Launch,
     split: Launch,
-    reduce: Launch,
+    reduce: Launch | None,
     extra_args: tuple[Any, ...] = (),
     kv_scale: torch.Tensor | None = None,
     programs_per_kv_head: int = 1,
@@ -150,8 +206,9 @@ def launch_split_k(
     `programs_per_kv_head`, row, split) with `head_major` — and merge its splits into `out`.
 
     Without splits the kernel writes `out` directly; otherwise fp32 partials and their log2-sum-exp
-    go to `workspace` and the reduce kernel combines them. Unset tiles, warps and stages come from
-    the launch table's entry for the case (`unsplit` or `split`).
+    go to `workspace` and the reduce kernel combines them — or, with `reduce` None, the kernel
+    merges them itself (its last split per row and kv head; `extra_args` give it `out`). Unset
+    tiles, warps and stages come from the launch table's entry for the case (`unsplit` or `split`).
     """
     splits = workspace.num_splits
     tuned = unsplit if splits == 1 else split
@@ -171,7 +228,7 @@ def launch_split_k(
         **kernel_constants,
         **constants,
     )
-    if splits == 1:
+    if splits == 1 or reduce is None:
         return
     queries, num_heads, head_dim = out.shape
     _decode_reduce_kernel[(queries * num_heads,)](
@@ -201,23 +258,29 @@ def paged_decode_attention(
     kv_scale: torch.Tensor | None = None,
     launch: LaunchTable | None = None,
     head_major: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """One query token per row. q: [B, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32;
     kv_scale: the layer's [2] (K, V) scales when the cache is FP8.
 
     A row with seq_len 0 (graph padding) yields zeros. `launch` defaults to the table of q's device;
     `block_n`, `num_warps` and `num_stages` override its entry (tuning sweeps). `head_major`: launch
-    a row's kv heads together (`split_k_program`).
+    a row's kv heads together (`split_k_program`). `pdl`: launch with programmatic dependent
+    launch (`pdl_supported`). With split-K the kernel's last split per row and kv head merges the
+    splits into `out` (one launch).
     """
     batch, num_heads, _ = q.shape
     num_kv_heads = layer_cache.shape[3]
     out = packed_output(q, out)
     table = launch_table_for(q.device) if launch is None else launch
+    group = num_heads // num_kv_heads
     launch_split_k(
         _decode_split_kernel, batch, out, workspace, q, layer_cache, block_tables, seq_lens, scale, block_n,
-        num_warps, num_stages, table.decode_unsplit, table.decode_split, table.split_reduce,
+        num_warps, num_stages, table.decode_unsplit, table.decode_split, None, (out, workspace.arrivals),
         kv_scale=kv_scale, head_major=head_major, HEAD_MAJOR=head_major,
-        GROUP_PAD=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
+        SPLITS_PAD=max(2, triton.next_power_of_2(workspace.num_splits)),
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), GROUP_P2=triton.next_power_of_2(group),
+        **pdl_options(pdl),
     )  # fmt: skip
     return out
 
@@ -227,7 +290,7 @@ def paged_decode_attention(
 SCENARIO_DECODE_BATCHES = (256, 1)
 
 
-@launch_scenario("_decode_split_kernel", "_decode_reduce_kernel")
+@launch_scenario("_decode_split_kernel")
 def _decode_launches(case: KernelCase) -> None:
     m = case.model
     for batch in SCENARIO_DECODE_BATCHES:
@@ -239,6 +302,8 @@ def _decode_launches(case: KernelCase) -> None:
             paged_decode_attention(
                 case.q(batch), cache, case.block_tables(batch), torch.zeros(batch, dtype=torch.int32),
                 m.head_dim**-0.5, workspace, kv_scale=kv_scale, launch=case.launch,
+                # PDL as the engine launches it: in the decode products' one-token steps.
+                pdl=scenario_pdl(case.launch) and batch == 1 and kv_scale is None,
             )  # fmt: skip
 
 

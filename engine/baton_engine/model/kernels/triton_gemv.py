@@ -40,7 +40,7 @@ import triton.language as tl
 
 from baton_engine.model.kernels.kernel_registry import KernelCase, launch_scenario
 from baton_engine.model.kernels.launch_table import LaunchTable, launch_table_for
-from baton_engine.model.kernels.triton_tiles import dot_precision
+from baton_engine.model.kernels.triton_tiles import await_producer, dot_precision, pdl_options, scenario_pdl
 
 #: The most tokens (rows of x) the decode kernels take; larger steps go through torch's matmul.
 GEMV_MAX_TOKENS = 8
@@ -90,25 +90,42 @@ class GemvTable:
         return GemvTable(name, {**self.entries, **changes})
 
 
-def _uniform(name: str, one: GemvLaunch, few: GemvLaunch) -> GemvTable:
+def _by_site(name: str, one: dict[str, GemvLaunch], few: GemvLaunch) -> GemvTable:
+    """A table with each site's one-token launch and one launch for every larger bucket."""
     entries = {}
     for site in SITES:
         for bucket in TOKEN_BUCKETS:
-            entries[(site, bucket)] = one if bucket == 1 else few
+            entries[(site, bucket)] = one[site] if bucket == 1 else few
     return GemvTable(name, entries)
 
 
-_H200_ONE = (
-    "measured on the H200 (bench.gpu 8b, 2026-12-01): the fastest of 4 one-token candidates at qkv, o, "
-    "gate_up and down (0.72-0.94 of the copy-bandwidth limit); the LM head within 0.5 us of the best"
-)
+def _uniform(name: str, one: GemvLaunch, few: GemvLaunch) -> GemvTable:
+    return _by_site(name, dict.fromkeys(SITES, one), few)
+
+
+def _h200(us: float, of_limit: float) -> str:
+    return (
+        f"measured on the H200 (bench.gpu 8b, 2026-12-01 20:35 UTC, first weight tiles loaded before "
+        f"the PDL wait): the fastest of 7 one-token candidates, {us} us a layer, {of_limit} of the "
+        "copy-bandwidth limit"
+    )
+
+
 _UNUSED_FEW = "not run by the engine (GEMV_ENGINE_MAX_TOKENS): at 8 tokens these tiles lose to cuBLAS"
-#: NVIDIA (sm_80/sm_90). One token: an FMA loop over 16-byte loads, each program 8 rows x 512
-#: columns per iteration (32 accumulators a thread at 4 warps). More tokens: a tensor-core dot of
-#: a 16-row tile, 3 stages of weight tiles in flight.
-CUDA_GEMV = _uniform(
+_ROWS_4 = GemvLaunch(4, 1024, 4, 2, False, "")
+#: NVIDIA (sm_80/sm_90). One token: an FMA loop over 16-byte loads, each program 4 rows x 1024
+#: columns per iteration (32 accumulators a thread at 4 warps; qkv: 4 x 512 at 2 warps, twice the
+#: programs for its 6144 rows). More tokens: a tensor-core dot of a 16-row tile, 3 stages of
+#: weight tiles in flight.
+CUDA_GEMV = _by_site(
     "cuda",
-    GemvLaunch(8, 512, 4, 2, False, _H200_ONE),
+    {
+        "qkv": GemvLaunch(4, 512, 2, 2, False, _h200(14.84, 0.795)),
+        "o": dataclasses.replace(_ROWS_4, reason=_h200(10.59, 0.743)),
+        "gate_up": dataclasses.replace(_ROWS_4, reason=_h200(55.95, 0.984)),
+        "down": dataclasses.replace(_ROWS_4, reason=_h200(29.23, 0.942)),
+        "lm_head": dataclasses.replace(_ROWS_4, reason=_h200(238.3, 1.034)),
+    },
     GemvLaunch(16, 256, 4, 3, True, _UNUSED_FEW),
 )
 #: AMD (CDNA): the same lanes per program (a wavefront is 64 lanes, so half the warps), one
@@ -151,6 +168,72 @@ def _fold(products, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.const
 
 
 @triton.jit
+def _weight_tiles(
+    w_ptr, stride_w, rows_a, rows_b, row_mask, k, K, PAIRED: tl.constexpr, EVEN_K: tl.constexpr,
+    VEC: tl.constexpr,
+):  # fmt: skip
+    """The weight tiles ``W[rows_a, k]`` and (PAIRED; else `w_a` again) ``W[rows_b, k]``.
+
+    VEC > 1 declares the tiles' rows contiguous in runs of VEC only (FP8 weights at one token:
+    8-byte loads, so the tile has the 16-bit x's layout, 8 values a thread, and x meets the
+    weights in registers, not through shared memory with barriers every tile as with Triton's
+    16-byte FP8 loads; the hint must be on the pointers: on the columns it is lost)."""
+    w_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (k < K)[None, :]
+    ptrs_a = w_ptr + rows_a[:, None] * stride_w + k[None, :]
+    ptrs_b = w_ptr + rows_b[:, None] * stride_w + k[None, :]
+    if VEC > 1:
+        ptrs_a = tl.max_contiguous(ptrs_a, [1, VEC])
+        ptrs_b = tl.max_contiguous(ptrs_b, [1, VEC])
+    w_a = tl.load(ptrs_a, mask=w_mask, other=0.0)
+    w_b = w_a
+    if PAIRED:
+        w_b = tl.load(ptrs_b, mask=w_mask, other=0.0)
+    return w_a, w_b
+
+
+@triton.jit
+def _activation_tile(
+    x_ptr, stride_x, t, t_mask, k, K, norm_ptr, rs, NORM: tl.constexpr, EVEN_K: tl.constexpr
+):  # fmt: skip
+    """``x[t, k]``; with NORM RMSNorm'ed on the way in: ``norm_w * (x * rs)`` with both products
+    rounded to x's dtype, as the reference RMSNorm rounds them."""
+    x_mask = t_mask[:, None] if EVEN_K else t_mask[:, None] & (k < K)[None, :]
+    x = tl.load(x_ptr + t[:, None] * stride_x + k[None, :], mask=x_mask, other=0.0)
+    if NORM:
+        if EVEN_K:
+            nw = tl.load(norm_ptr + k)
+        else:
+            nw = tl.load(norm_ptr + k, mask=k < K, other=0.0)
+        normed = (x.to(tl.float32) * rs[:, None]).to(x.dtype)
+        x = (nw.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _accumulate(
+    acc_a, acc_b, x, w_a, w_b,
+    PAIRED: tl.constexpr, T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FOLD: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One tile's products added into the accumulators (`_product` says which shapes)."""
+    if T_PAD == 1:
+        x32 = x.to(tl.float32)
+        acc_a += _fold(w_a.to(tl.float32) * x32, BLOCK_N, BLOCK_K, FOLD)
+        if PAIRED:
+            acc_b += _fold(w_b.to(tl.float32) * x32, BLOCK_N, BLOCK_K, FOLD)
+    elif USE_DOT:
+        acc_a = tl.dot(x, tl.trans(w_a.to(x.dtype)), acc_a, input_precision=PRECISION)
+        if PAIRED:
+            acc_b = tl.dot(x, tl.trans(w_b.to(x.dtype)), acc_b, input_precision=PRECISION)
+    else:
+        x3 = x.to(tl.float32)[:, None, :]
+        acc_a += tl.sum(x3 * w_a.to(tl.float32)[None, :, :], 2)
+        if PAIRED:
+            acc_b += tl.sum(x3 * w_b.to(tl.float32)[None, :, :], 2)
+    return acc_a, acc_b
+
+
+@triton.jit
 def _product(
     x_ptr,
     stride_x,
@@ -162,8 +245,12 @@ def _product(
     rows_b,
     row_mask,
     norm_ptr,
-    rs,
+    ss_ptr,
+    ss_stride,
+    num_ss,
+    eps,
     NORM: tl.constexpr,
+    NUM_SS_PAD: tl.constexpr,
     PAIRED: tl.constexpr,
     T_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -171,59 +258,45 @@ def _product(
     EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``x[T, K] @ W[rows, K]^T`` in float32 as [T_PAD, BLOCK_N], for rows_a and (PAIRED) rows_b.
 
-    With NORM, x is RMSNorm'ed on the way in: ``norm_w * (x * rs)`` with both products rounded
-    to x's dtype, as the reference RMSNorm rounds them.
+    With NORM, x is RMSNorm'ed on the way in, its scale from the producer's partial sums of
+    squares (`_norm_scale`). The first weight tiles are loaded before the kernel waits for the
+    kernel before it (`await_producer`, PDL): the weights are no kernel's output, so under
+    programmatic dependent launch their first bytes stream in while that kernel finishes.
     """
     t = tl.arange(0, T_PAD)
     t_mask = t < tokens
     kk = tl.arange(0, BLOCK_K)
-    # One-byte (FP8) weights: the one-token branch sums each run of FOLD adjacent products in the
-    # thread before accumulating, so a tile keeps the accumulators per weight byte of a 16-bit
-    # one (registers, hence programs in flight per SM); 16-bit weights keep one per weight.
-    FOLD: tl.constexpr = 4 if w_ptr.dtype.element_ty.primitive_bitwidth == 8 else 1
+    # One-byte (FP8) weights: the one-token branch sums each thread's run of FOLD adjacent
+    # products (one 8-byte load, `_weight_tiles`' VEC) before accumulating: one accumulator per
+    # load, so fewer registers and more programs in flight per SM; 16-bit weights keep one per weight.
+    FOLD: tl.constexpr = 8 if w_ptr.dtype.element_ty.primitive_bitwidth == 8 else 1
+    VEC: tl.constexpr = FOLD if T_PAD == 1 else 1
     if T_PAD == 1:
         acc_a = tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32)
         acc_b = tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32)
     else:
         acc_a = tl.zeros([T_PAD, BLOCK_N], tl.float32)
         acc_b = tl.zeros([T_PAD, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    first_a, first_b = _weight_tiles(w_ptr, stride_w, rows_a, rows_b, row_mask, kk, K, PAIRED, EVEN_K, VEC)
+    await_producer(PDL)
+    rs = None
+    if NORM:
+        rs = _norm_scale(ss_ptr, ss_stride, num_ss, tokens, K, eps, T_PAD, NUM_SS_PAD)
+    x = _activation_tile(x_ptr, stride_x, t, t_mask, kk, K, norm_ptr, rs, NORM, EVEN_K)
+    acc_a, acc_b = _accumulate(
+        acc_a, acc_b, x, first_a, first_b, PAIRED, T_PAD, BLOCK_N, BLOCK_K, FOLD, USE_DOT, PRECISION
+    )
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + kk
-        if EVEN_K:
-            x_mask = t_mask[:, None]
-            w_mask = row_mask[:, None]
-        else:
-            k_mask = k < K
-            x_mask = t_mask[:, None] & k_mask[None, :]
-            w_mask = row_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptr + t[:, None] * stride_x + k[None, :], mask=x_mask, other=0.0)
-        if NORM:
-            if EVEN_K:
-                nw = tl.load(norm_ptr + k)
-            else:
-                nw = tl.load(norm_ptr + k, mask=k < K, other=0.0)
-            normed = (x.to(tl.float32) * rs[:, None]).to(x.dtype)
-            x = (nw.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x.dtype)
-        w_a = tl.load(w_ptr + rows_a[:, None] * stride_w + k[None, :], mask=w_mask, other=0.0)
-        if PAIRED:
-            w_b = tl.load(w_ptr + rows_b[:, None] * stride_w + k[None, :], mask=w_mask, other=0.0)
-        if T_PAD == 1:
-            x32 = x.to(tl.float32)
-            acc_a += _fold(w_a.to(tl.float32) * x32, BLOCK_N, BLOCK_K, FOLD)
-            if PAIRED:
-                acc_b += _fold(w_b.to(tl.float32) * x32, BLOCK_N, BLOCK_K, FOLD)
-        elif USE_DOT:
-            acc_a = tl.dot(x, tl.trans(w_a.to(x.dtype)), acc_a, input_precision=PRECISION)
-            if PAIRED:
-                acc_b = tl.dot(x, tl.trans(w_b.to(x.dtype)), acc_b, input_precision=PRECISION)
-        else:
-            x3 = x.to(tl.float32)[:, None, :]
-            acc_a += tl.sum(x3 * w_a.to(tl.float32)[None, :, :], 2)
-            if PAIRED:
-                acc_b += tl.sum(x3 * w_b.to(tl.float32)[None, :, :], 2)
+        w_a, w_b = _weight_tiles(w_ptr, stride_w, rows_a, rows_b, row_mask, k, K, PAIRED, EVEN_K, VEC)
+        x = _activation_tile(x_ptr, stride_x, t, t_mask, k, K, norm_ptr, rs, NORM, EVEN_K)
+        acc_a, acc_b = _accumulate(
+            acc_a, acc_b, x, w_a, w_b, PAIRED, T_PAD, BLOCK_N, BLOCK_K, FOLD, USE_DOT, PRECISION
+        )
     if T_PAD == 1:
         out_a = tl.sum(acc_a, 1)[None, :]
         out_b = tl.sum(acc_b, 1)[None, :]
@@ -248,15 +321,16 @@ def _plain_product(
     x_ptr, stride_x, tokens, N, K, w_ptr, stride_w, scale_ptr, bias_ptr,
     T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """This program's BLOCK_N output rows of ``x @ W^T`` with the epilogue, in float32 as
     [T_PAD, BLOCK_N] (`gemv`, `gemv_residual`); with the rows, the token rows and their mask."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     acc, _ = _product(
-        x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows, rows, row_mask, None, None,
-        NORM=False, PAIRED=False, T_PAD=T_PAD, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN_K=EVEN_K,
-        USE_DOT=USE_DOT, PRECISION=PRECISION,
+        x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows, rows, row_mask, None, None, 0, 0, 0.0,
+        NORM=False, NUM_SS_PAD=1, PAIRED=False, T_PAD=T_PAD, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        EVEN_K=EVEN_K, USE_DOT=USE_DOT, PRECISION=PRECISION, PDL=PDL,
     )  # fmt: skip
     acc = _finish(acc, rows, row_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
     t, mask = _token_mask(tokens, row_mask, T_PAD)
@@ -269,16 +343,16 @@ def _normed_pair(
     rows_a, rows_b, row_mask, scale_ptr, bias_ptr,
     NUM_SS_PAD: tl.constexpr, T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """``RMSNorm(x) @ W[rows_a]^T`` and ``... W[rows_b]^T`` with their epilogues, in float32 (the
     paired products of `gemv_silu` and `gemv_qkv_rope`): the norm's scale from the producer's
     partial sums of squares, the norm applied to x as the weight tiles stream past."""
-    rs = _norm_scale(ss_ptr, ss_stride, num_ss, tokens, K, eps, T_PAD, NUM_SS_PAD)
     a, b = _product(
-        x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows_a, rows_b, row_mask, norm_ptr, rs,
-        NORM=True, PAIRED=True, T_PAD=T_PAD, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN_K=EVEN_K,
-        USE_DOT=USE_DOT, PRECISION=PRECISION,
+        x_ptr, stride_x, tokens, K, w_ptr, stride_w, rows_a, rows_b, row_mask, norm_ptr,
+        ss_ptr, ss_stride, num_ss, eps,
+        NORM=True, NUM_SS_PAD=NUM_SS_PAD, PAIRED=True, T_PAD=T_PAD, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        EVEN_K=EVEN_K, USE_DOT=USE_DOT, PRECISION=PRECISION, PDL=PDL,
     )  # fmt: skip
     a = _finish(a, rows_a, row_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
     b = _finish(b, rows_b, row_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
@@ -297,10 +371,11 @@ def _gemv_kernel(
     x_ptr, stride_x, w_ptr, stride_w, scale_ptr, bias_ptr, out_ptr, stride_out, tokens, N, K,
     T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     acc, rows, t, mask = _plain_product(
         x_ptr, stride_x, tokens, N, K, w_ptr, stride_w, scale_ptr, bias_ptr,
-        T_PAD, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION, HAS_SCALE, HAS_BIAS,
+        T_PAD, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION, HAS_SCALE, HAS_BIAS, PDL,
     )  # fmt: skip
     tl.store(out_ptr + t[:, None] * stride_out + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -313,10 +388,11 @@ def _gemv_residual_kernel(
     tokens, N, K,
     T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     acc, rows, t, mask = _plain_product(
         x_ptr, stride_x, tokens, N, K, w_ptr, stride_w, scale_ptr, bias_ptr,
-        T_PAD, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION, HAS_SCALE, HAS_BIAS,
+        T_PAD, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION, HAS_SCALE, HAS_BIAS, PDL,
     )  # fmt: skip
     res_ptrs = residual_ptr + t[:, None] * stride_res + rows[None, :]
     residual = tl.load(res_ptrs, mask=mask, other=0.0)
@@ -337,13 +413,14 @@ def _gemv_silu_kernel(
     tokens, INTER, K, NUM_SS_PAD: tl.constexpr,
     T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < INTER
     gate, up = _normed_pair(
         x_ptr, stride_x, ss_ptr, ss_stride, num_ss, norm_ptr, eps, tokens, K, w_ptr, stride_w,
         cols, cols + INTER, col_mask, scale_ptr, bias_ptr,
-        NUM_SS_PAD, T_PAD, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION, HAS_SCALE, HAS_BIAS,
+        NUM_SS_PAD, T_PAD, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION, HAS_SCALE, HAS_BIAS, PDL,
     )  # fmt: skip
     dtype = out_ptr.dtype.element_ty
     g = gate.to(dtype).to(tl.float32)
@@ -367,6 +444,7 @@ def _gemv_qkv_rope_kernel(
     tokens, K, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, NUM_SS_PAD: tl.constexpr,
     T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     D: tl.constexpr = 2 * HALF
     BLOCKS: tl.constexpr = HALF // BLOCK_N
@@ -378,7 +456,7 @@ def _gemv_qkv_rope_kernel(
     first, second = _normed_pair(
         x_ptr, stride_x, ss_ptr, ss_stride, num_ss, norm_ptr, eps, tokens, K, w_ptr, stride_w,
         rows, rows + HALF, row_mask, scale_ptr, bias_ptr,
-        NUM_SS_PAD, T_PAD, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION, HAS_SCALE, HAS_BIAS,
+        NUM_SS_PAD, T_PAD, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION, HAS_SCALE, HAS_BIAS, PDL,
     )  # fmt: skip
     dtype = q_ptr.dtype.element_ty
     a = first.to(dtype)
@@ -412,8 +490,9 @@ def _gemv_qkv_rope_kernel(
 
 
 @triton.jit
-def _sum_squares_kernel(x_ptr, stride_x, ss_ptr, ss_stride, K, BLOCK: tl.constexpr):
+def _sum_squares_kernel(x_ptr, stride_x, ss_ptr, ss_stride, K, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """ss[t, 0] = sum of x[t]^2 (the first layer's RMSNorm input has no producer kernel)."""
+    await_producer(PDL)
     t = tl.program_id(0)
     acc = tl.zeros([BLOCK], tl.float32)
     for k0 in range(0, K, BLOCK):
@@ -448,13 +527,16 @@ def _constants(
     w_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     num_partials: int | None = None,
+    pdl: bool = False,
 ) -> dict[str, object]:
-    """Every kernel's compile-time arguments; `num_partials` for the kernels with a norm prologue."""
+    """Every kernel's compile-time arguments and launch options; `num_partials` for the kernels
+    with a norm prologue, `pdl` to launch with programmatic dependent launch (`pdl_supported`)."""
     constants = {
         "BLOCK_N": launch.block_n,
         "HAS_SCALE": w_scale is not None,
         "HAS_BIAS": bias is not None,
         **_shape_constants(tokens, k, launch, x.dtype),
+        **pdl_options(pdl),
     }
     if num_partials is not None:
         constants["NUM_SS_PAD"] = triton.next_power_of_2(num_partials)
@@ -494,14 +576,16 @@ def gemv(
     bias: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """``x @ weight^T (* w_scale) (+ bias)`` for T <= 8 rows, in x's dtype."""
+    """``x @ weight^T (* w_scale) (+ bias)`` for T <= 8 rows, in x's dtype. `pdl`: launch with
+    programmatic dependent launch (every launcher here; `pdl_supported`)."""
     tokens, k = _check(x, weight)
     n = weight.shape[0]
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device) if out is None else out
     _gemv_kernel[(triton.cdiv(n, launch.block_n),)](
         x, x.stride(0), weight, weight.stride(0), w_scale, bias, out, out.stride(0), tokens, n, k,
-        **_constants(tokens, k, launch, x, w_scale, bias),
+        **_constants(tokens, k, launch, x, w_scale, bias, pdl=pdl),
     )  # fmt: skip
     return out
 
@@ -519,6 +603,7 @@ def gemv_residual(
     launch: GemvLaunch,
     bias: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> int:
     """``residual += x @ weight^T`` in place; writes each program's sum of squares of the new
     residual into ``sum_squares[:, :programs]`` and returns the programs (`residual_programs`)."""
@@ -530,17 +615,17 @@ def gemv_residual(
     _gemv_residual_kernel[(programs,)](
         x, x.stride(0), weight, weight.stride(0), w_scale, bias, residual, residual.stride(0),
         sum_squares, sum_squares.stride(0), tokens, n, k,
-        **_constants(tokens, k, launch, x, w_scale, bias),
+        **_constants(tokens, k, launch, x, w_scale, bias, pdl=pdl),
     )  # fmt: skip
     return programs
 
 
-def sum_squares(x: torch.Tensor, out: torch.Tensor) -> int:
+def sum_squares(x: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> int:
     """``out[t, 0] = sum(x[t]^2)``: the partial sums a first `gemv_silu`/`gemv_qkv_rope` reads
     when no `gemv_residual` produced x. Returns 1 (the number of partials)."""
     tokens, k = x.shape
     _sum_squares_kernel[(tokens,)](
-        x, x.stride(0), out, out.stride(0), k, BLOCK=min(1024, triton.next_power_of_2(k))
+        x, x.stride(0), out, out.stride(0), k, BLOCK=min(1024, triton.next_power_of_2(k)), **pdl_options(pdl)
     )
     return 1
 
@@ -556,6 +641,7 @@ def gemv_silu(
     bias: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``silu(g) * u`` where ``[g | u] = RMSNorm(x) @ weight^T`` (weight: gate rows, then up)."""
     tokens, k = _check(x, weight)
@@ -564,7 +650,7 @@ def gemv_silu(
     _gemv_silu_kernel[(triton.cdiv(inter, launch.block_n),)](
         *_normed_args(x, sum_squares, num_partials, norm_weight, eps, weight, w_scale, bias),
         out, out.stride(0), tokens, inter, k,
-        **_constants(tokens, k, launch, x, w_scale, bias, num_partials),
+        **_constants(tokens, k, launch, x, w_scale, bias, num_partials, pdl),
     )  # fmt: skip
     return out
 
@@ -588,6 +674,7 @@ def gemv_qkv_rope(
     bias: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None,
     q_out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """RMSNorm(x) @ W_qkv^T, rotated, with k and v written to `layer_cache` at the slots.
 
@@ -608,7 +695,7 @@ def gemv_qkv_rope(
         *_normed_args(x, sum_squares, num_partials, norm_weight, eps, weight, w_scale, bias),
         q_out, q_out.stride(0), positions, cos, sin, slot_mapping, layer_cache, layer_cache.stride(0),
         tokens, k, H=num_heads, KVH=num_kv_heads, HALF=half,
-        **_constants(tokens, k, launch_here, x, w_scale, bias, num_partials),
+        **_constants(tokens, k, launch_here, x, w_scale, bias, num_partials, pdl),
     )  # fmt: skip
     return q_out
 
@@ -641,6 +728,7 @@ def _decode_product_launches(case: KernelCase) -> None:
     """
     m = case.model
     table = gemv_table_for(case.launch)
+    pdl = scenario_pdl(case.launch)
     dtype = case.dtype
     h, kvh, d = m.num_heads, m.num_kv_heads, m.head_dim
 
@@ -662,15 +750,17 @@ def _decode_product_launches(case: KernelCase) -> None:
         )
         squares = torch.empty(tokens, widest, dtype=torch.float32)
         positions = torch.zeros(tokens, dtype=torch.int64)
-        partials = sum_squares(residual, squares)
+        partials = sum_squares(residual, squares, pdl=pdl)
         for _layer in range(2):
             q = gemv_qkv_rope(
                 residual, squares, partials, norm, 1e-5, qkv_weight, positions, cos, cos, positions, cache,
-                h, kvh, d, table.launch("qkv", tokens),
+                h, kvh, d, table.launch("qkv", tokens), pdl=pdl,
             )  # fmt: skip
-            partials = gemv_residual(q, o_weight, residual, squares, table.launch("o", tokens))
+            partials = gemv_residual(q, o_weight, residual, squares, table.launch("o", tokens), pdl=pdl)
             act = gemv_silu(
-                residual, squares, partials, norm, 1e-5, gate_up_weight, table.launch("gate_up", tokens)
-            )
-            partials = gemv_residual(act, down_weight, residual, squares, table.launch("down", tokens))
-        gemv(residual, empty(SCENARIO_LM_HEAD_ROWS, m.hidden_size), table.launch("lm_head", tokens))
+                residual, squares, partials, norm, 1e-5, gate_up_weight, table.launch("gate_up", tokens),
+                pdl=pdl,
+            )  # fmt: skip
+            down = table.launch("down", tokens)
+            partials = gemv_residual(act, down_weight, residual, squares, down, pdl=pdl)
+        gemv(residual, empty(SCENARIO_LM_HEAD_ROWS, m.hidden_size), table.launch("lm_head", tokens), pdl=pdl)

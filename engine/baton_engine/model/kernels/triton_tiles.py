@@ -15,7 +15,61 @@ import torch
 import triton
 import triton.language as tl
 
+from baton_engine.model.kernels.launch_table import LaunchTable
+
 LOG2E = 1.4426950408889634
+
+try:  # grid dependency control: NVIDIA's programmatic dependent launch (sm_90+)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    try:  # and the launch option that asks for it (a kernel launch refuses unknown keywords)
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        _HAS_GDC = False
+    else:
+        _HAS_GDC = "launch_pdl" in CUDAOptions.__dataclass_fields__
+except ImportError:  # a Triton built without NVIDIA's backend: `pdl_supported` says no
+
+    def _no_grid_dependency() -> None:
+        pass
+
+    # Stand-ins so `await_producer` still resolves; never compiled (PDL is never set here).
+    gdc_wait = gdc_launch_dependents = triton.jit(_no_grid_dependency)
+    _HAS_GDC = False
+
+
+@triton.jit
+def await_producer(PDL: tl.constexpr) -> None:
+    """The first thing a kernel launched with programmatic dependent launch does (PDL set): wait
+    until the kernel before it has finished and its writes are visible, then let the kernel after
+    it launch, so that kernel's launch and scheduling overlap this one's work. Nothing before
+    this may read or write memory the kernel before it touches. Without PDL: nothing."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@functools.cache
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on `device` may be launched with programmatic dependent launch: an NVIDIA
+    GPU of compute capability 9.0 or later and a Triton with grid dependency control. AMD GPUs
+    have no such launch; their kernels launch one after another as before."""
+    if device.type != "cuda" or torch.version.hip is not None or not _HAS_GDC:
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def scenario_pdl(launch: LaunchTable) -> bool:
+    """Whether a kernel scenario launches the engine's PDL kernels with PDL: under the table of
+    sm_90 ("cuda"), the compile target where `pdl_supported` holds (sm_80's and AMD's: never)."""
+    return launch.name == "cuda"
+
+
+def pdl_options(pdl: bool) -> dict[str, Any]:
+    """Launch keywords for a kernel taking ``PDL`` (`await_producer`): the constant, and Triton's
+    ``launch_pdl`` option when it is set (a CUDA-only option, never passed otherwise)."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 def dot_precision(dtype: torch.dtype) -> str | None:

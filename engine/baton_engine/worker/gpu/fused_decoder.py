@@ -9,9 +9,10 @@ layer's MLP is the MoE block: router, top-k, two grouped expert GEMMs). Single-t
 its projections unquantized or FP8 (`Fp8LinearMethod`: the products read the FP8 weights and
 apply their per-row scales, the arithmetic of the layers' own one-row products), are weight
 sweeps: they run the decode products of `triton_gemv` on the layers' weights with the
-element-wise work folded in, 5 launches a layer besides attention
-(norm+qkv+rotary+cache write, attention, o_proj+residual, norm+gate_up+silu*mul, down+residual).
-It holds no weights of its own.
+element-wise work folded in, 5 launches a layer (norm+qkv+rotary+cache write, split-K attention
+merging its own splits, o_proj+residual, norm+gate_up+silu*mul, down+residual); on NVIDIA sm_90+
+they launch with programmatic dependent launch, each product loading its first weight tiles while
+the kernel before it finishes. It holds no weights of its own.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from baton_engine.model.kernels.triton_gemv import (
     sum_squares,
 )
 from baton_engine.model.kernels.triton_multi_query import paged_multi_query_attention
+from baton_engine.model.kernels.triton_tiles import pdl_supported
 from baton_engine.model.layers import GatedMLP
 from baton_engine.model.linear import ParallelLinear, UnquantizedLinearMethod
 from baton_engine.model.llama import CausalLM
@@ -109,11 +111,14 @@ class FusedDecoder:
         gemv_table: GemvTable | None = None,
         decode_gemv: bool = True,
         gemv_max_tokens: int = GEMV_ENGINE_MAX_TOKENS,
+        pdl: bool | None = None,
     ) -> None:
         """`decode_gemv`: steps of at most `gemv_max_tokens` tokens (<= `GEMV_MAX_TOKENS`) take
         the decode products, for models whose projections are unquantized and on one rank (the
         products add into the residual in place, with no all-reduce) and without q/k norms
-        (whose per-head norm needs a head's whole row)."""
+        (whose per-head norm needs a head's whole row). `pdl`: launch those steps' kernels with
+        programmatic dependent launch, each kernel's launch overlapping the one before it (None:
+        where the device supports it, `pdl_supported`: NVIDIA sm_90+; never on AMD)."""
         config = model.config
         self.config = config
         self.eps = config.rms_norm_eps
@@ -164,6 +169,7 @@ class FusedDecoder:
         # The projections' launches: FP8 weights take their own table (twice the columns a loop
         # for the same bytes); the LM head stays 16-bit and keeps the 16-bit table's entry.
         self.projection_table = fp8_gemv_table(self.embed.weight.device) if fp8_weights else self.gemv_table
+        self.pdl = pdl_supported(self.embed.weight.device) if pdl is None else pdl
 
     def forward(
         self,
@@ -232,7 +238,8 @@ class FusedDecoder:
             residual_programs(hidden_size, table.launch("down", tokens)),
         )
         squares = torch.empty((tokens, widest), dtype=torch.float32, device=residual.device)
-        partials = sum_squares(residual, squares)
+        pdl = self.pdl
+        partials = sum_squares(residual, squares, pdl=pdl)
         for index, layer in enumerate(self.layers):
             layer_cache = kv_cache[index]
             mlp = layer.mlp
@@ -241,20 +248,20 @@ class FusedDecoder:
             q_flat = gemv_qkv_rope(
                 residual, squares, partials, layer.input_norm, self.eps, qkv.weight,
                 positions, self.cos, self.sin, slot_mapping, layer_cache, h, kvh, d,
-                table.launch("qkv", tokens), bias=qkv.bias, w_scale=_weight_scale(qkv),
+                table.launch("qkv", tokens), bias=qkv.bias, w_scale=_weight_scale(qkv), pdl=pdl,
             )  # fmt: skip
-            attn = self._attention(q_flat.view(tokens, h, d), layer_cache, meta)
+            attn = self._attention(q_flat.view(tokens, h, d), layer_cache, meta, pdl=pdl)
             partials = gemv_residual(
                 attn.view(tokens, self.q_size), o.weight, residual, squares, table.launch("o", tokens),
-                bias=o.bias, w_scale=_weight_scale(o),
+                bias=o.bias, w_scale=_weight_scale(o), pdl=pdl,
             )  # fmt: skip
             act = gemv_silu(
                 residual, squares, partials, layer.post_norm, self.eps, gate_up.weight,
-                table.launch("gate_up", tokens), bias=gate_up.bias, w_scale=_weight_scale(gate_up),
+                table.launch("gate_up", tokens), bias=gate_up.bias, w_scale=_weight_scale(gate_up), pdl=pdl,
             )  # fmt: skip
             partials = gemv_residual(
                 act, down.weight, residual, squares, table.launch("down", tokens), bias=down.bias,
-                w_scale=_weight_scale(down),
+                w_scale=_weight_scale(down), pdl=pdl,
             )  # fmt: skip
         return rms_norm(residual, self.final_norm, self.eps, launch=self.launch)
 
@@ -264,12 +271,13 @@ class FusedDecoder:
         layer_cache: torch.Tensor,
         meta: DecodeMeta | VerifyMeta | PrefillMeta,
         kv_scale: torch.Tensor | None = None,
+        pdl: bool = False,
     ) -> torch.Tensor:
         launch = self.launch
         if isinstance(meta, DecodeMeta):
             return paged_decode_attention(
                 q, layer_cache, meta.block_tables, meta.seq_lens, self.scale, meta.workspace,
-                kv_scale=kv_scale, launch=launch,
+                kv_scale=kv_scale, launch=launch, pdl=pdl,
             )  # fmt: skip
         if isinstance(meta, VerifyMeta):
             return paged_multi_query_attention(
@@ -294,7 +302,7 @@ class FusedDecoder:
             return logits if out is None else out.copy_(logits)
         tokens = hidden.shape[0]
         if 0 < tokens <= self.gemv_max_tokens:
-            return gemv(hidden, head.weight, self.gemv_table.launch("lm_head", tokens), out=out)
+            return gemv(hidden, head.weight, self.gemv_table.launch("lm_head", tokens), out=out, pdl=self.pdl)
         if out is None:
             return F.linear(hidden, head.weight)
         return torch.mm(hidden, head.weight.t(), out=out)

@@ -16,7 +16,9 @@
   the host waits for them: the device always has the next step queued while the host reads
   tokens and the scheduler plans.
 * Single-token decode steps run the fused decode products (`triton_gemv`) inside their
-  graphs; `decode_gemv=False` keeps torch's matmul there (the A/B of `bench.gpu`).
+  graphs; `decode_gemv=False` keeps torch's matmul there (the A/B of `bench.gpu`). On NVIDIA
+  sm_90+ their kernels launch with programmatic dependent launch (`pdl`: None = where
+  supported; False is the A/B), so each kernel's launch overlaps the one before it.
 * Structured output: a step's grammar bitmasks go through pinned buffers to the device and are
   applied to the logits with tensor ops after the forward (a graph replay included), before
   the sampler or the argmax. A step with a grammar is never run ahead: its successor's masks
@@ -167,6 +169,7 @@ class GpuModelRunner(ModelRunner):
         decode_gemv: bool = True,
         gemv_table: GemvTable | None = None,
         parallel: TensorParallel = SINGLE,
+        pdl: bool | None = None,
     ) -> None:
         super().__init__(config, loaded, parallel=parallel)
         if self.device.type != "cuda":
@@ -190,7 +193,7 @@ class GpuModelRunner(ModelRunner):
         # (a slot is refilled only after the host has read it).
         self._token_slots = [_TokenSlot(config.max_num_seqs, self.device) for _ in range(3)]
         self._token_turn = 0
-        self.fused = FusedDecoder(self.model, gemv_table, decode_gemv)
+        self.fused = FusedDecoder(self.model, gemv_table, decode_gemv, pdl=pdl)
         self.max_tokens = max(
             config.max_num_batched_tokens, config.max_num_seqs * (1 + config.num_speculative_tokens)
         )
