@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from baton_engine.model.kernels.kernel_compile import (
     CompileRun,
     KernelReport,
     compile_reports,
+    distinct_launches,
 )
 from baton_engine.model.kernels.launch_table import (
     CUDA,
@@ -276,9 +278,36 @@ def replace_block(text: str, name: str, body: str) -> str:
     return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
 
 
+def launch_counts(launches: Iterable[tuple[str, str]]) -> dict[str, dict[str, int]]:
+    """Launches per target and kernel module (its last name) from (target, module) pairs."""
+    counts: dict[str, dict[str, int]] = {}
+    for target, module in launches:
+        by_module = counts.setdefault(target, {})
+        name = module.rpartition(".")[2]
+        by_module[name] = by_module.get(name, 0) + 1
+    return counts
+
+
+def render_launch_counts(counts: dict[str, dict[str, int]]) -> str:
+    """The docs' table of distinct launches per kernel module and target (targets in `TARGETS`'
+    order), with each target's total and the total of all."""
+    targets = [t.name for t in TARGETS if t.name in counts]
+    modules = sorted({module for by_module in counts.values() for module in by_module})
+    lines = ["| kernel module | " + " | ".join(targets) + " |", "|---|" + "---|" * len(targets)]
+    for module in modules:
+        cells = " | ".join(str(counts[t].get(module, 0)) for t in targets)
+        lines.append(f"| `{module}` | {cells} |")
+    totals = [sum(counts[t].values()) for t in targets]
+    lines.append(f"| all ({sum(totals)}) | " + " | ".join(str(n) for n in totals) + " |")
+    return "\n".join(lines)
+
+
 def write_docs(result: dict[str, Any]) -> None:
-    """Rewrite docs/amd.md's launch tables (from the code) and compile results (from `result`)."""
+    """Rewrite docs/amd.md's launch tables (from the code), compile results and launch counts
+    (from `result`)."""
     page = replace_block(DOCS_PAGE.read_text(), "launch-table", render_launch_table())
+    if "launch_counts" in result:
+        page = replace_block(page, "launch-counts", render_launch_counts(result["launch_counts"]))
     page = replace_block(page, "compile-results", render_results(result))
     DOCS_PAGE.write_text(
         replace_block(page, "compile-results-float32", render_results(result, "kernels_float32"))
@@ -313,6 +342,7 @@ def build_result(
             for name in targets
         },
         "summary": _summary(run),
+        "launch_counts": launch_counts((r.target, r.module) for r in run.reports),
         "failures": sum(1 for r in run.reports if r.failure(TARGETS_BY_NAME[r.target]) is not None),
         "problems": run.problems,
         "cost": {
@@ -356,6 +386,11 @@ def main() -> None:
         help="rewrite docs/amd.md's tables from a recorded run's JSON (no compile)",
     )
     parser.add_argument(
+        "--write-launch-counts",
+        action="store_true",
+        help="rewrite docs/amd.md's launch counts from the declared scenarios (captured, no compile)",
+    )
+    parser.add_argument(
         "--sweep",
         action="store_true",
         help="compile the AMD table's candidate entries (slow) instead of the table",
@@ -365,9 +400,12 @@ def main() -> None:
         with open(args.docs_from, encoding="utf-8") as f:
             write_docs(json.loads(f.read().strip().splitlines()[-1]))
         return
-    if args.docs_from:
-        with open(args.docs_from, encoding="utf-8") as f:
-            write_docs(json.loads(f.read().strip().splitlines()[-1]))
+    if args.write_launch_counts:
+        work, _ = distinct_launches(TARGETS)
+        counts = launch_counts((target.name, launch.module) for target, launch, _, _ in work)
+        DOCS_PAGE.write_text(
+            replace_block(DOCS_PAGE.read_text(), "launch-counts", render_launch_counts(counts))
+        )
         return
     if args.sweep:
         amd_targets = [t.name for t in TARGETS if t.backend == "hip"]

@@ -3,6 +3,8 @@ multiply weight-only, reading the FP8 weight and scaling each output row in the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,7 +14,9 @@ from baton_engine.model.kernels.triton_fp8 import (
     FP8_ROCM_GEMV,
     fp8_gemv_table_for,
     fp8_weight_gemv,
+    site_of_layer,
 )
+from baton_engine.model.kernels.triton_gemv import SITES
 from baton_engine.model.quantization import fp8 as F8
 from baton_engine.model.quantization.fp8_config import Fp8Scheme
 from baton_engine.model.quantization.fp8_linear import Fp8LinearMethod, arithmetic_for_rows
@@ -90,16 +94,29 @@ def test_arithmetic_for_rows(scheme: F8.ActivationScheme, rows: int, arithmetic:
     assert arithmetic_for_rows(scheme, rows) == arithmetic
 
 
-def test_each_backend_takes_its_fp8_table_with_the_same_launch_at_every_site() -> None:
-    """The fused decoder's products and a layer's own one-row product take the same launch, so
-    they sum in the same order (the fast path's tokens are the reference runner's)."""
+def test_each_backend_takes_its_fp8_table_and_a_layer_its_call_sites_launch() -> None:
+    """A layer's own one-row product (`fp8_weight_gemv`) takes the launch of its call site in the
+    fused decoder, so both sum a row in the same order (the fast path's tokens are the reference
+    runner's); ROCm's entries are NVIDIA's lanes as half the wavefronts, one stage."""
     assert {name: fp8_gemv_table_for(t).name for name, t in LAUNCH_TABLES.items()} == {
         "cuda": "cuda-fp8",
         "cuda-sm80": "cuda-fp8",
         "rocm": "rocm-fp8",
     }
-    for table in (FP8_CUDA_GEMV, FP8_ROCM_GEMV):
-        launches = {table.launch(site, 1) for site in ("qkv", "o", "gate_up", "down", "lm_head")}
-        assert len(launches) == 1
-        (launch,) = launches
-        assert launch.block_k == 1024 and not launch.use_dot and launch.reason
+    prefixes = [
+        "model.layers.3.self_attn.qkv_proj",
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.1.mlp.gate_up_proj",
+        "model.layers.1.mlp.down_proj",
+        "model.layers.1.mlp.shared_expert.gate_proj",
+        "",
+    ]
+    assert [site_of_layer(p) for p in prefixes] == ["qkv", "o", "gate_up", "down", "lm_head", "lm_head"]
+    for site in SITES:
+        cuda, rocm = FP8_CUDA_GEMV.launch(site, 1), FP8_ROCM_GEMV.launch(site, 1)
+        assert not cuda.use_dot and cuda.reason and rocm.reason
+        assert (rocm.block_n, rocm.block_k, rocm.num_warps, rocm.num_stages) == (
+            cuda.block_n, cuda.block_k, max(1, cuda.num_warps // 2), 1,
+        )  # fmt: skip
+    generic, o = FP8_CUDA_GEMV.launch("lm_head", 1), FP8_CUDA_GEMV.launch("o", 1)
+    assert dataclasses.replace(generic, reason=o.reason) == o

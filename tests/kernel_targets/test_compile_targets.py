@@ -12,7 +12,7 @@ import pytest
 
 from baton_engine.model.kernels.kernel_compile import TARGETS, TARGETS_BY_NAME, CompileRun, compile_reports
 
-# One compile of every launch for the module: about 870 launches, ~9 CPU-minutes (docs/amd.md).
+# One compile of every launch for the module: docs/amd.md's launch counts, ~10 CPU-minutes.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 #: Every kernel the engine launches, by target: a kernel added without a declared scenario fails
@@ -127,3 +127,17 @@ def test_bench_amd_compile_reports_the_test_run(compiled: CompileRun) -> None:
         "gemv:qkv", "gemv:o,down", "gemv:gate_up", "gemv:lm_head", "gemv:sum_squares",
         "moe", "gemm_tiles", "quantize_rows",
     }  # fmt: skip
+
+
+def test_the_docs_launch_counts_are_the_compiled_launches(compiled: CompileRun) -> None:
+    """docs/amd.md's launch counts per target and kernel module are this run's (regenerate them
+    with python -m bench.amd_compile --write-launch-counts)."""
+    from bench import amd_compile
+
+    counts = amd_compile.launch_counts((report.target, report.module) for report in compiled.reports)
+    assert amd_compile.build_result(compiled, quick=True)["launch_counts"] == counts
+    page = amd_compile.DOCS_PAGE.read_text()
+    rendered = amd_compile.render_launch_counts(counts)
+    assert amd_compile.replace_block(page, "launch-counts", rendered) == page, (
+        "docs/amd.md's launch counts are stale: run python -m bench.amd_compile --write-launch-counts"
+    )

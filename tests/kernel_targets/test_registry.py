@@ -83,6 +83,8 @@ def test_coverage_follows_calls_and_names_the_forgotten_kernel(kernel_package: P
 def test_the_engine_package_has_the_jit_functions_the_compile_test_expects() -> None:
     names = sorted(ref.name for ref in find_jit_functions())
     assert names == [
+        "_accumulate",
+        "_activation_tile",
         "_decode_reduce_kernel",
         "_decode_split_kernel",
         "_finish",
@@ -92,6 +94,7 @@ def test_the_engine_package_has_the_jit_functions_the_compile_test_expects() -> 
         "_gemv_qkv_rope_kernel",
         "_gemv_residual_kernel",
         "_gemv_silu_kernel",
+        "_merge_splits",
         "_moe_down_kernel",
         "_moe_gate_up_kernel",
         "_multi_query_split_kernel",
@@ -108,7 +111,9 @@ def test_the_engine_package_has_the_jit_functions_the_compile_test_expects() -> 
         "_tile_pairs",
         "_to_fp8",
         "_token_mask",
+        "_weight_tiles",
         "attend_paged_keys",
+        "await_producer",
         "round_to_fp8_grid",
         "split_k_program",
         "store_attention_rows",
@@ -300,6 +305,27 @@ def test_the_docs_launch_table_is_the_codes() -> None:
     assert lines[0] == f"| kernel | launches | {header} |"
     kernels = sorted(ref.name for ref in find_jit_functions() if ref.name.endswith("_kernel"))
     assert [line.split(" | ")[0] for line in lines[2:]] == [f"| `{name}`" for name in kernels]
+
+
+def test_launch_counts_are_tabled_per_kernel_module_and_target_in_target_order() -> None:
+    from bench import amd_compile
+
+    counts = amd_compile.launch_counts(
+        [
+            ("sm_80", "baton_engine.model.kernels.triton_gemv"),
+            ("gfx942", "baton_engine.model.kernels.triton_fp8"),
+            ("gfx942", "baton_engine.model.kernels.triton_gemv"),
+            ("gfx942", "baton_engine.model.kernels.triton_gemv"),
+        ]
+    )
+    assert counts == {"sm_80": {"triton_gemv": 1}, "gfx942": {"triton_fp8": 1, "triton_gemv": 2}}
+    assert amd_compile.render_launch_counts(counts) == (
+        "| kernel module | gfx942 | sm_80 |\n"
+        "|---|---|---|\n"
+        "| `triton_fp8` | 1 | 0 |\n"
+        "| `triton_gemv` | 2 | 1 |\n"
+        "| all (4) | 3 | 1 |"
+    )
 
 
 def test_a_spill_fails_a_served_dtype_and_an_lds_overflow_every_dtype() -> None:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import torch
 
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
@@ -33,6 +32,7 @@ from tests.pd_setup import (
     free_port,
     pd_environment,
 )
+from tests.torch_threads import one_torch_thread
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -60,9 +60,7 @@ class Cores:
 
 @pytest.fixture(scope="module")
 def cores() -> Iterator[Cores]:
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pd_environment(KEY.decode()):
+    with one_torch_thread(), pd_environment(KEY.decode()):
         single, _ = build_engine_core(EngineConfig(**core_settings("none", num_kv_blocks=160)))
         producer, _ = build_engine_core(EngineConfig(**core_settings("producer", num_kv_blocks=160)))
         consumer, _ = build_engine_core(EngineConfig(**core_settings("consumer", num_kv_blocks=160)))
@@ -72,7 +70,6 @@ def cores() -> Iterator[Cores]:
             for core in (producer, consumer):
                 assert core.kv_connector is not None
                 core.kv_connector.close()
-            torch.set_num_threads(previous_threads)
 
 
 def _run(

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
@@ -23,6 +22,7 @@ from baton_engine.kv_transfer.connector import KVTransferConnector
 from baton_support.tiny_models import TinyModel
 from baton_support.wait import wait_for
 from tests.pd_setup import free_port, pd_environment
+from tests.torch_threads import one_torch_thread
 
 BLOCK = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -42,10 +42,8 @@ def _settings(model: Path, role: str, kv_cache_dtype: str) -> EngineConfig:
 def cores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineCore]]:
     model = tmp_path_factory.mktemp("tiny-fp8-pd")
     TinyModel(num_layers=2, dtype="float32", seed=2).save(model)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
     built: dict[str, EngineCore] = {}
-    with pd_environment():
+    with one_torch_thread(), pd_environment():
         try:
             for name, role, kv in [
                 ("single_fp8", "none", "fp8"),
@@ -60,7 +58,6 @@ def cores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine
             for core in built.values():
                 if core.kv_connector is not None:
                     core.kv_connector.close()
-            torch.set_num_threads(previous)
 
 
 def _connector(core: EngineCore) -> KVTransferConnector:

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import EngineCore
@@ -36,6 +35,7 @@ from baton_support.wait import wait_for
 from tests.kv_transfer.helpers import KEY
 from tests.pd_setup import pd_environment
 from tests.server.server_process import ServerProcess, child_pids, pid_alive
+from tests.torch_threads import one_torch_thread
 from tests.worker.tp_helpers import live_children
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -71,11 +71,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _environment() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pd_environment(KEY.decode()):
+    with one_torch_thread(), pd_environment(KEY.decode()):
         yield
-    torch.set_num_threads(previous)
 
 
 def _generate(core: EngineCore, name: str, prompt: list[int], kv: dict[str, Any] | None) -> list[int]:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from baton_engine import LLM, SamplingParams
+from baton_support.fp8_checkpoints import write_fp8_checkpoint
 from baton_support.tiny_models import PARITY
 
 pytestmark = pytest.mark.slow
@@ -34,9 +35,19 @@ def _tokens(model: Path, tp: int) -> list[list[int]]:
         llm.close()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_two_ranks_give_one_ranks_greedy_tokens(family: str, tmp_path: Path) -> None:
-    PARITY.replace(family=family, llama3_rope=False, dtype="float32", seed=11).save(tmp_path)
-    one = _tokens(tmp_path, 1)
+CASES = [("qwen3_moe", "16-bit"), ("mixtral", "16-bit"), ("qwen3_moe", "fp8-checkpoint")]
+
+
+@pytest.mark.parametrize(("family", "weights"), CASES, ids=["-".join(c) for c in CASES])
+def test_two_ranks_give_one_ranks_greedy_tokens(family: str, weights: str, tmp_path: Path) -> None:
+    """fp8-checkpoint: every expert projection FP8 with one scale per output channel, so each
+    rank reads its rows' scales with its rows."""
+    model = tmp_path / "16-bit"
+    PARITY.replace(family=family, llama3_rope=False, dtype="float32", seed=11).save(model)
+    if weights == "fp8-checkpoint":
+        model = write_fp8_checkpoint(
+            model, tmp_path / "fp8", "compressed-tensors", weight_strategy="channel", activation="none"
+        )
+    one = _tokens(model, 1)
     assert [len(t) for t in one] == [10, 10, 10]
-    assert _tokens(tmp_path, 2) == one
+    assert _tokens(model, 2) == one

@@ -8,7 +8,11 @@ expert output is scaled in float32 before it is summed in the model dtype). Neit
 shared expert.
 
 The experts' weights are stacked: ``experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows)
-and ``experts.down_proj`` [E, H, I], as transformers 5 holds them. Two paths compute the block:
+and ``experts.down_proj`` [E, H, I], as transformers 5 holds them. FP8 experts (an FP8 checkpoint's,
+or quantized on load with ``--quantization fp8``) keep one float32 scale per (expert, output
+channel); they always multiply weight-only (activations stay 16-bit, on every path), whatever
+activation scheme the checkpoint names: a checkpoint's per-tensor scale is repeated over its
+rows and its experts' ``input_scale`` tensors are not read. Two paths compute the block:
 `experts_reference` (torch; CPU and tests: the pairs sorted by expert, one product per expert that
 has pairs, summed in expert order as transformers does) and `kernels.triton_moe.fused_moe` (GPU:
 grouped GEMMs, no loop over experts on the host).
@@ -26,7 +30,7 @@ from torch import nn
 from baton_engine.model.config import MoeConfig
 from baton_engine.model.parallel import SINGLE, TensorParallel
 from baton_engine.model.quantization import fp8
-from baton_engine.model.quantization.fp8_config import UnsupportedQuantizationError
+from baton_engine.model.quantization.fp8_config import Fp8Checkpoint, UnsupportedQuantizationError
 from baton_engine.model.quantization.fp8_linear import Fp8Quantization
 from baton_engine.model.weight_source import WeightSource
 
@@ -129,8 +133,48 @@ class StackedExperts(nn.Module):
     def is_fp8(self) -> bool:
         return self.gate_up_scale is not None
 
+    def expect_fp8_checkpoint(self) -> None:
+        """Hold the checkpoint's FP8 weights as stored (float8_e4m3fn, the format checkpoints use)
+        and their scales: `load_scale` fills them, expert by expert."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(gate_up.shape, dtype=torch.float8_e4m3fn, device=gate_up.device), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(down.shape, dtype=torch.float8_e4m3fn, device=down.device), requires_grad=False
+        )
+        self.gate_up_scale = torch.empty(gate_up.shape[:2], dtype=torch.float32, device=gate_up.device)
+        self.down_scale = torch.empty(down.shape[:2], dtype=torch.float32, device=down.device)
+
     def load_projection(self, kind: ExpertPart, expert: int | None, source: WeightSource, where: str) -> None:
-        self._load_projection(kind, expert, _Refuse8Bit(source, where), where)
+        if self.is_fp8 and expert is None:
+            raise UnsupportedQuantizationError(
+                f"{where}: stacked expert tensors in an FP8 checkpoint are not supported "
+                "(per-expert gate/up/down tensors with their weight_scale are)"
+            )
+        self._load_projection(kind, expert, _ExpectDtype(source, where, fp8=self.is_fp8), where)
+
+    def load_scale(self, kind: ExpertPart, expert: int, source: WeightSource, where: str) -> None:
+        """One expert projection's ``weight_scale``: per tensor ([] or [1]: repeated over the
+        rows) or per output channel ([rows, 1] or [rows]; gate/up: this rank's rows)."""
+        assert self.gate_up_scale is not None and self.down_scale is not None
+        values = int(torch.Size(source.shape).numel())
+        if kind == "down":
+            dest, rows, index = self.down_scale[expert], self.down_scale.shape[1], slice(None)
+        else:
+            local, start = self.shard.length, self.shard.start
+            half = 0 if kind == "gate" else 1
+            dest = self.gate_up_scale[expert, half * local : (half + 1) * local]
+            rows, index = self.intermediate_size, slice(start, start + local)
+        if values == 1:
+            dest.fill_(float(source.read().reshape(())))
+        elif values == rows and source.shape[0] == rows:
+            dest.copy_(source.read((index,)).reshape(-1))
+        else:
+            raise ValueError(
+                f"{where}: shape {tuple(source.shape)}, expected a per-tensor scale ([] or [1]) or one "
+                f"per output channel ([{rows}, 1])"
+            )
 
     def _load_projection(
         self, kind: ExpertPart, expert: int | None, source: WeightSource, where: str
@@ -201,13 +245,17 @@ class SparseMoeBlock(nn.Module):
         quantization = ctx.quantization
         self._fp8_on_load: torch.dtype | None = None
         """The FP8 format to quantize the experts into after loading (``--quantization fp8``)."""
+        self._fp8_checkpoint: torch.dtype | None = None
+        """The device's FP8 format, when the checkpoint stores the experts in FP8."""
         if isinstance(quantization, Fp8Quantization):
-            if not quantization.quantize_on_load:
-                raise UnsupportedQuantizationError(
-                    f"{prefix}: FP8 checkpoints of mixture-of-experts models are not supported yet "
-                    "(serve the 16-bit checkpoint with --quantization fp8)"
-                )
-            self._fp8_on_load = quantization.fp8_dtype
+            if quantization.quantize_on_load:
+                self._fp8_on_load = quantization.fp8_dtype
+            elif quantization.checkpoint is not None and _experts_are_fp8(
+                quantization.checkpoint, self._names
+            ):
+                self._fp8_checkpoint = quantization.fp8_dtype
+                self.experts.expect_fp8_checkpoint()
+                self._names.update(_scale_names(self._names))
 
     def uses_triton(self, device: torch.device) -> bool:
         if self.implementation == "auto":
@@ -237,15 +285,28 @@ class SparseMoeBlock(nn.Module):
         kind, expert = cast(tuple[str, int | None], key)
         if kind == "router":
             _check_shape(source, tuple(self.gate.weight.shape), name)
-            self.gate.weight.data.copy_(source.read())
+            self.gate.weight.data.copy_(_ExpectDtype(source, name, fp8=False).read())
+            return
+        if kind.endswith("_scale"):
+            assert expert is not None
+            self.experts.load_scale(cast(ExpertPart, kind.removesuffix("_scale")), expert, source, name)
             return
         self.experts.load_projection(cast(ExpertPart, kind), expert, source, name)
 
     def process_weights_after_loading(self) -> None:
-        """Quantize the experts on load: one scale per (expert, output channel)."""
+        """FP8 experts: a checkpoint's re-expressed in the device's format (fnuz on MI300: the
+        same bits, doubled scales), or 16-bit ones quantized on load, one scale per (expert,
+        output channel)."""
+        experts = self.experts
+        if self._fp8_checkpoint is not None:
+            assert experts.gate_up_scale is not None and experts.down_scale is not None
+            if self._fp8_checkpoint == torch.float8_e4m3fnuz:
+                gate_up, gate_up_scale = fp8.to_fnuz(experts.gate_up_proj.data, experts.gate_up_scale)
+                down, down_scale = fp8.to_fnuz(experts.down_proj.data, experts.down_scale)
+                experts.set_fp8(gate_up, gate_up_scale, down, down_scale)
+            return
         if self._fp8_on_load is None:
             return
-        experts = self.experts
         gate_up, down = experts.gate_up_proj.data, experts.down_proj.data
         q_gate_up, gate_up_scale = fp8.quantize_weight(
             gate_up.reshape(-1, gate_up.shape[2]), self._fp8_on_load
@@ -265,6 +326,8 @@ class SparseMoeBlock(nn.Module):
                 whole = stacked["down" if kind == "down" else "gate_up"]
                 if not whole and (kind, expert) not in loaded:
                     missing.append(by_key[(kind, expert)])
+                if self._fp8_checkpoint is not None and (f"{kind}_scale", expert) not in loaded:
+                    missing.append(by_key[(f"{kind}_scale", expert)])
         return missing
 
 
@@ -299,12 +362,38 @@ def _checkpoint_names(prefix: str, family: str, num_experts: int) -> dict[str, t
     return names
 
 
-class _Refuse8Bit:
-    """`source`, refusing an FP8 tensor: copied into a 16-bit weight it would lose its scale."""
+def _experts_are_fp8(checkpoint: Fp8Checkpoint, names: dict[str, tuple[str, int | None]]) -> bool:
+    """Whether the checkpoint's quantization_config makes the experts FP8 (one stacked weight has
+    one dtype, so every expert projection must agree)."""
+    modules = [name.removesuffix(".weight") for name, (_, expert) in names.items() if expert is not None]
+    schemes = {module: checkpoint.scheme_for(module) for module in modules}
+    fp8_modules = sorted(module for module, scheme in schemes.items() if scheme is not None)
+    if fp8_modules and len(fp8_modules) < len(modules):
+        plain = sorted(set(modules) - set(fp8_modules))
+        raise UnsupportedQuantizationError(
+            f"quantization_config: some expert projections are FP8 ({fp8_modules[0]}) and some 16-bit "
+            f"({plain[0]}); a layer's experts must all be one or the other"
+        )
+    return bool(fp8_modules)
 
-    def __init__(self, source: WeightSource, where: str) -> None:
+
+def _scale_names(names: dict[str, tuple[str, int | None]]) -> dict[str, tuple[str, int | None]]:
+    """The ``weight_scale`` name of every per-expert projection in `names` -> ("<kind>_scale", e)."""
+    return {
+        f"{name.removesuffix('.weight')}.weight_scale": (f"{kind}_scale", expert)
+        for name, (kind, expert) in names.items()
+        if expert is not None
+    }
+
+
+class _ExpectDtype:
+    """`source`, refusing a tensor of the wrong kind: an FP8 tensor copied into a 16-bit weight
+    would lose its scale, a 16-bit one copied into an FP8 weight would be rounded without one."""
+
+    def __init__(self, source: WeightSource, where: str, fp8: bool) -> None:
         self.source = source
         self.where = where
+        self.fp8 = fp8
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -312,10 +401,15 @@ class _Refuse8Bit:
 
     def read(self, index: tuple[slice, ...] = ()) -> torch.Tensor:
         tensor = self.source.read(index)
-        if tensor.dtype in fp8.FP8_DTYPES:
+        if self.fp8 and tensor.dtype != torch.float8_e4m3fn:
             raise UnsupportedQuantizationError(
-                f"{self.where}: an FP8 expert weight ({tensor.dtype}); FP8 checkpoints of mixture-of-experts "
-                "models are not supported yet"
+                f"{self.where}: a {tensor.dtype} tensor where the quantization_config makes the experts "
+                "FP8 (float8_e4m3fn)"
+            )
+        if not self.fp8 and tensor.dtype in fp8.FP8_DTYPES:
+            raise UnsupportedQuantizationError(
+                f"{self.where}: an FP8 tensor ({tensor.dtype}) where the model expects 16 bits (the "
+                "checkpoint's quantization_config leaves it unquantized, or there is none)"
             )
         return tensor
 

@@ -15,6 +15,7 @@ every E4M3 value exactly.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ from baton_engine.model.kernels.triton_gemv import (
     gemv_table_for,
     residual_programs,
 )
+from baton_engine.model.kernels.triton_tiles import scenario_pdl
 from baton_engine.model.quantization.fp8 import FP8_DECODE_MAX_ROWS, MIN_SCALE, fp8_max
 
 #: 1.5 * 2**23: adding and subtracting it rounds a float32 of magnitude below 2**22 to the nearest
@@ -273,33 +275,59 @@ def _fp8_gemm_launches(case: KernelCase) -> None:
 
 # -- FP8 weights in the decode products ----------------------------------------------------------
 
-_FP8_ONE_CUDA = (
-    "measured on the H200 (fp8-s3's A/B of 7 tables on the 8B-shape batch-1 step, 2026-12-01, "
-    "before the products folded FP8 products): 3.101 ms graph replay; the bf16 entry (8 x 512, "
-    "4 warps) 3.141, 8 x 1024 over 8 warps 3.187, 16 x 512 3.432; with the fold 2.756 ms "
-    "(bench/RESULTS.md); not re-measured against the others since the fold"
-)
-_FP8_ONE_ROCM = "the NVIDIA FP8 entry's 128 lanes as 2 wavefronts, one stage (LDS); not measured on AMD"
+
+def _measured(us: float, limit_us: float) -> str:
+    return (
+        f"measured on the H200 (fp8-s4, 2026-12-01: one-token FP8 products at the 8B shapes over 32 "
+        f"layers of distinct weights, graph replay; bench/RESULTS.md): {us} us a layer against its "
+        f"{limit_us} us copy-bandwidth limit, the fastest of the launches tried at this site"
+    )
+
+
+_FP8_ONE_GENERIC = "an FP8 linear layer of no decoder call site (not measured): the o_proj entry"
+_FP8_ONE_ROCM = "the NVIDIA FP8 entry's lanes as half the wavefronts, one stage (LDS); not measured on AMD"
 _FP8_FEW = "not run by the engine (FP8_DECODE_MAX_ROWS is 1): a 16-row dot tile as in bf16"
 
+#: One-token launches of the FP8 decode products per call site on NVIDIA (the "lm_head" entry
+#: serves an FP8 linear layer of another name: the LM head itself stays 16-bit).
+_FP8_CUDA_ONE = {
+    "qkv": GemvLaunch(2, 1024, 4, 2, False, _measured(8.91, 6.09)),
+    "o": GemvLaunch(4, 2048, 4, 2, False, _measured(6.93, 4.06)),
+    "gate_up": GemvLaunch(4, 1024, 2, 2, False, _measured(30.48, 28.44)),
+    "down": GemvLaunch(4, 2048, 4, 2, False, _measured(16.64, 14.22)),
+}
 
-def _fp8_table(name: str, one: GemvLaunch, few: GemvLaunch) -> GemvTable:
+
+def _fp8_table(name: str, one: dict[str, GemvLaunch], few: GemvLaunch) -> GemvTable:
+    one = {**one, "lm_head": dataclasses.replace(one["o"], reason=_FP8_ONE_GENERIC)}
     return GemvTable(
-        name, {(site, bucket): one if bucket == 1 else few for site in SITES for bucket in TOKEN_BUCKETS}
+        name,
+        {(site, bucket): one[site] if bucket == 1 else few for site in SITES for bucket in TOKEN_BUCKETS},
+    )
+
+
+def _rocm(launch: GemvLaunch) -> GemvLaunch:
+    return dataclasses.replace(
+        launch, num_warps=max(1, launch.num_warps // 2), num_stages=1, reason=_FP8_ONE_ROCM
     )
 
 
 #: Decode-product launches for FP8 weights (the same kernels as 16-bit ones, with ``w_scale``).
-FP8_CUDA_GEMV = _fp8_table(
-    "cuda-fp8",
-    GemvLaunch(8, 1024, 4, 2, False, _FP8_ONE_CUDA),
-    GemvLaunch(16, 256, 4, 3, True, _FP8_FEW),
-)
+FP8_CUDA_GEMV = _fp8_table("cuda-fp8", _FP8_CUDA_ONE, GemvLaunch(16, 256, 4, 3, True, _FP8_FEW))
 FP8_ROCM_GEMV = _fp8_table(
     "rocm-fp8",
-    GemvLaunch(8, 1024, 2, 1, False, _FP8_ONE_ROCM),
+    {site: _rocm(launch) for site, launch in _FP8_CUDA_ONE.items()},
     GemvLaunch(16, 256, 2, 2, True, _FP8_FEW),
 )
+
+#: The decode-product call site of a linear layer, by the last name of its prefix.
+_LAYER_SITES = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
+
+
+def site_of_layer(prefix: str) -> str:
+    """The call site whose launch a one-row product of layer `prefix` takes (``...o_proj``: "o");
+    "lm_head" (the generic entry) for any other layer."""
+    return _LAYER_SITES.get(prefix.rpartition(".")[2], "lm_head")
 
 
 def fp8_gemv_table_for(launch: LaunchTable) -> GemvTable:
@@ -312,12 +340,17 @@ def fp8_gemv_table(device: torch.device) -> GemvTable:
 
 
 def fp8_weight_gemv(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    site: str = "lm_head",
 ) -> torch.Tensor:
     """``(x @ weight^T) * weight_scale (+ bias)`` for at most `FP8_DECODE_MAX_ROWS` rows of 16/32-bit
     `x` and an FP8 `weight` [N, K] with one float32 scale per row, in x's dtype: the decode
-    product the fused decoder runs (the "lm_head" entry: every site's entry is the same)."""
-    launch = fp8_gemv_table(x.device).launch("lm_head", x.shape[0])
+    product the fused decoder runs at call site `site` (`site_of_layer`), with that site's launch,
+    so a layer sums its rows in the fused decoder's order."""
+    launch = fp8_gemv_table(x.device).launch(site, x.shape[0])
     return gemv(x, weight, launch, bias=bias, w_scale=weight_scale)
 
 
@@ -327,10 +360,11 @@ def fp8_weight_gemv(
 def _fp8_decode_product_launches(case: KernelCase) -> None:
     """A decode step's products over FP8 weights (the target's format, one scale per row) for
     bfloat16 and float16 activations, as `FusedDecoder._forward_few` launches them for an FP8
-    model (a 16-bit KV cache; the LM head stays 16-bit), and the plain product an FP8 linear
-    layer runs for a one-row input (`fp8_weight_gemv`)."""
+    model (a 16-bit KV cache; the LM head stays 16-bit), and the plain products the FP8 linear
+    layers of the four sites run for a one-row input (`fp8_weight_gemv`, the reference runner's)."""
     m = case.model
     table = fp8_gemv_table_for(case.launch)
+    pdl = scenario_pdl(case.launch)  # the products launch with PDL where the engine's do
     h, kvh, d = m.num_heads, m.num_kv_heads, m.head_dim
 
     def weight(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,12 +388,15 @@ def _fp8_decode_product_launches(case: KernelCase) -> None:
         positions = torch.zeros(tokens, dtype=torch.int64)
         q = gemv_qkv_rope(
             residual, squares, 1, norm, 1e-5, qkv_w, positions, cos, cos, positions, cache, h, kvh, d,
-            table.launch("qkv", tokens), w_scale=qkv_s,
+            table.launch("qkv", tokens), w_scale=qkv_s, pdl=pdl,
         )  # fmt: skip
-        partials = gemv_residual(q, o_w, residual, squares, table.launch("o", tokens), w_scale=o_s)
+        partials = gemv_residual(q, o_w, residual, squares, table.launch("o", tokens), w_scale=o_s, pdl=pdl)
         act = gemv_silu(
             residual, squares, partials, norm, 1e-5, gate_up_w, table.launch("gate_up", tokens),
-            w_scale=gate_up_s,
+            w_scale=gate_up_s, pdl=pdl,
         )  # fmt: skip
-        gemv_residual(act, down_w, residual, squares, table.launch("down", tokens), w_scale=down_s)
-        fp8_weight_gemv(residual, qkv_w, qkv_s, torch.empty(qkv_w.shape[0], dtype=dtype))
+        gemv_residual(act, down_w, residual, squares, table.launch("down", tokens), w_scale=down_s, pdl=pdl)
+        fp8_weight_gemv(residual, qkv_w, qkv_s, torch.empty(qkv_w.shape[0], dtype=dtype), "qkv")
+        fp8_weight_gemv(q, o_w, o_s, None, "o")
+        fp8_weight_gemv(residual, gate_up_w, gate_up_s, None, "gate_up")
+        fp8_weight_gemv(act, down_w, down_s, None, "down")

@@ -19,7 +19,8 @@ output channel, so merging never requantizes), and for static activations ``inpu
 
 Inputs of at most `fp8.FP8_DECODE_MAX_ROWS` rows (batch-1 decode) are multiplied weight-only on every
 device whatever the scheme (`arithmetic_for_rows`): on a GPU through the decode product
-(`kernels.triton_fp8.fp8_weight_gemv`, 1 byte read a weight, no quantization launch), on the CPU
+(`kernels.triton_fp8.fp8_weight_gemv` with the launch of the layer's call site in the fused
+decoder, so both sum a row in one order; 1 byte read a weight, no quantization launch), on the CPU
 through the reference's weight-only branch, so both compute the same thing.
 """
 
@@ -159,10 +160,16 @@ class Fp8LinearMethod:
         activation = arithmetic_for_rows(self.scheme.activation, rows.shape[0])
         if x.device.type != "cuda" or self.gemm == "reference":
             return fp8.fp8_linear_reference(x, weight, scale, activation, input_scale, bias)
-        from baton_engine.model.kernels.triton_fp8 import fp8_gemm, fp8_weight_gemv, quantize_rows
+        from baton_engine.model.kernels.triton_fp8 import (
+            fp8_gemm,
+            fp8_weight_gemv,
+            quantize_rows,
+            site_of_layer,
+        )
 
         if activation == "none" and 0 < rows.shape[0] <= fp8.FP8_DECODE_MAX_ROWS:
-            out = fp8_weight_gemv(rows, weight, scale, bias)
+            site = site_of_layer(getattr(layer, "prefix", ""))
+            out = fp8_weight_gemv(rows, weight, scale, bias, site)
             return out.reshape(*x.shape[:-1], weight.shape[0])
         native = native_fp8_dot(x.device)
         if activation == "none":
