@@ -2,16 +2,20 @@
 
 Both servers run the same fp32 folder (SmolLM2-135M-Instruct exported from the builtin GGUF by
 `baton_engine.model.loader.hf_export`: Baton's dequantized weights and tokenizer), one after the other,
-each with ``--threads`` torch/OpenMP threads (default 2, unpinned on both sides: vLLM with
-``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``OMP_NUM_THREADS``, or its own CPU binding with
-``--vllm-bind auto``), a ``--kv-cache-gib`` KV cache (3), 2048 batched tokens, prefix caching on,
-``max_model_len`` 4096. NVIDIA's aiperf (PyPI, in its own venv: scripts/aiperf-venv.sh) drives
-each at every ``--concurrency`` (1, 16, 64): completions, streaming, 200 input / 64 output tokens
-(synthetic prompts, fixed seed, ``ignore_eos``), ``--duration`` seconds after a warm-up of one
-request per stream. Besides aiperf's figures, the bench reads the CPU time of each server's
-process tree over each level (``cpu_ms_per_output_token``: what the neighbours' load disturbs
-least on a shared machine), split into the HTTP server process (``server_cpu_...``: parsing,
-tokenizing, detokenizing, streaming) and its descendants (``core_cpu_...``: the engine core).
+Baton with ``--threads`` torch/OpenMP threads (default 2, unpinned), vLLM with its own default CPU
+binding (``VLLM_CPU_OMP_THREADS_BIND=auto``: on this 2-core machine one OpenMP thread pinned to
+one core, the other core left to its API server and engine-core processes). That is what a vLLM
+user gets, and it is vLLM's best layout here: with ``--vllm-bind nobind`` (``--threads`` unpinned
+threads, like Baton) its Worker's threads and its busy-polling EngineCore fight for the two cores
+(47 vs 109 tok/s at concurrency 16 in one session). Both: a ``--kv-cache-gib`` KV cache (3), 2048
+batched tokens, prefix caching on, ``max_model_len`` 4096. NVIDIA's aiperf (PyPI, in its own venv:
+scripts/aiperf-venv.sh) drives each at every ``--concurrency`` (1, 16, 64): completions,
+streaming, 200 input / 64 output tokens (synthetic prompts, fixed seed, ``ignore_eos``),
+``--duration`` seconds after a warm-up of one request per stream. Besides aiperf's figures, the
+bench reads the CPU time of each server's process tree over each level
+(``cpu_ms_per_output_token``: what the neighbours' load disturbs least on a shared machine), split
+into the HTTP server process (``server_cpu_...``: parsing, tokenizing, detokenizing, streaming)
+and its descendants (``core_cpu_...``: the engine core).
 
 Offline: Baton's `LLM` and ``vllm.LLM`` generate the same random token-id prompts
 (``--offline-prompts``: 16 and 64 of 200 tokens, 64 greedy output tokens each), each in a fresh
@@ -88,8 +92,9 @@ class Settings:
     offline_prompts: tuple[int, ...] = (16, 64)
     rounds: int = 2
     seed: int = 7
-    vllm_bind: str = "nobind"
-    """VLLM_CPU_OMP_THREADS_BIND: nobind (OMP_NUM_THREADS=threads, like Baton) or auto (vLLM's own)."""
+    vllm_bind: str = "auto"
+    """VLLM_CPU_OMP_THREADS_BIND: auto (vLLM's own default binding) or nobind (OMP_NUM_THREADS=threads,
+    unpinned, like Baton)."""
     vllm_enforce_eager: bool = False
     vllm_offline_multiprocessing: bool = True
     """vLLM's offline `LLM` with its engine core in a child process (its default), or in-process
@@ -146,17 +151,26 @@ def venv_python(script: str, venv: Path, build: bool) -> tuple[Path | None, str]
 # -- process trees -----------------------------------------------------------------------------------
 
 
-def _children_of() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
+def process_table(*, zombies: bool = False) -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, process group) of every process (Linux /proc); exited ones not yet
+    reaped (zombies) only when `zombies`."""
+    table = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
-        except OSError:
+            state, parent, group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
+        if zombies or state != "Z":
+            table[int(entry.name)] = (int(parent), int(group))
+    return table
+
+
+def _children_of() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in process_table(zombies=True).items():
+        children.setdefault(parent, []).append(pid)
     return children
 
 
@@ -721,7 +735,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--offline-prompts", help="Comma-separated offline batch sizes (default 16,64); '' skips."
     )
-    parser.add_argument("--vllm-bind", choices=("nobind", "auto"), help="vLLM's VLLM_CPU_OMP_THREADS_BIND.")
+    parser.add_argument(
+        "--vllm-bind",
+        choices=("auto", "nobind"),
+        help="vLLM's VLLM_CPU_OMP_THREADS_BIND (default auto: vLLM's own).",
+    )
     parser.add_argument(
         "--vllm-offline-in-process",
         action="store_true",

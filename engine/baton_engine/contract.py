@@ -187,6 +187,7 @@ FLAG_ROUTER_PREFILL_SELECTOR: Final = "--prefill-selector"  # "k=v,k=v" label se
 FLAG_ROUTER_DECODE_SELECTOR: Final = "--decode-selector"
 FLAG_ROUTER_ENGINE_SELECTOR: Final = "--engine-selector"  # aggregated mode: one pool doing both
 FLAG_ROUTER_MODEL: Final = "--model"  # served model name (what clients send)
+FLAG_ROUTER_MODE: Final = "--mode"  # disaggregated | aggregated: which pod roles it routes to
 FLAG_ROUTER_TOKENIZER: Final = "--tokenizer"  # model reference or local path holding the tokenizer
 FLAG_ROUTER_HOST: Final = "--host"
 FLAG_ROUTER_PORT: Final = "--port"

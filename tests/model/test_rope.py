@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from baton_engine.model.loader.hf_config import model_config_from_hf
-from baton_engine.model.rope import RotaryTable, apply_rotary, inverse_frequencies
+from baton_engine.model.rope import RotaryTable, apply_rotary, inverse_frequencies, rotate_in_place
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -82,3 +82,21 @@ def test_rotation_equals_transformers() -> None:
     )
     assert torch.equal(apply_rotary(q, cos, sin), expected_q[0].transpose(0, 1))
     assert torch.equal(apply_rotary(k, cos, sin), expected_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_rotation_in_place_is_bit_identical(dtype: torch.dtype) -> None:
+    config = model_config_from_hf({**BASE, "rope_parameters": LLAMA3})
+    table = RotaryTable(config, dtype, "cpu")
+    positions = torch.tensor([0, 5, 77, 255, 16383])
+    cos, sin = table.lookup(positions)
+    generator = torch.Generator().manual_seed(4)
+    # q (2 heads), k (1), v (1) side by side, as the qkv projection writes them
+    qkv = torch.randn(5, 4 * 64, generator=generator, dtype=torch.float64).to(dtype)
+    expected_q = apply_rotary(qkv[:, :128].reshape(5, 2, 64), cos, sin)
+    expected_k = apply_rotary(qkv[:, 128:192].reshape(5, 1, 64), cos, sin)
+    v = qkv[:, 192:].clone()
+    rotate_in_place(qkv[:, :192].view(5, 3, 64), cos, sin)  # q and k in one call
+    assert torch.equal(qkv[:, :128].view(5, 2, 64), expected_q)
+    assert torch.equal(qkv[:, 128:192].view(5, 1, 64), expected_k)
+    assert torch.equal(qkv[:, 192:], v)  # v untouched

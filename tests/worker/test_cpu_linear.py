@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from baton_engine.config import EngineConfig
 from baton_engine.model.cpu_linear import pack_linears
+from baton_engine.model.layers import GatedMLP
 from baton_engine.model.linear import ColumnParallelLinear, ParallelLinear, onednn_rows
 from baton_engine.worker.model_runner import ModelRunner
 from baton_support.tiny_models import PARITY
@@ -57,12 +58,43 @@ def _runner(tmp_path: Path, dtype: str, hidden_size: int = PARITY.hidden_size) -
 
 def test_the_cpu_runner_packs_every_linear_and_the_head_once(tmp_path: Path) -> None:
     runner = _runner(tmp_path, "float32")
-    linears = [m for m in runner.model.modules() if isinstance(m, ParallelLinear)]
-    assert len(linears) == 3 * 4  # qkv, o, gate_up, down per layer
+    layers = runner.model.model.decoder_layers()
+    assert len(layers) == 3
     assert runner.model.lm_head is not None  # untied: its weight is packed once, for compute_logits
     assert runner.model.logits_packed is not None
-    assert all(m.packed is not None for m in linears)
+    for layer in layers:
+        assert layer.self_attn.qkv_proj.packed is not None and layer.self_attn.o_proj.packed is not None
+        mlp = layer.mlp
+        assert isinstance(mlp, GatedMLP)
+        # gate and up apart (silu and the product in their epilogues), the merged one not at all
+        assert mlp.gate_packed is not None and mlp.up_packed is not None
+        assert mlp.gate_up_proj.packed is None and mlp.down_proj.packed is not None
+        assert layer.self_attn.rotate_in_place
     assert pack_linears(runner.model) == 0  # already packed: nothing reordered twice
+
+
+def test_the_fused_epilogues_match_the_separate_passes() -> None:
+    generator = torch.Generator().manual_seed(11)
+    mlp = GatedMLP(64, 96, bias=True, prefix="mlp", dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        for parameter in mlp.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    model = torch.nn.Module()
+    model.mlp = mlp
+    for rows in (1, 9, 300):  # 9 and 300 run padded to a row bucket
+        x = torch.randn(rows, 64, generator=generator)
+        residual = torch.randn(rows, 64, generator=generator)
+        gate, up = F.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias).chunk(2, dim=-1)
+        want = residual + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        assert torch.equal(mlp(x, residual=residual), want)  # nothing packed: the separate passes
+        mlp.gate_packed = torch.ops.mkldnn._reorder_linear_weight(mlp.gate_up_proj.weight[:96].contiguous())
+        mlp.up_packed = torch.ops.mkldnn._reorder_linear_weight(mlp.gate_up_proj.weight[96:].contiguous())
+        mlp.down_proj.packed = torch.ops.mkldnn._reorder_linear_weight(mlp.down_proj.weight.detach())
+        with torch.inference_mode():
+            got = mlp(x, residual=residual)
+        assert got.shape == (rows, 64)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        mlp.gate_packed = mlp.up_packed = mlp.down_proj.packed = None
 
 
 def test_float64_keeps_f_linear(tmp_path: Path) -> None:
@@ -84,6 +116,8 @@ def test_packed_and_plain_linears_generate_the_same_tokens(tmp_path: Path) -> No
     for module in runner.model.modules():
         if isinstance(module, ParallelLinear):
             module.packed = None
+        if isinstance(module, GatedMLP):
+            module.gate_packed = module.up_packed = None
     runner.model.logits_packed = None
     plain = [
         seq.outputs
@@ -95,19 +129,22 @@ def test_packed_and_plain_linears_generate_the_same_tokens(tmp_path: Path) -> No
     assert [len(tokens) for tokens in packed] == [12, 12, 12]
 
 
-_CREATED = re.compile(r",create:cache_miss,cpu,inner_product,.*,mb(\d+)ic(\d+)oc(\d+),")
+_CREATED = re.compile(
+    r",create:cache_miss,cpu,inner_product,.*attr-scratchpad:user(?: attr-post-ops:(\S+))?,,"
+    r"mb(\d+)ic(\d+)oc(\d+),"
+)
 
 
 @contextmanager
-def _onednn_log(capfd: pytest.CaptureFixture[str]) -> Iterator[list[tuple[int, int, int]]]:
-    """The (rows, in, out) of every inner-product primitive oneDNN creates meanwhile (a cache
-    miss: its verbose log, written by the library to file descriptor 1)."""
-    created: list[tuple[int, int, int]] = []
+def _onednn_log(capfd: pytest.CaptureFixture[str]) -> Iterator[list[tuple[int, int, int, str]]]:
+    """The (rows, in, out, post-ops) of every inner-product primitive oneDNN creates meanwhile
+    (a cache miss: its verbose log, written by the library to file descriptor 1)."""
+    created: list[tuple[int, int, int, str]] = []
     capfd.readouterr()
     with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):  # type: ignore[no-untyped-call]
         yield created
     out = capfd.readouterr().out
-    created.extend((int(m), int(i), int(o)) for m, i, o in _CREATED.findall(out))
+    created.extend((int(m), int(i), int(o), post) for post, m, i, o in _CREATED.findall(out))
 
 
 def test_row_buckets() -> None:
@@ -130,7 +167,7 @@ def test_each_row_bucket_builds_one_primitive(capfd: pytest.CaptureFixture[str])
     with torch.inference_mode(), _onednn_log(capfd) as created:
         outputs = {rows: layer(torch.ones(rows, 96)) for rows in range(1, 301)}
         again = layer(torch.ones(37, 96))
-    assert sorted(created) == sorted((rows, 96, 176) for rows in {onednn_rows(r) for r in range(1, 301)})
+    assert sorted(created) == sorted((rows, 96, 176, "") for rows in {onednn_rows(r) for r in range(1, 301)})
     assert all(out.shape == (rows, 176) for rows, out in outputs.items())
     assert torch.equal(again, outputs[37])
 
@@ -147,7 +184,17 @@ def test_an_engine_step_of_any_size_reuses_the_bucket_primitives(
             prompt = torch.randint(0, 256, (length,), generator=generator).tolist()
             TestDriver(runner, max_num_batched_tokens=64, max_num_seqs=1).generate([prompt], [1])
     buckets = {onednn_rows(length) for length in lengths}
-    shapes = {(i, o) for _, i, o in created}
-    assert len(buckets) == 18 and len(shapes) == 5  # qkv, o, gate_up, down, the LM head
-    assert {rows for rows, i, _ in created if i == 80} == buckets  # a step of N rows ran as onednn_rows(N)
-    assert len(created) == len(set(created))  # each (rows, shape) built once
+    # the post-op's name: oneDNN marks a one-row operand as broadcast (its own primitive, named so)
+    kinds = {(i, o, post.split(":")[0]) for _, i, o, post in created}
+    config = runner.model_config
+    assert len(buckets) == 18
+    assert {(i, post) for i, _, post in kinds} == {
+        (80, ""),  # qkv, the LM head
+        (config.num_heads * config.head_dim, "binary_add"),  # o + the residual
+        (80, "eltwise_swish"),  # silu(gate)
+        (80, "binary_mul"),  # up * silu(gate)
+        (config.intermediate_size, "binary_add"),  # down + the residual
+    }
+    assert len(kinds) == 6
+    assert {rows for rows, i, _, _ in created if i == 80} == buckets  # a step of N rows ran as onednn_rows(N)
+    assert len(created) == len(set(created))  # each (rows, shape, post-ops) built once

@@ -8,8 +8,11 @@ bfloat16 only (oneDNN has no float64 matmul); elsewhere layers keep `F.linear`.
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import torch
 
+from baton_engine.model.layers import GatedMLP
 from baton_engine.model.linear import ParallelLinear, UnquantizedLinearMethod
 from baton_engine.model.llama import CausalLM
 
@@ -27,17 +30,24 @@ def can_pack(model: CausalLM) -> bool:
 
 def pack_linears(model: CausalLM) -> int:
     """Reorder every unquantized linear weight (and the LM head's) for oneDNN; returns how many.
-    Idempotent. Layers of other (quantized) methods keep their own kernels."""
+    A gated MLP's gate and up weights are reordered apart (`GatedMLP.gate_packed`), so that
+    silu and the product run in their matmuls' epilogues. Idempotent. Layers of other
+    (quantized) methods keep their own kernels."""
     if not can_pack(model):
         return 0
     count = 0
     with torch.inference_mode():
+        split: set[ParallelLinear] = set()
         for module in model.modules():
-            if (
-                isinstance(module, ParallelLinear)
-                and isinstance(module.quant_method, UnquantizedLinearMethod)
-                and module.packed is None
-            ):
+            if isinstance(module, GatedMLP) and _unquantized(module.gate_up_proj):
+                split.add(module.gate_up_proj)
+                if module.gate_packed is None or module.up_packed is None:
+                    gate, up = module.gate_up_proj.weight.detach().chunk(2)
+                    module.gate_packed = torch.ops.mkldnn._reorder_linear_weight(gate.contiguous())
+                    module.up_packed = torch.ops.mkldnn._reorder_linear_weight(up.contiguous())
+                    count += 2
+        for module in model.modules():
+            if _unquantized(module) and module not in split and module.packed is None:
                 module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
                 count += 1
         if model.logits_packed is None:
@@ -45,3 +55,7 @@ def pack_linears(model: CausalLM) -> int:
             model.logits_packed = torch.ops.mkldnn._reorder_linear_weight(head.detach())
             count += 1
     return count
+
+
+def _unquantized(module: torch.nn.Module) -> TypeGuard[ParallelLinear]:
+    return isinstance(module, ParallelLinear) and isinstance(module.quant_method, UnquantizedLinearMethod)

@@ -16,6 +16,8 @@ from baton_engine.model.linear import (
     QuantizationConfig,
     RowParallelLinear,
     method_for,
+    onednn_linear,
+    onednn_rows,
 )
 from baton_engine.model.parallel import SINGLE, TensorParallel
 
@@ -105,7 +107,29 @@ class GatedMLP(nn.Module):
             quant_method=method_for(quantization, f"{prefix}.down_proj"),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.gate_packed: torch.Tensor | None = None
+        self.up_packed: torch.Tensor | None = None
+        """This rank's gate and up weights, each reordered for oneDNN (CPU: `cpu_linear`), or None.
+        Two matmuls then carry silu and the product in their epilogues: no pass over the
+        [tokens, 2 x intermediate] product in memory."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)), plus `residual` when given."""
+        out: torch.Tensor
+        if self.gate_packed is not None and self.up_packed is not None:
+            # Padded to the oneDNN row bucket once for the three matmuls (each would pad and cut
+            # its own operands: copies of the [tokens, intermediate] product between them).
+            rows = x.shape[0]
+            padded = onednn_rows(rows)
+            if padded != rows:
+                x = F.pad(x, (0, 0, 0, padded - rows))
+                residual = None if residual is None else F.pad(residual, (0, 0, 0, padded - rows))
+            bias = self.gate_up_proj.bias
+            gate_bias, up_bias = (None, None) if bias is None else bias.chunk(2)
+            act = onednn_linear(x, self.gate_packed, gate_bias, "swish")
+            act = onednn_linear(x, self.up_packed, up_bias, combine=("mul", act))
+            out = self.down_proj(act, residual)
+            return out if padded == rows else out[:rows]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up, residual)
         return out

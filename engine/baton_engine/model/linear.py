@@ -93,8 +93,20 @@ class UnquantizedLinearMethod:
 UNQUANTIZED = UnquantizedLinearMethod()
 
 
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def onednn_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str = "none",
+    *,
+    combine: tuple[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """x W^T (+ b) with W reordered by ``torch.ops.mkldnn._reorder_linear_weight`` (CPU, oneDNN).
+
+    Element-wise work on the product runs in the matmul's epilogue, while the output is in
+    cache, instead of as separate passes over memory: `activation` is a oneDNN unary post-op
+    name (``"swish"``: silu), `combine` a binary one with its other operand, shaped like the
+    output (``("add", residual)``: ``x W^T + residual``; ``("mul", other)``).
 
     oneDNN builds (and caches, up to 1024 entries) one primitive per input shape, 0.2-1.8 MiB
     each: with a step's row count changing every step, an engine core grew by hundreds of MiB.
@@ -103,7 +115,16 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     padded = onednn_rows(rows) if x.dim() == 2 else rows
     if padded != rows:
         x = F.pad(x, (0, 0, 0, padded - rows))
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    out: torch.Tensor
+    if combine is None:
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, activation, [], "")
+    else:
+        if activation != "none":
+            raise ValueError("oneDNN linear: an activation and a binary post-op cannot be combined here")
+        op, other = combine
+        if padded != rows:
+            other = F.pad(other, (0, 0, 0, padded - rows))
+        out = torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, bias, op)
     return out if padded == rows else out[:rows]
 
 
@@ -312,11 +333,17 @@ class RowParallelLinear(ParallelLinear):
 
     split = "input"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T + b``, plus `residual` when given (on one rank with oneDNN, in the matmul's
+        epilogue)."""
         if not self.parallel.is_parallel:
-            return self.quant_method.apply(self, x, self.bias)
-        out = self.parallel.all_reduce(self.quant_method.apply(self, x, None))
-        return out if self.bias is None else out + self.bias
+            if residual is not None and self.packed is not None:
+                return onednn_linear(x, self.packed, self.bias, combine=("add", residual))
+            out = self.quant_method.apply(self, x, self.bias)
+        else:
+            out = self.parallel.all_reduce(self.quant_method.apply(self, x, None))
+            out = out if self.bias is None else out + self.bias
+        return out if residual is None else residual + out
 
 
 class VocabParallelEmbedding(nn.Module):

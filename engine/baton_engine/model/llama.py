@@ -28,7 +28,7 @@ from baton_engine.model.linear import (
 )
 from baton_engine.model.moe import SparseMoeBlock
 from baton_engine.model.parallel import SINGLE, TensorParallel, check_model_shape
-from baton_engine.model.rope import RotaryTable, apply_rotary
+from baton_engine.model.rope import RotaryTable, apply_rotary, rotate_in_place
 from baton_engine.model.weight_source import WeightSource, as_source
 from baton_engine.model.weights import load_checkpoint
 
@@ -63,6 +63,9 @@ class SelfAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ctx.dtype, ctx.device)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ctx.dtype, ctx.device)
+        self.rotate_in_place = False
+        """Rotate q and k inside the qkv projection's output (`rope.rotate_in_place`, the same
+        bits as `apply_rotary` in fewer passes); the CPU runner turns it on."""
 
     def forward(
         self,
@@ -74,20 +77,30 @@ class SelfAttention(nn.Module):
         batch: AttentionBatch,
         plan: object,
         kv_scale: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """kv_scale: the layer's [2] (K, V) scales of an FP8 cache (None: a 16-bit cache)."""
+        """kv_scale: the layer's [2] (K, V) scales of an FP8 cache (None: a 16-bit cache);
+        residual: added to the output projection (in its epilogue where the layer can)."""
         tokens = hidden.shape[0]
-        q_flat, k_flat, v_flat = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        qkv = self.qkv_proj(hidden)
+        q_flat, k_flat, v_flat = qkv.split(self.split_sizes, dim=-1)
         q = q_flat.reshape(tokens, self.num_heads, self.head_dim)
         k = k_flat.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v_flat.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if not self.rotate_in_place:
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+        elif self.q_norm is None:  # q and k side by side in qkv: one rotation of both
+            heads = self.num_heads + self.num_kv_heads
+            rotate_in_place(qkv[:, : heads * self.head_dim].view(tokens, heads, self.head_dim), cos, sin)
+        else:
+            rotate_in_place(q, cos, sin)
+            rotate_in_place(k, cos, sin)
         out = backend.forward(q, k, v, layer_cache, batch, plan, self.scale, kv_scale)
-        projected: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        projected: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), residual)
         return projected
 
 
@@ -126,13 +139,17 @@ class DecoderLayer(nn.Module):
         plan: object,
         kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        residual = hidden
         normed = self.input_layernorm(hidden)
-        hidden = self.self_attn(normed, cos, sin, layer_cache, backend, batch, plan, kv_scale)
-        hidden = residual + hidden
-        residual = hidden
-        hidden = self.mlp(self.post_attention_layernorm(hidden))
-        return residual + hidden
+        hidden = self.self_attn(
+            normed, cos, sin, layer_cache, backend, batch, plan, kv_scale, residual=hidden
+        )
+        normed = self.post_attention_layernorm(hidden)
+        out: torch.Tensor
+        if isinstance(self.mlp, GatedMLP):
+            out = self.mlp(normed, residual=hidden)
+        else:
+            out = hidden + self.mlp(normed)
+        return out
 
 
 class DecoderStack(nn.Module):

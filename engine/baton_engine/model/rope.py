@@ -75,3 +75,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos) + (rotated * sin)
+
+
+def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """`apply_rotary`'s result written into `x` ([T, heads, head_dim], any strides: e.g. q and k
+    side by side in the qkv projection's output), bit for bit the same: each half's products
+    are rounded as there, and ``a + (-b) * s`` equals ``a - b * s`` exactly. Half the passes over
+    memory and no temporaries of x's full size (`apply_rotary` allocates five)."""
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]
+    first_sin = first * sin[..., half:]
+    second_sin = second * sin[..., :half]
+    first.mul_(cos[..., :half]).sub_(second_sin)
+    second.mul_(cos[..., half:]).add_(first_sin)

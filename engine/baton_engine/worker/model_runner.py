@@ -81,6 +81,8 @@ class ModelRunner:
             )
         if self.device.type == "cpu":
             pack_linears(self.model)
+            for layer in self.model.model.decoder_layers():
+                layer.self_attn.rotate_in_place = True
         self.model_config = self.loaded.config
         self.block_size = config.block_size
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
@@ -161,7 +163,7 @@ class ModelRunner:
         batch = AttentionBatch.from_scheduler_output(step, self.block_size, self.device)
         hidden = self.model(input_ids, self.kv_cache, self.backend, batch, self.kv_scales)
         indices = torch.from_numpy(np.ascontiguousarray(step.logits_indices, dtype=np.int64)).to(self.device)
-        return self.model.compute_logits(hidden[indices])
+        return self.model.compute_logits(hidden.index_select(0, indices))
 
     def apply_grammar(self, logits: torch.Tensor, step: SchedulerOutput) -> None:
         """Structured output: set the logits of tokens the step's grammars refuse to -inf, in

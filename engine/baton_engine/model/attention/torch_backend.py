@@ -223,7 +223,10 @@ class TorchAttentionBackend:
                 values = _dequantized(values, kv_scale[1], q.dtype)
             # The query heads sharing a KV head become extra query rows of it, so K/V are never
             # repeated: [rows, kv_heads, heads_per_kv * max_q, dim], head h = kv_head * g + i.
-            queries = q[group.query_index].view(rows, max_q, kv_heads, heads_per_kv, head_dim)
+            # index_select, not q[index]: advanced indexing runs a parallel loop even over these
+            # few kilobytes, and waking a passive OpenMP thread costs more than the copy.
+            queries = q.index_select(0, group.query_index.view(-1))
+            queries = queries.view(rows, max_q, kv_heads, heads_per_kv, head_dim)
             queries = queries.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, heads_per_kv * max_q, head_dim)
             mask = group.mask(heads_per_kv, q.dtype)
             result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
@@ -232,7 +235,7 @@ class TorchAttentionBackend:
                 out.index_copy_(0, group.out_tokens, result[:, 0].reshape(rows, -1, head_dim))
             else:
                 flat = result.reshape(rows * max_q, kv_heads * heads_per_kv, head_dim)
-                out.index_copy_(0, group.out_tokens, flat[group.out_flat])
+                out.index_copy_(0, group.out_tokens, flat.index_select(0, group.out_flat))
 
     def _gather_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         buffer = self._buffer
@@ -264,8 +267,8 @@ class TorchAttentionBackend:
                 queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            keys = k_cache[row.key_slots].transpose(0, 1).unsqueeze(0)
-            values = v_cache[row.key_slots].transpose(0, 1).unsqueeze(0)
+            keys = k_cache.index_select(0, row.key_slots).transpose(0, 1).unsqueeze(0)
+            values = v_cache.index_select(0, row.key_slots).transpose(0, 1).unsqueeze(0)
             if kv_scale is not None:
                 keys = _dequantized(keys, kv_scale[0], q.dtype)
                 values = _dequantized(values, kv_scale[1], q.dtype)
