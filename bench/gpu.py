@@ -46,7 +46,7 @@ from baton_engine.model.linear import QuantizationConfig
 from baton_engine.model.llama import Weights, build_model
 from baton_engine.model.loader.model_loading import LoadedModel
 from baton_engine.model.loader.reference import ResolvedModel
-from baton_engine.worker.gpu.fused_decoder import DecodeMeta
+from baton_engine.worker.gpu.fused_decoder import DecodeMeta, FusedDecoder
 from baton_engine.worker.gpu.model_runner import GpuModelRunner
 from bench.limits import Ceilings, DecoderCost, prefill_limit_s, run_limit_s, step_limit_s
 from bench.shapes import LLAMA_32_1B
@@ -566,10 +566,10 @@ def graph_step_ms(runner: GpuModelRunner, batch: int, context: int) -> float:
 
 
 def b1_attention_8b(runner: GpuModelRunner, context: int, copy_bps: float) -> dict[str, Any]:
-    """The batch-1 step's attention alone: each layer's split-K decode attention (split kernel
-    and reduce) over `context` positions, 32 layers in one graph — per layer, at the splits the
-    b1 graph was captured with and at fewer, against the time its K/V bytes take at copy
-    bandwidth."""
+    """The batch-1 step's attention alone: each layer's split-K decode attention (one launch: its
+    last split merges the splits) over `context` positions, 32 layers in one graph — per layer,
+    at the splits the b1 graph was captured with and at fewer, against the time its K/V bytes
+    take at copy bandwidth."""
     from baton_engine.model.kernels.triton_attention import DecodeWorkspace, paged_decode_attention
 
     meta = runner._graphs[1].meta
@@ -599,6 +599,27 @@ def b1_attention_8b(runner: GpuModelRunner, context: int, copy_bps: float) -> di
         "b1_attention_splits_8b": engine_splits,
         "b1_attention_us_by_splits_8b": by_splits,
     }
+
+
+def b1_forward_by_pdl_8b(runner: GpuModelRunner, context: int) -> dict[str, Any]:
+    """The batch-1 forward alone (decode products, attention, final norm, LM head) replayed from
+    a graph over `context` positions, with and without programmatic dependent launch: two
+    decoders over the runner's weights, cache and graph tables (no slot written)."""
+    meta = runner._graphs[1].meta
+    assert isinstance(meta, DecodeMeta)
+    graph_step_ms(runner, 1, context)  # tables and lengths of one row at `context` positions
+    ids = torch.zeros(1, dtype=torch.int64, device="cuda")
+    positions = torch.full((1,), context - 1, dtype=torch.int64, device="cuda")
+    slots = torch.full((1,), -1, dtype=torch.int64, device="cuda")
+    by_pdl = {}
+    for pdl in (False, True):
+        decoder = FusedDecoder(runner.model, runner.fused.gemv_table, pdl=pdl)
+
+        def forward(decoder: FusedDecoder = decoder) -> None:
+            decoder.logits(decoder.forward(ids, positions, slots, runner.kv_cache, meta))
+
+        by_pdl["pdl" if pdl else "no_pdl"] = round(graph_ms(forward, 20), 3)
+    return {"b1_forward_graph_ms_8b": by_pdl, "pdl_8b": runner.fused.pdl}
 
 
 def eight_b(result: dict[str, Any], quick: bool) -> None:
@@ -662,6 +683,10 @@ def eight_b(result: dict[str, Any], quick: bool) -> None:
         result.update(b1_attention_8b(runner, 552, copy_bps))
     except Exception as exc:  # a figure to find the step's time, not one of the section's results
         result["b1_attention_8b_failed"] = repr(exc)[:300]
+    try:
+        result.update(b1_forward_by_pdl_8b(runner, 552))
+    except Exception as exc:  # the same: where the step's time goes
+        result["b1_forward_by_pdl_8b_failed"] = repr(exc)[:300]
     result["b1_limit_ms_8b"] = round(limit_ms, 3)
     result["b1_step_vs_limit_8b"] = round(step_ms / limit_ms, 3)
     result["b1_graph_vs_limit_8b"] = round(graph_ms_b1 / limit_ms, 3)

@@ -14,6 +14,9 @@ benchmark's printed result) and writes PNGs to `docs/img/` (``--out`` elsewhere)
 - ``scheduler_cost.png``: scheduler CPU time per sequence per step against running sequences.
 - ``autoscaler_reaction.png``: crossing -> decision and crossing -> replicas patched, against
   the target.
+- ``pd_vs_aggregated.png``: `bench.pd`'s goodput under its SLO and ITL p99 of the P/D layout and
+  the aggregated one by offered rate (the current record; its ``figure`` note says whether it is
+  the two-GPU figure or a CPU shape check).
 
 Each plot says what data it lacks instead of inventing it. Prints one JSON object (what was
 drawn from how many records, what is missing) as the last line.
@@ -222,12 +225,48 @@ def autoscaler_reaction(records: dict[str, list[Record]], ax: Any) -> dict[str, 
     return {"records": len(runs), "missing": ["per-trial reaction times (only mean and worst are recorded)"]}
 
 
+def pd_vs_aggregated(records: dict[str, list[Record]], ax: Any) -> dict[str, Any]:
+    runs = [r for r in records.get("pd", []) if "rates" in r]
+    if not runs:
+        _note(ax, "no bench.pd run recorded")
+        return {"records": 0, "missing": ["bench.pd runs"]}
+    r = latest(runs)
+    rates = sorted(r["rates"], key=float)
+    xs = [float(x) for x in rates]
+    itl = ax.twinx()
+    # P/D drawn wider underneath: equal goodputs (both 1.0) stay visible as two lines.
+    for layout, color, width in (("disaggregated", "C0", 4.0), ("aggregated", "C1", 1.5)):
+        if not all(layout in r["rates"][x] for x in rates):
+            continue
+        figures = [r["rates"][x][layout] for x in rates]
+        goodput = [f["goodput_fraction"] for f in figures]
+        ax.plot(xs, goodput, "o-", color=color, linewidth=width, label=f"{layout}: goodput")
+        itl.plot(xs, [f["itl_p99_ms"] for f in figures], "s--", color=color, label=f"{layout}: ITL p99")
+    slo = r["slo"]
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("offered load, requests/s (Poisson)")
+    ax.set_ylabel(f"goodput fraction (TTFT <= {slo['ttft_s']} s, ITL <= {slo['itl_ms']} ms)")
+    itl.set_ylim(bottom=0)
+    itl.set_ylabel("ITL p99, ms (dashed)")
+    ax.set_title(f"P/D vs aggregated, 2 engines ({r['device']}): {r['figure']}", fontsize=8)
+    lines = ax.get_legend_handles_labels()
+    more = itl.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="lower left")
+    missing = (
+        []
+        if r["device"] == "cuda" and "share" not in r["figure"]
+        else ["the two-GPU run (bench.pd --device cuda)"]
+    )
+    return {"records": len(runs), "missing": missing}
+
+
 PLOTS: dict[str, Callable[[dict[str, list[Record]], Any], dict[str, Any]]] = {
     "gpu_step_vs_limit": gpu_step_vs_limit,
     "throughput_vs_transformers": throughput_vs_transformers,
     "kv_transfer_vs_tcp": kv_transfer_vs_tcp,
     "scheduler_cost": scheduler_cost,
     "autoscaler_reaction": autoscaler_reaction,
+    "pd_vs_aggregated": pd_vs_aggregated,
 }
 
 

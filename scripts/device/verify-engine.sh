@@ -18,8 +18,11 @@ cd "$root"
 # Packages the engine's GPU path needs that the GPU image (KINDS.md's list) does not hold.
 # llguidance: the scheduler imports the structured-output grammar; jsonschema (and its needs):
 # tests/gpu/test_structured_output_gpu.py validates answers against their schema. pyzmq: the GPU FP8 test serves over ZMQ.
+# fastapi .. kubernetes-asyncio: `baton-engine serve` and `baton-router` (bench.pd, scripts/device/bench-pd.sh);
+# opentelemetry-api: fastapi imports it (its telemetry module) and the image lacks it.
 WHEELS=(pydantic pydantic-core annotated-types typing-inspection llguidance
-  jsonschema jsonschema-specifications referencing rpds-py attrs pyzmq)
+  jsonschema jsonschema-specifications referencing rpds-py attrs pyzmq
+  fastapi starlette uvicorn httptools gguf cbor2 kubernetes-asyncio opentelemetry-api)
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> "$(git rev-parse --git-path info/exclude)"
@@ -39,17 +42,9 @@ fi
 
 out=${OUT:-$root/verify-engine-out}
 mkdir -p "$out"
-# The image's python3 is itself a venv (torch lives there): a venv made from it would not see
-# torch, so the carried wheels go to a target folder and the repository is put on PYTHONPATH.
-py=python3
+# $py (the image's python3) with the carried wheels and the repository on PYTHONPATH.
+source "$root/scripts/device/device-env.sh"
 "$py" -c 'import torch; assert torch.cuda.is_available(), "no GPU visible to torch"'
-site=${BATON_VERIFY_SITE:-/tmp/baton-verify-site}
-rm -rf "$site"
-mkdir -p "$site"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  "$py" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
-fi
-export PYTHONPATH="$site:$root/engine:$root/operator:$root/devcluster:$root/support:$root"
 "$py" - <<'PY' | tee "$out/versions.txt"
 import platform, torch, triton, transformers, pydantic
 print(f"python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}, "

@@ -20,6 +20,7 @@ import pytest
 
 from baton_dev.testing import DevCluster
 from baton_support.apiserver import binary_dir
+from bench.pd import VERDICT_FIGURES
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_PRESENT = os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")
@@ -72,6 +73,7 @@ BENCHMARKS: dict[str, Bench] = {
     # vLLM's start alone takes minutes on a loaded 2-core machine: the smoke run measures Baton
     # only (its full run compares both sides).
     "serving": Bench(("serving", "offline", "notes", "load_average_1m"), extra_args=("--skip-vllm",)),
+    "pd": Bench(("rates", "figure", "slo", "config")),
     "gpu": Bench(("engine_vs_sweep",), gpu_only=True),
     "gpu_tune": Bench(("decode_1b_b8_ctx128",), gpu_only=True),
 }
@@ -212,7 +214,30 @@ def _serving(r: dict[str, Any], stderr: str) -> None:
     assert level["output_tokens_per_s"] > 0 and level["ttft_p50_ms"] > 0 and level["itl_p50_ms"] > 0
 
 
+def _pd(r: dict[str, Any], stderr: str) -> None:
+    assert r["figure"].startswith("CPU-only shape check")
+    assert r["failed_layouts"] == {}
+    (rate,) = r["rates"].values()
+    assert sorted(rate) == ["aggregated", "disaggregated", "verdict"]
+    for layout in ("aggregated", "disaggregated"):
+        figures = rate[layout]
+        assert (figures["requests"], figures["completed"], figures["errors"]) == (
+            6,
+            6,
+            0,
+        )  # seeded Poisson, 2 s at 2/s
+        assert figures["ttft_p50_s"] > 0 and figures["itl_p99_ms"] > 0 and figures["output_tokens_per_s"] > 0
+        assert 0 <= figures["goodput_fraction"] <= 1
+        assert figures["router_fallbacks"] == 0
+    # The decode engine pulled every prompt's KV from the prefill engine (none recomputed).
+    pd_figures = rate["disaggregated"]
+    assert pd_figures["kv_transfer_bytes"] > 0
+    assert pd_figures["kv_transfer_failures"] == pd_figures["kv_leases_expired"] == 0
+    assert sorted(rate["verdict"]["winners"]) == sorted(name for name, _ in VERDICT_FIGURES)
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], str], None]] = {
+    "pd": _pd,
     "scheduler": _scheduler,
     "kv_transfer": _kv_transfer,
     "router": _router,

@@ -27,11 +27,15 @@ def _scheduler(num_blocks: int, lookahead: bool) -> Scheduler:
 
 
 def _run(
-    scheduler: Scheduler, prompts: list[list[int]], lengths: list[int]
+    scheduler: Scheduler,
+    prompts: list[list[int]],
+    lengths: list[int],
+    model: PagedFakeModel | None = None,
 ) -> tuple[int, int, list[list[int]]]:
     """Every decode step's prediction against the step scheduled after it: (predictions made,
-    predictions matched, generated tokens)."""
-    model = PagedFakeModel(scheduler.kv_cache_manager.num_blocks, BS, VOCAB)
+    predictions matched, generated tokens). `model`: the stand-in whose KV an earlier run left
+    (prefix hits read it); None: a fresh one."""
+    model = model or PagedFakeModel(scheduler.kv_cache_manager.num_blocks, BS, VOCAB)
     requests = [
         Request(i, list(p), SamplingParams(max_tokens=n, ignore_eos=True))
         for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
@@ -109,3 +113,33 @@ def test_lookahead_takes_the_next_blocks_all_or_none_and_never_preempts() -> Non
     assert not step.decode_lookahead and scheduler.num_preemptions == 0
     assert [len(kv.block_ids(0)), len(kv.block_ids(1))] == [2, 2]
     assert plan_next_decode(step, BS, MAX_LEN) is None
+
+
+def test_lookahead_with_prefix_caching_caches_only_full_blocks_and_serves_a_later_hit() -> None:
+    scheduler = Scheduler(
+        num_blocks=16, block_size=BS, max_num_seqs=4, max_num_batched_tokens=64,
+        max_model_len=MAX_LEN, enable_prefix_caching=True, decode_lookahead=True,
+    )  # fmt: skip
+    kv = scheduler.kv_cache_manager
+    model = PagedFakeModel(kv.num_blocks, BS, VOCAB)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5]  # two full blocks and one token of a third
+    # 9 prompt + 6 generated = 15 tokens; the last one is never computed, so 14 tokens of KV:
+    # blocks 0-2 full (12 tokens), block 3 half (2), and block 4 taken one step early for the
+    # token at position 15 — which never comes, so it holds nothing.
+    made, matched, outputs = _run(scheduler, [prompt], [6], model)
+    assert outputs == [_expected(prompt, 6)]
+    assert (made, matched) == (5, 4)
+    # Only the three full blocks stay cached; the half block and the never-written lookahead
+    # block went back to the vacant pool with no key.
+    cached = kv.cached_free_blocks()
+    assert len(cached) == 3
+    assert [b for b in range(kv.num_blocks) if kv.block_keys[b] is not None] == sorted(cached)
+    assert kv.num_free_blocks == kv.num_blocks and kv.ref_counts == [0] * kv.num_blocks
+
+    # The same prompt again hits the two full prompt blocks (the last prompt token is always
+    # recomputed), decodes across the boundaries it owns one step early, and gets the same tokens.
+    made, matched, outputs = _run(scheduler, [prompt], [6], model)
+    assert outputs == [_expected(prompt, 6)]
+    assert (made, matched) == (5, 4)
+    assert (scheduler.prefix_cache_stats.num_requests, scheduler.prefix_cache_stats.hit_tokens) == (2, 8)
+    assert sorted(kv.cached_free_blocks()) == sorted(cached)

@@ -4,20 +4,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from baton_support.tiny_models import SPECULATIVE
+from tests.torch_threads import one_torch_thread
 
 TINY_VOCAB = SPECULATIVE.vocab_size
 
 
 @pytest.fixture(autouse=True)
 def _single_torch_thread() -> Iterator[None]:
-    # The CI machine's two cores are shared: several intra-op threads only add contention.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="session")

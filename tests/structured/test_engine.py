@@ -14,7 +14,6 @@ from typing import Any
 
 import jsonschema
 import pytest
-import torch
 
 from baton_engine.core.engine_core import run_until_idle
 from baton_engine.core.request import FinishReason, Request, RequestStatus
@@ -27,6 +26,7 @@ from baton_engine.structured.manager import StructuredOutputManager
 from baton_support.tiny_models import CHAT
 from tests.core.scripted_connector import ScriptedConnector
 from tests.structured.helpers import CallerExecutor, GatedExecutor
+from tests.torch_threads import one_torch_thread
 
 PERSON: dict[str, Any] = {
     "type": "object",
@@ -49,11 +49,8 @@ POINT: dict[str, Any] = {
 
 @pytest.fixture(autouse=True)
 def _single_torch_thread() -> Iterator[None]:
-    # The CI machine's two cores are shared: several intra-op threads only add contention.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +171,25 @@ def test_a_bad_grammar_is_refused_at_the_boundary_and_in_the_core(llm: LLM) -> N
     run_until_idle(llm.core, outputs.extend)
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("bad", "rejected")]
     assert outputs[0].finish_message.startswith("grammar: ")
+    _assert_idle(llm)
+
+
+def test_two_requests_sharing_a_grammar_that_fails_to_compile_are_both_refused(llm: LLM) -> None:
+    prompt = llm.tokenizer.encode("Hello")
+    core = llm.core
+    core.add_request("bad-1", prompt, SamplingParams(grammar="start: ("))
+    core.add_request("free", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    core.add_request("bad-2", prompt, SamplingParams(grammar="start: ("))
+    outputs: list[Any] = []
+    run_until_idle(core, outputs.extend)
+    finished = {o.request_id: o for o in outputs if o.finished}
+    assert {rid: o.finish_reason for rid, o in finished.items()} == {
+        "bad-1": "rejected",
+        "bad-2": "rejected",
+        "free": "length",
+    }
+    assert finished["bad-1"].finish_message == finished["bad-2"].finish_message
+    assert finished["bad-1"].finish_message.startswith("grammar: ")
     _assert_idle(llm)
 
 
