@@ -78,7 +78,7 @@ def test_mixed_step_matches_per_row_attention() -> None:
     k = torch.from_numpy(gen.standard_normal((tokens, KV_HEADS, DIM)))
     v = torch.from_numpy(gen.standard_normal((tokens, KV_HEADS, DIM)))
 
-    backend = TorchAttentionBackend(torch.device("cpu"))
+    backend = TorchAttentionBackend(torch.device("cpu"), native_decode=False)
     plan = backend.prepare(batch)
     assert plan.decode is not None
     assert len(plan.decode.groups) >= 3
@@ -131,7 +131,7 @@ def test_unwritten_slots_holding_nan_do_not_reach_the_output() -> None:
     q = torch.from_numpy(gen.standard_normal((2, KV_HEADS * HEADS_PER_KV, DIM)))
     k = torch.from_numpy(gen.standard_normal((2, KV_HEADS, DIM)))
     v = torch.from_numpy(gen.standard_normal((2, KV_HEADS, DIM)))
-    backend = TorchAttentionBackend(torch.device("cpu"))
+    backend = TorchAttentionBackend(torch.device("cpu"), native_decode=False)
     plan = backend.prepare(batch)
     assert plan.fresh_blocks is not None and plan.fresh_blocks.tolist() == [2, 5]
     out = backend.forward(q, k, v, cache, batch, plan, scale=DIM**-0.5)

@@ -5,6 +5,10 @@ into a reusable buffer, then one SDPA call. Rows are sorted by length and cut in
 short rows are not padded to the longest one (padding is gathered, attended and masked: pure
 waste). Each prefill chunk gets its own SDPA call — straight over its new K/V when it starts at
 position 0, over its gathered cache (prefix hits, earlier chunks) otherwise.
+
+On CPU, single-token decode rows of a float32 or bfloat16 cache go to the C kernel of
+`cpu_paged_decode` instead (K and V read once, no gather) when it could be built; rows verifying
+several tokens, FP8 caches and shapes past its limits keep the gather path.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from baton_engine.model.attention.batch import AttentionBatch
+from baton_engine.model.attention.cpu_paged_decode import DecodeRows, PagedDecodeKernel, paged_decode_kernel
 from baton_engine.model.quantization.fp8 import cast_saturated
 
 GROUP_COST_IN_BLOCKS = 8
@@ -53,6 +58,9 @@ class _DecodeGroup:
 class _DecodePlan:
     groups: list[_DecodeGroup]
     buffer_blocks: int  # the largest group's gathered blocks (the buffer is reused group by group)
+    native: DecodeRows | None = None  # single-token rows for the C kernel (not in `groups`)
+    native_members: npt.NDArray[np.int64] | None = None  # their row indices, for the fallback
+    fallback: _DecodePlan | None = None  # `native` rows as gather groups, planned when needed
 
 
 @dataclass
@@ -86,9 +94,14 @@ def _fresh_blocks(batch: AttentionBatch) -> npt.NDArray[np.int64]:
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, native_decode: bool = True) -> None:
+        """native_decode: on a CPU device, route single-token decode rows to the C kernel where
+        it builds (False: always the gather path, the reference the kernel is tested against)."""
         self.device = device
         self._buffer: torch.Tensor | None = None
+        self._kernel: PagedDecodeKernel | None = None
+        if native_decode and device.type == "cpu":
+            self._kernel = paged_decode_kernel()
 
     def prepare(self, batch: AttentionBatch) -> _Plan:
         decode = self._plan_decode(batch) if batch.num_decode_rows else None
@@ -98,14 +111,30 @@ class TorchAttentionBackend:
         return _Plan(decode=decode, prefills=prefills, fresh_blocks=fresh_blocks)
 
     def _plan_decode(self, batch: AttentionBatch) -> _DecodePlan:
-        rows = batch.num_decode_rows
+        rows = np.arange(batch.num_decode_rows)
+        if self._kernel is None:
+            return self._plan_decode_groups(batch, rows)
+        single = np.diff(batch.query_start_loc[: batch.num_decode_rows + 1]) == 1
+        plan = self._plan_decode_groups(batch, rows[~single])
+        members = rows[single]
+        if len(members):
+            plan.native = DecodeRows(
+                block_tables=np.ascontiguousarray(batch.block_tables_host[members]),
+                seq_lens=np.ascontiguousarray(batch.seq_lens[members]),
+                query_tokens=np.ascontiguousarray(batch.query_start_loc[members]),
+            )
+            plan.native_members = members
+        return plan
+
+    def _plan_decode_groups(self, batch: AttentionBatch, rows: npt.NDArray[np.int64]) -> _DecodePlan:
+        if not len(rows):
+            return _DecodePlan([], 0)
         bs = batch.block_size
-        seq_lens = batch.seq_lens[:rows]
-        num_blocks = (seq_lens + bs - 1) // bs
-        order = np.argsort(num_blocks, kind="stable")
+        num_blocks = (batch.seq_lens[rows] + bs - 1) // bs
+        order = rows[np.argsort(num_blocks, kind="stable")]
         groups = [
             self._plan_decode_group(batch, members)
-            for members in np.split(order, _group_cuts(num_blocks[order]))
+            for members in np.split(order, _group_cuts((batch.seq_lens[order] + bs - 1) // bs))
         ]
         return _DecodePlan(groups, max(g.rows * g.blocks_per_row for g in groups))
 
@@ -191,7 +220,23 @@ class TorchAttentionBackend:
             k, v = _dequantized(k, kv_scale[0], q.dtype), _dequantized(v, kv_scale[1], q.dtype)
         out = torch.empty_like(q)
         if plan.decode is not None:
-            self._decode(q, layer_cache, plan.decode, scale, out, kv_scale)
+            decode = plan.decode
+            if decode.native is not None:
+                if (
+                    self._kernel is not None
+                    and kv_scale is None
+                    and self._kernel.supports(
+                        layer_cache.dtype, q.shape[1], num_kv_heads, head_dim, batch.block_size
+                    )
+                ):
+                    self._kernel(q, layer_cache, decode.native, scale, out)
+                else:  # this model or cache is not the kernel's: plan its rows as groups from now on
+                    self._kernel = None
+                    assert decode.native_members is not None
+                    if decode.fallback is None:
+                        decode.fallback = self._plan_decode_groups(batch, decode.native_members)
+                    self._decode(q, layer_cache, decode.fallback, scale, out, kv_scale)
+            self._decode(q, layer_cache, decode, scale, out, kv_scale)
         for row in plan.prefills:
             out[row.start : row.end] = self._prefill(q, k, v, k_cache, v_cache, row, scale, kv_scale)
         return out
@@ -205,6 +250,8 @@ class TorchAttentionBackend:
         out: torch.Tensor,
         kv_scale: torch.Tensor | None,
     ) -> None:
+        if not plan.groups:
+            return
         _, num_blocks, block_size, kv_heads, head_dim = layer_cache.shape
         heads_per_kv = q.shape[1] // kv_heads
         blocks = layer_cache.view(2, num_blocks, block_size * kv_heads * head_dim)
