@@ -60,6 +60,23 @@ class EngineConfig(BaseModel):
         "engine exits (a rank that dies ends it at once).",
     )
 
+    # -- CPU
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="Intra-op (torch/OpenMP) threads of the engine core on CPU; default: "
+        "OMP_NUM_THREADS if set, else one per CPU the core runs on (see --cpu-bind; under a "
+        "cgroup CPU quota, the quota).",
+    )
+    cpu_bind: Literal["auto", "none"] = Field(
+        "auto",
+        description="CPU pinning of a served engine on CPU: auto = when the process owns its CPUs "
+        "(no cgroup quota narrower than its affinity mask) and has 2 or more, the HTTP server on "
+        "the first and the engine core on the others, one thread each (vLLM-CPU's default layout); "
+        "none = nothing pinned.",
+    )
+
     # -- cache
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
     num_kv_blocks: int | None = Field(

@@ -211,7 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True, help="ipc:// address to read requests from")
     parser.add_argument("--output", required=True, help="ipc:// address to send outputs to")
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--cpu-threads", type=int, help="torch intra-op threads (CPU device)")
+    parser.add_argument("--cpu-affinity", help="comma-separated CPUs to run on (CPU device)")
     args = parser.parse_args(argv)
+    if args.cpu_affinity:  # before torch starts its OpenMP threads, which inherit the mask
+        os.sched_setaffinity(0, [int(cpu) for cpu in args.cpu_affinity.split(",")])
+    if args.cpu_threads:
+        import torch
+
+        torch.set_num_threads(args.cpu_threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s core: %(message)s")

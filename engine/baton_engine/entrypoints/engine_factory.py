@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import Drafter, EngineCore, KVEventSink, SpecDecodeStatsLogger
 from baton_engine.core.sampling_params import SamplingParams
+from baton_engine.entrypoints.cpu_layout import host_cpu_layout
 from baton_engine.prefix.hashing import prefix_hasher
 from baton_engine.structured.manager import StructuredOutputManager
 
@@ -180,7 +181,8 @@ def build_model_runner(
         return GpuModelRunner(config, loaded, parallel=tp)
     if tp.is_parallel and torch.device(config.device).type == "cpu":
         # The ranks share the host's cores: one rank's intra-op threads must not take them all.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp.size))
+        usable = host_cpu_layout(config.cpu_threads, "none").core_threads
+        torch.set_num_threads(max(1, usable // tp.size))
     return ModelRunner(config, loaded, parallel=tp)
 
 

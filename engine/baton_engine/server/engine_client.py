@@ -28,6 +28,7 @@ from baton_engine.core.engine_stats import EngineStats
 from baton_engine.core.outputs import RequestOutput
 from baton_engine.core.sampling_params import SamplingParams
 from baton_engine.entrypoints import ipc
+from baton_engine.entrypoints.cpu_layout import CpuLayout
 
 log = logging.getLogger("baton_engine.server")
 LOAD_REPORT_SECONDS = 15.0
@@ -97,8 +98,14 @@ class EngineClient:
         return self._dead
 
     # -- lifecycle --------------------------------------------------------------------------
-    async def start(self, timeout: float = 600.0) -> None:
-        """Spawn the core and wait for its ``ready`` (or raise `EngineDeadError`)."""
+    async def start(self, timeout: float = 600.0, layout: CpuLayout | None = None) -> None:
+        """Spawn the core and wait for its ``ready`` (or raise `EngineDeadError`). `layout`: the
+        core's threads and CPUs on a CPU device (None: torch's defaults, unpinned)."""
+        layout_args: list[str] = []
+        if layout is not None:
+            layout_args = ["--cpu-threads", str(layout.core_threads)]
+            if layout.core_cpus is not None:
+                layout_args += ["--cpu-affinity", ",".join(map(str, layout.core_cpus))]
         self.process = subprocess.Popen(
             [
                 sys.executable,
@@ -112,6 +119,7 @@ class EngineClient:
                 self._paths.output_address,
                 "--parent-pid",
                 str(os.getpid()),
+                *layout_args,
             ],
             env=core_environment(os.environ),
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from typing import Any
 import uvicorn
 
 from baton_engine.config import EngineConfig
+from baton_engine.entrypoints.cpu_layout import host_cpu_layout
 from baton_engine.model.loader.tokenizer_loading import NoTokenizerError, load_tokenizer
 from baton_engine.server.app import build_app
 from baton_engine.server.engine_client import EngineClient
@@ -54,7 +56,16 @@ async def _load(state: ServerState, server: _Server, on_fatal: Callable[[str], N
         log.info("starting the engine core (it loads the weights)")
         client = EngineClient(config, on_stats=state.metrics.update, on_fatal=on_fatal)
         state.client = client
-        await client.start()
+        layout = None
+        if config.device.split(":")[0] == "cpu":
+            # tensor-parallel ranks share the core's CPUs: pinning it to some would crowd them
+            bind = config.cpu_bind if config.tensor_parallel_size == 1 else "none"
+            layout = host_cpu_layout(config.cpu_threads, bind)
+        await client.start(layout=layout)
+        if layout is not None and layout.server_cpus is not None:
+            os.sched_setaffinity(0, layout.server_cpus)
+            log.info("CPU layout: server on %s, engine core on %s with %d threads",
+                     layout.server_cpus, layout.core_cpus, layout.core_threads)  # fmt: skip
         info = client.info
         state.model_name = config.served_model_name or str(info["model_name"])
         state.metrics.set_model_name(state.model_name)
