@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
-FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
+FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 _int64 = ctypes.c_int64
@@ -48,15 +48,18 @@ class PagedDecodeKernel:
 
     library: ctypes.CDLL
     max_group: int
-    max_dim: int
+    """Most query heads sharing one KV head."""
+    head_dims: frozenset[int]
+    """Head sizes it was built for."""
     max_block: int
+    """Largest block size, in tokens."""
 
     def supports(self, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, block_size: int) -> bool:
         return (
             dtype in SUPPORTED_DTYPES
             and heads % kv_heads == 0
             and heads // kv_heads <= self.max_group
-            and dim <= self.max_dim
+            and dim in self.head_dims
             and block_size <= self.max_block
         )
 
@@ -167,9 +170,10 @@ def load(library_path: Path) -> PagedDecodeKernel:
         entry = getattr(library, name)
         entry.restype = ctypes.c_int
         entry.argtypes = _SIGNATURE
-    limits = [_int64() for _ in range(3)]
-    library.baton_paged_decode_limits(*(ctypes.byref(value) for value in limits))
-    return PagedDecodeKernel(library, *(int(value.value) for value in limits))
+    group, dims_mask, block = _int64(), _int64(), _int64()
+    library.baton_paged_decode_limits(ctypes.byref(group), ctypes.byref(dims_mask), ctypes.byref(block))
+    head_dims = frozenset(16 * bit for bit in range(63) if int(dims_mask.value) >> bit & 1)
+    return PagedDecodeKernel(library, int(group.value), head_dims, int(block.value))
 
 
 @functools.cache
