@@ -92,6 +92,9 @@ class Settings:
     offline_prompts: tuple[int, ...] = (16, 64)
     rounds: int = 2
     seed: int = 7
+    baton_bind: str = "auto"
+    """Baton's --cpu-bind: auto (its own default layout: on this 2-core machine the server on one
+    core, one engine-core thread pinned to the other) or none (``threads`` unpinned threads)."""
     vllm_bind: str = "auto"
     """VLLM_CPU_OMP_THREADS_BIND: auto (vLLM's own default binding) or nobind (OMP_NUM_THREADS=threads,
     unpinned, like Baton)."""
@@ -240,9 +243,12 @@ def server_command(
         str(MAX_MODEL_LEN),
     ]
     if side == "baton":
-        env["OMP_NUM_THREADS"] = str(settings.threads)
+        env.pop("OMP_NUM_THREADS", None)
         command = [sys.executable, "-m", "baton_engine.cli", "serve", "--model", str(MODEL_DIR), *common]
         command += ["--num-kv-blocks", str(kv_blocks(settings)), "--enable-prefix-caching"]
+        command += ["--cpu-bind", settings.baton_bind]
+        if settings.baton_bind == "none":
+            command += ["--cpu-threads", str(settings.threads)]
         return command, env
     assert vllm_python is not None
     env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(settings.kv_cache_gib))
@@ -736,6 +742,11 @@ def main(argv: list[str] | None = None) -> int:
         "--offline-prompts", help="Comma-separated offline batch sizes (default 16,64); '' skips."
     )
     parser.add_argument(
+        "--baton-bind",
+        choices=("auto", "none"),
+        help="Baton's --cpu-bind (default auto: Baton's own layout; none: --threads unpinned threads).",
+    )
+    parser.add_argument(
         "--vllm-bind",
         choices=("auto", "nobind"),
         help="vLLM's VLLM_CPU_OMP_THREADS_BIND (default auto: vLLM's own).",
@@ -768,6 +779,8 @@ def main(argv: list[str] | None = None) -> int:
         changes["offline_prompts"] = tuple(int(n) for n in args.offline_prompts.split(",") if n)
     if args.vllm_bind:
         changes["vllm_bind"] = args.vllm_bind
+    if args.baton_bind:
+        changes["baton_bind"] = args.baton_bind
     if args.vllm_offline_in_process:
         changes["vllm_offline_multiprocessing"] = False
     if args.no_neighbour or not changes.get("offline_prompts", settings.offline_prompts):
