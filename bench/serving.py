@@ -2,12 +2,14 @@
 
 Both servers run the same fp32 folder (SmolLM2-135M-Instruct exported from the builtin GGUF by
 `baton_engine.model.loader.hf_export`: Baton's dequantized weights and tokenizer), one after the other,
-Baton with ``--threads`` torch/OpenMP threads (default 2, unpinned), vLLM with its own default CPU
-binding (``VLLM_CPU_OMP_THREADS_BIND=auto``: on this 2-core machine one OpenMP thread pinned to
-one core, the other core left to its API server and engine-core processes). That is what a vLLM
-user gets, and it is vLLM's best layout here: with ``--vllm-bind nobind`` (``--threads`` unpinned
-threads, like Baton) its Worker's threads and its busy-polling EngineCore fight for the two cores
-(47 vs 109 tok/s at concurrency 16 in one session). Both: a ``--kv-cache-gib`` KV cache (3), 2048
+each in its own default CPU layout: Baton with ``--cpu-bind auto`` (on this 2-core machine its HTTP
+server pinned to one core, one engine-core thread pinned to the other; ``--baton-bind none``:
+``--threads`` unpinned threads instead), vLLM with ``VLLM_CPU_OMP_THREADS_BIND=auto`` (one OpenMP
+thread pinned to one core, the other core left to its API server and engine-core processes). That
+is what a user of each gets, and vLLM's best layout here: with ``--vllm-bind nobind``
+(``--threads`` unpinned threads) its Worker's threads and its busy-polling EngineCore fight for
+the two cores (47 vs 109 tok/s at concurrency 16 in one session). The offline runs are in-process
+for Baton with ``--threads`` threads. Both: a ``--kv-cache-gib`` KV cache (3), 2048
 batched tokens, prefix caching on, ``max_model_len`` 4096. NVIDIA's aiperf (PyPI, in its own venv:
 scripts/aiperf-venv.sh) drives each at every ``--concurrency`` (1, 16, 64): completions,
 streaming, 200 input / 64 output tokens (synthetic prompts, fixed seed, ``ignore_eos``),
