@@ -2,13 +2,13 @@
 
 Both servers run the same fp32 folder (SmolLM2-135M-Instruct exported from the builtin GGUF by
 `baton_engine.model.loader.hf_export`: Baton's dequantized weights and tokenizer), one after the other,
-each in its own default CPU layout: Baton with ``--cpu-bind auto`` (on this 2-core machine its HTTP
-server pinned to one core, one engine-core thread pinned to the other; ``--baton-bind none``:
-``--threads`` unpinned threads instead), vLLM with ``VLLM_CPU_OMP_THREADS_BIND=auto`` (one OpenMP
-thread pinned to one core, the other core left to its API server and engine-core processes). That
-is what a user of each gets, and vLLM's best layout here: with ``--vllm-bind nobind``
-(``--threads`` unpinned threads) its Worker's threads and its busy-polling EngineCore fight for
-the two cores (47 vs 109 tok/s at concurrency 16 in one session). The offline runs are in-process
+each in its own default CPU layout: Baton with ``--threads`` unpinned threads (``--baton-bind
+split``: its HTTP server pinned to one core, one engine-core thread to the other), vLLM with
+``VLLM_CPU_OMP_THREADS_BIND=auto`` (one OpenMP thread pinned to one core, the other core left to
+its API server and engine-core processes). That is what a user of each gets, and vLLM's best
+layout here: with ``--vllm-bind nobind`` (``--threads`` unpinned threads) its Worker's threads and
+its busy-polling EngineCore fight for the two cores (47 vs 109 tok/s at concurrency 16 in one
+session). The offline runs are in-process
 for Baton with ``--threads`` threads. Both: a ``--kv-cache-gib`` KV cache (3), 2048
 batched tokens, prefix caching on, ``max_model_len`` 4096. NVIDIA's aiperf (PyPI, in its own venv:
 scripts/aiperf-venv.sh) drives each at every ``--concurrency`` (1, 16, 64): completions,
@@ -94,9 +94,9 @@ class Settings:
     offline_prompts: tuple[int, ...] = (16, 64)
     rounds: int = 2
     seed: int = 7
-    baton_bind: str = "auto"
-    """Baton's --cpu-bind: auto (its own default layout: on this 2-core machine the server on one
-    core, one engine-core thread pinned to the other) or none (``threads`` unpinned threads)."""
+    baton_bind: str = "none"
+    """Baton's --cpu-bind: none (its default: ``threads`` unpinned threads) or split (the server on
+    one core, one engine-core thread pinned to the other: vLLM's layout)."""
     vllm_bind: str = "auto"
     """VLLM_CPU_OMP_THREADS_BIND: auto (vLLM's own default binding) or nobind (OMP_NUM_THREADS=threads,
     unpinned, like Baton)."""
@@ -745,8 +745,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--baton-bind",
-        choices=("auto", "none"),
-        help="Baton's --cpu-bind (default auto: Baton's own layout; none: --threads unpinned threads).",
+        choices=("none", "split"),
+        help="Baton's --cpu-bind (default none: --threads unpinned threads; split: vLLM's layout).",
     )
     parser.add_argument(
         "--vllm-bind",

@@ -66,15 +66,16 @@ class EngineConfig(BaseModel):
         ge=1,
         le=4096,
         description="Intra-op (torch/OpenMP) threads of the engine core on CPU; default: "
-        "OMP_NUM_THREADS if set, else one per CPU the core runs on (see --cpu-bind; under a "
-        "cgroup CPU quota, the quota).",
+        "OMP_NUM_THREADS if set, else one per CPU the core runs on (the affinity mask, or the "
+        "cgroup CPU quota where that is narrower; see --cpu-bind).",
     )
-    cpu_bind: Literal["auto", "none"] = Field(
-        "auto",
-        description="CPU pinning of a served engine on CPU: auto = when the process owns its CPUs "
-        "(no cgroup quota narrower than its affinity mask) and has 2 or more, the HTTP server on "
-        "the first and the engine core on the others, one thread each (vLLM-CPU's default layout); "
-        "none = nothing pinned.",
+    cpu_bind: Literal["none", "split"] = Field(
+        "none",
+        description="CPU pinning of a served engine on CPU: none = nothing pinned, the core on every "
+        "usable CPU; split = when the process owns its CPUs (no cgroup quota narrower than its "
+        "affinity mask) and has 2 or more, the HTTP server on the first and the engine core on the "
+        "others, one thread each (vLLM-CPU's default layout: robust to a busy neighbour, but the "
+        "server's CPU is lost to compute).",
     )
 
     # -- cache

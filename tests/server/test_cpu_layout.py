@@ -24,23 +24,24 @@ from tests.server.server_process import ServerProcess
     ("allowed", "quota", "threads", "bind", "expected"),
     [
         # a 2-CPU machine of its own: server on CPU 0, one core thread on CPU 1
-        ([0, 1], None, None, "auto", CpuLayout(1, (1,), (0,))),
-        ([3, 1, 2, 0], None, None, "auto", CpuLayout(3, (1, 2, 3), (0,))),
+        ([0, 1], None, None, "split", CpuLayout(1, (1,), (0,))),
+        ([3, 1, 2, 0], None, None, "split", CpuLayout(3, (1, 2, 3), (0,))),
         # exclusive CPUs of a Guaranteed pod (static CPU manager): the mask matches the quota
-        ([4, 5, 6, 7], 4.0, None, "auto", CpuLayout(3, (5, 6, 7), (4,))),
+        ([4, 5, 6, 7], 4.0, None, "split", CpuLayout(3, (5, 6, 7), (4,))),
         # a CPU limit on a shared node: the mask is the node's, the quota decides the threads
-        (list(range(64)), 2.0, None, "auto", CpuLayout(2, None, None)),
-        (list(range(64)), 2.5, None, "auto", CpuLayout(3, None, None)),
-        (list(range(64)), 0.5, None, "auto", CpuLayout(1, None, None)),
+        (list(range(64)), 2.0, None, "split", CpuLayout(2, None, None)),
+        (list(range(64)), 2.5, None, "split", CpuLayout(3, None, None)),
+        (list(range(64)), 0.5, None, "split", CpuLayout(1, None, None)),
         # one CPU: nothing to split
-        ([2], None, None, "auto", CpuLayout(1, None, None)),
+        ([2], None, None, "split", CpuLayout(1, None, None)),
         # explicit threads that fit beside the server's CPU are pinned; more are not
-        ([0, 1, 2, 3], None, 2, "auto", CpuLayout(2, (1, 2, 3), (0,))),
-        ([0, 1], None, 2, "auto", CpuLayout(2, None, None)),
-        # bind none: threads follow the CPUs (or the quota), nothing pinned
+        ([0, 1, 2, 3], None, 2, "split", CpuLayout(2, (1, 2, 3), (0,))),
+        ([0, 1], None, 2, "split", CpuLayout(2, None, None)),
+        # bind none (the default): threads follow the CPUs (or the quota), nothing pinned
         ([0, 1], None, None, "none", CpuLayout(2, None, None)),
         (list(range(8)), 3.0, None, "none", CpuLayout(3, None, None)),
         ([0, 1], None, 5, "none", CpuLayout(5, None, None)),
+        (list(range(64)), 2.0, None, "none", CpuLayout(2, None, None)),
     ],
 )
 def test_plan(
@@ -51,7 +52,7 @@ def test_plan(
 
 def test_no_cpu_is_an_error() -> None:
     with pytest.raises(ValueError, match="no CPU allowed"):
-        plan_cpu_layout([], None, None, "auto")
+        plan_cpu_layout([], None, None, "split")
 
 
 @pytest.mark.parametrize(
@@ -100,8 +101,8 @@ def _allowed_cpus(pid: int) -> set[int]:
 
 
 def test_a_served_engine_runs_where_the_plan_says(start_tiny_server: Callable[..., ServerProcess]) -> None:
-    layout = host_cpu_layout(None, "auto")
-    server = start_tiny_server("--cpu-bind", "auto")
+    layout = host_cpu_layout(None, "split")
+    server = start_tiny_server("--cpu-bind", "split")
     response = server.http.post(
         "/v1/completions", json={"model": "tiny-chat", "prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}
     )

@@ -2,13 +2,14 @@
 CPUs it and the HTTP server are pinned to.
 
 A served engine is two processes: the HTTP server (tokenizing, detokenizing, streaming every
-token) and the engine core (the model). Unpinned, the server's bursts of work preempt one of the
-core's OpenMP threads, and every parallel region then waits for the preempted one; so does any
-other busy process on the machine. ``cpu_bind=auto`` gives the server the first usable CPU and
-the core one thread on each of the others (the layout vLLM-CPU uses by default), when the process
-owns its CPUs: its affinity mask is no wider than its cgroup CPU quota. Under a quota narrower
-than the mask (a Kubernetes pod with a CPU limit on a shared node) nothing is pinned and the
-core's threads follow the quota, not the node's core count.
+token) and the engine core (the model). By default (``cpu_bind=none``) nothing is pinned and the
+core takes one thread per usable CPU: the CPUs of its affinity mask, or its cgroup CPU quota when
+that is narrower (a Kubernetes pod with a CPU limit on a big node would otherwise start one thread
+per node core and be throttled). ``cpu_bind=split`` gives the server the first CPU and the core
+one thread on each of the others (vLLM-CPU's default layout), when the process owns its CPUs (its
+mask is no wider than its quota): the server's bursts and one busy neighbour then never preempt a
+compute thread, at the price of the server's CPU, which Baton's light server leaves mostly idle
+(measured on 2 cores: half the throughput, prefill being compute-bound).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def plan_cpu_layout(
     allowed: Sequence[int],
     quota: float | None,
     threads: int | None,
-    bind: Literal["auto", "none"],
+    bind: Literal["split", "none"],
 ) -> CpuLayout:
     """The layout for a process allowed on `allowed` CPUs under a cgroup quota of `quota` CPUs
     (None: unlimited), with `threads` asked for explicitly (None: one per CPU the core gets)."""
@@ -48,7 +49,7 @@ def plan_cpu_layout(
         raise ValueError("no CPU allowed")
     usable = len(cpus) if quota is None else max(1, min(len(cpus), math.ceil(quota)))
     owns_its_cpus = quota is None or len(cpus) <= quota + 1e-9
-    if bind == "auto" and owns_its_cpus and len(cpus) >= 2 and (threads is None or threads <= len(cpus) - 1):
+    if bind == "split" and owns_its_cpus and len(cpus) >= 2 and (threads is None or threads <= len(cpus) - 1):
         return CpuLayout(core_threads=threads or len(cpus) - 1, core_cpus=cpus[1:], server_cpus=cpus[:1])
     return CpuLayout(core_threads=threads or usable, core_cpus=None, server_cpus=None)
 
@@ -79,7 +80,7 @@ def explicit_threads(cpu_threads: int | None, environ: Mapping[str, str]) -> int
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-def host_cpu_layout(cpu_threads: int | None, bind: Literal["auto", "none"]) -> CpuLayout:
+def host_cpu_layout(cpu_threads: int | None, bind: Literal["split", "none"]) -> CpuLayout:
     """`plan_cpu_layout` for this process, as it runs now."""
     return plan_cpu_layout(
         sorted(os.sched_getaffinity(0)),
