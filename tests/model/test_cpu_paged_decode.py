@@ -19,6 +19,7 @@ import torch
 from baton_engine.model.attention import cpu_paged_decode
 from baton_engine.model.attention.batch import AttentionBatch
 from baton_engine.model.attention.torch_backend import TorchAttentionBackend, _Plan
+from tests.model.test_torch_attention import _batch as gather_path_batch
 
 NUM_BLOCKS = 160
 
@@ -26,26 +27,13 @@ NUM_BLOCKS = 160
 def _batch(
     context: list[int], query_lens: list[int], num_decode: int, block: int, gen: np.random.Generator
 ) -> AttentionBatch:
-    seq_lens = [c + q for c, q in zip(context, query_lens, strict=True)]
-    needed = [(s + block - 1) // block for s in seq_lens]
+    """Tables scattered over the pool; entries past a row's blocks name the NaN block."""
+    needed = [(c + q + block - 1) // block for c, q in zip(context, query_lens, strict=True)]
     pool = gen.permutation(NUM_BLOCKS - 1)
-    tables = np.full((len(context), max(needed) + 2), NUM_BLOCKS - 1, dtype=np.int64)  # padding: a NaN block
+    tables = np.full((len(context), max(needed) + 2), NUM_BLOCKS - 1, dtype=np.int64)
     for row, count in enumerate(needed):
         tables[row, :count] = pool[sum(needed[:row]) : sum(needed[: row + 1])]
-    positions = np.concatenate([np.arange(c, s) for c, s in zip(context, seq_lens, strict=True)])
-    rows = np.repeat(np.arange(len(context)), query_lens)
-    slots = tables[rows, positions // block] * block + positions % block
-    return AttentionBatch(
-        block_size=block,
-        num_decode_rows=num_decode,
-        query_start_loc=np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64),
-        seq_lens=np.asarray(seq_lens, dtype=np.int64),
-        num_computed_tokens=np.asarray(context, dtype=np.int64),
-        positions_host=positions.astype(np.int64),
-        block_tables_host=tables,
-        slot_mapping=torch.from_numpy(slots.astype(np.int64)),
-        positions=torch.from_numpy(positions.astype(np.int64)),
-    )
+    return gather_path_batch(context, query_lens, num_decode, tables, block)
 
 
 def _reference(q: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:

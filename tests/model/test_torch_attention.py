@@ -22,13 +22,16 @@ KV_HEADS, HEADS_PER_KV, DIM = 2, 3, 8
 NUM_BLOCKS = 200
 
 
-def _batch(context: list[int], query_lens: list[int], num_decode: int, tables: np.ndarray) -> AttentionBatch:
+def _batch(
+    context: list[int], query_lens: list[int], num_decode: int, tables: np.ndarray, block: int = BLOCK
+) -> AttentionBatch:
+    """The step of rows with `context` cached tokens and `query_lens` new ones, through `tables`."""
     seq_lens = [c + q for c, q in zip(context, query_lens, strict=True)]
     positions = np.concatenate([np.arange(c, s) for c, s in zip(context, seq_lens, strict=True)])
     rows = np.repeat(np.arange(len(context)), query_lens)
-    slots = tables[rows, positions // BLOCK] * BLOCK + positions % BLOCK
+    slots = tables[rows, positions // block] * block + positions % block
     return AttentionBatch(
-        block_size=BLOCK,
+        block_size=block,
         num_decode_rows=num_decode,
         query_start_loc=np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64),
         seq_lens=np.asarray(seq_lens, dtype=np.int64),

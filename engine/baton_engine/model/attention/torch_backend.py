@@ -131,10 +131,10 @@ class TorchAttentionBackend:
             return _DecodePlan([], 0)
         bs = batch.block_size
         num_blocks = (batch.seq_lens[rows] + bs - 1) // bs
-        order = rows[np.argsort(num_blocks, kind="stable")]
+        by_length = np.argsort(num_blocks, kind="stable")
         groups = [
             self._plan_decode_group(batch, members)
-            for members in np.split(order, _group_cuts((batch.seq_lens[order] + bs - 1) // bs))
+            for members in np.split(rows[by_length], _group_cuts(num_blocks[by_length]))
         ]
         return _DecodePlan(groups, max(g.rows * g.blocks_per_row for g in groups))
 
