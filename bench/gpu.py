@@ -996,10 +996,10 @@ def agreement(result: dict[str, Any]) -> None:
     result["fp32_top2_gap_median"] = round(float((top2[:, 0] - top2[:, 1]).median()), 4)
 
 
-def _fp8_section(result: dict[str, Any]) -> None:
+def _fp8_section(result: dict[str, Any], tune: bool = False) -> None:
     from bench.gpu_fp8 import fp8_weights
 
-    fp8_weights(result)
+    fp8_weights(result, tune)
 
 
 def _moe_section(result: dict[str, Any], quick: bool) -> None:
@@ -1035,6 +1035,7 @@ def main() -> None:
         "agree": lambda: agreement(result),
         "1b": lambda: one_b(result, args.quick),
         "fp8": lambda: _fp8_section(result),
+        "fp8_tune": lambda: _fp8_section(result, tune=True),
         "moe": lambda: _moe_section(result, args.quick),
     }
     for name in args.sections.split(","):
