@@ -276,11 +276,11 @@ def _fp8_gemm_launches(case: KernelCase) -> None:
 # -- FP8 weights in the decode products ----------------------------------------------------------
 
 
-def _measured(us: float, limit_us: float) -> str:
+def _tuned() -> str:
     return (
-        f"measured on the H200 (fp8-s4, 2026-12-01: one-token FP8 products at the 8B shapes over 32 "
-        f"layers of distinct weights, graph replay; bench/RESULTS.md): {us} us a layer against its "
-        f"{limit_us} us copy-bandwidth limit, the fastest of the launches tried at this site"
+        "measured on the H200 (bench.gpu section fp8_tune, 2026-12-02: each site's launch chosen by "
+        "the whole batch-1 8B forward replayed from one graph with PDL, the other sites at their "
+        "best; bench/RESULTS.md): the fastest of the launches tried at this site"
     )
 
 
@@ -291,10 +291,10 @@ _FP8_FEW = "not run by the engine (FP8_DECODE_MAX_ROWS is 1): a 16-row dot tile 
 #: One-token launches of the FP8 decode products per call site on NVIDIA (the "lm_head" entry
 #: serves an FP8 linear layer of another name: the LM head itself stays 16-bit).
 _FP8_CUDA_ONE = {
-    "qkv": GemvLaunch(2, 1024, 4, 2, False, _measured(8.91, 6.09)),
-    "o": GemvLaunch(4, 2048, 4, 2, False, _measured(6.93, 4.06)),
-    "gate_up": GemvLaunch(4, 1024, 2, 2, False, _measured(30.48, 28.44)),
-    "down": GemvLaunch(4, 2048, 4, 2, False, _measured(16.64, 14.22)),
+    "qkv": GemvLaunch(4, 1024, 4, 2, False, _tuned()),
+    "o": GemvLaunch(8, 2048, 8, 2, False, _tuned()),
+    "gate_up": GemvLaunch(2, 1024, 2, 3, False, _tuned()),
+    "down": GemvLaunch(16, 2048, 8, 2, False, _tuned()),
 }
 
 
