@@ -57,8 +57,9 @@ def _b1_step_ms(
 
 
 #: One-token FP8 launches tried per call site by `tune_fp8_products` (block_n, block_k, warps,
-#: stages): the shipped entry first, then tiles of more bytes a program (whole 4096-wide rows
-#: included), since under PDL a product's first tile streams in before its wait.
+#: stages): the shipped entry first, then its neighbours in tile rows, columns, warps and stages
+#: (under PDL a product's first tile streams in before its wait, so the best tile depends on
+#: the kernels around it).
 TUNE_CANDIDATES: dict[str, tuple[tuple[int, int, int, int], ...]] = {
     "gate_up": ((2, 1024, 2, 2), (2, 512, 2, 2), (1, 1024, 2, 2), (2, 1024, 1, 2), (1, 2048, 2, 2),
                 (4, 512, 2, 2), (2, 1024, 2, 3), (4, 1024, 2, 2)),
@@ -73,7 +74,7 @@ TUNE_CANDIDATES: dict[str, tuple[tuple[int, int, int, int], ...]] = {
 
 def tune_fp8_products(
     result: dict[str, Any], runner: GpuModelRunner, bf16_runner: GpuModelRunner, context: int = 552
-) -> GemvTable:
+) -> None:
     """Each call site's one-token FP8 launch chosen by the whole batch-1 forward it runs in (the
     products, attention and LM head replayed from one graph with PDL, `context` positions), one
     site at a time with the others at their best so far: a product's cost depends on how its
@@ -134,7 +135,6 @@ def tune_fp8_products(
     result["fp8_tune_forward_vs_bf16_shipped"] = round(medians["shipped"] / medians["bf16"], 4)
     result["fp8_tune_forward_vs_bf16_tuned"] = round(medians["tuned"] / medians["bf16"], 4)
     decoder.projection_table = shipped
-    return best
 
 
 def fp8_weights(result: dict[str, Any], tune: bool = False) -> None:

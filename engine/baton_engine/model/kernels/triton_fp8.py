@@ -276,12 +276,11 @@ def _fp8_gemm_launches(case: KernelCase) -> None:
 # -- FP8 weights in the decode products ----------------------------------------------------------
 
 
-def _tuned() -> str:
-    return (
-        "measured on the H200 (bench.gpu section fp8_tune, 2026-12-02: each site's launch chosen by "
-        "the whole batch-1 8B forward replayed from one graph with PDL, the other sites at their "
-        "best; bench/RESULTS.md): the fastest of the launches tried at this site"
-    )
+_TUNED = (
+    "measured on the H200 (bench.gpu section fp8_tune, 2026-12-02: each site's launch chosen by "
+    "the whole batch-1 8B forward replayed from one graph with PDL, the other sites at their "
+    "best; bench/RESULTS.md): the fastest of the launches tried at this site"
+)
 
 
 _FP8_ONE_GENERIC = "an FP8 linear layer of no decoder call site (not measured): the o_proj entry"
@@ -291,10 +290,10 @@ _FP8_FEW = "not run by the engine (FP8_DECODE_MAX_ROWS is 1): a 16-row dot tile 
 #: One-token launches of the FP8 decode products per call site on NVIDIA (the "lm_head" entry
 #: serves an FP8 linear layer of another name: the LM head itself stays 16-bit).
 _FP8_CUDA_ONE = {
-    "qkv": GemvLaunch(4, 1024, 4, 2, False, _tuned()),
-    "o": GemvLaunch(8, 2048, 8, 2, False, _tuned()),
-    "gate_up": GemvLaunch(2, 1024, 2, 3, False, _tuned()),
-    "down": GemvLaunch(16, 2048, 8, 2, False, _tuned()),
+    "qkv": GemvLaunch(4, 1024, 4, 2, False, _TUNED),
+    "o": GemvLaunch(8, 2048, 8, 2, False, _TUNED),
+    "gate_up": GemvLaunch(2, 1024, 2, 3, False, _TUNED),
+    "down": GemvLaunch(16, 2048, 8, 2, False, _TUNED),
 }
 
 
