@@ -36,7 +36,15 @@ from baton_engine.model.quantization.fp8_linear import Fp8LinearMethod, Fp8Quant
 from baton_engine.worker.gpu.fused_decoder import DecodeMeta, FusedDecoder
 from baton_engine.worker.gpu.model_runner import GpuModelRunner
 from baton_support.model_logits import prefill_logits
-from bench.gpu import LLAMA_31_8B, cuda_time_ms, graph_ms, graph_step_ms, make_core, random_weights
+from bench.gpu import (
+    LLAMA_31_8B,
+    cuda_time_ms,
+    graph_kernel_us,
+    graph_ms,
+    graph_step_ms,
+    make_core,
+    random_weights,
+)
 
 PROMPTS = 8
 
@@ -168,6 +176,11 @@ def fp8_weights(result: dict[str, Any], tune: bool = False) -> None:
     result["fp8_bf16_b1_decode_graph_ms_8b"] = round(bf16_graph, 3)
     result["fp8_vs_bf16_step"] = round(fp8_step / bf16_step, 3)
     result["fp8_vs_bf16_graph"] = round(fp8_graph / bf16_graph, 3)
+    for name, runner in (("fp8", fp8_runner), ("fp8_bf16", bf16_runner)):
+        try:  # the b1 graph as the last step left it: where each step's time goes
+            result[f"{name}_b1_graph_kernels_us_8b"] = graph_kernel_us(runner._graphs[1].graph.replay)
+        except Exception as exc:  # a figure to find the time, not one of the section's results
+            result[f"{name}_b1_graph_kernels_failed"] = repr(exc)[:300]
     for name, runner, replay_ms in (("fp8", fp8_runner, fp8_graph), ("fp8_bf16", bf16_runner, bf16_graph)):
         step_bytes = _step_bytes(runner)
         result[f"{name}_step_gib_8b"] = round(step_bytes / 2**30, 3)
