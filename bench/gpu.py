@@ -627,24 +627,30 @@ def b1_attention_8b(runner: GpuModelRunner, context: int, copy_bps: float) -> di
     }
 
 
-def b1_forward_by_pdl_8b(runner: GpuModelRunner, context: int) -> dict[str, Any]:
-    """The batch-1 forward alone (decode products, attention, final norm, LM head) replayed from
-    a graph over `context` positions, with and without programmatic dependent launch: two
-    decoders over the runner's weights, cache and graph tables (no slot written)."""
+def b1_forward(runner: GpuModelRunner, context: int, decoder: FusedDecoder) -> Callable[[], torch.Tensor]:
+    """The batch-1 forward alone (decode products, attention, final norm, LM head) of `decoder`
+    over the runner's cache and graph tables at `context` positions, as a function returning the
+    logits: one row's token at position ``context - 1``, its slot -1 (no K/V written)."""
     meta = runner._graphs[1].meta
     assert isinstance(meta, DecodeMeta)
     graph_step_ms(runner, 1, context)  # tables and lengths of one row at `context` positions
     ids = torch.zeros(1, dtype=torch.int64, device="cuda")
     positions = torch.full((1,), context - 1, dtype=torch.int64, device="cuda")
     slots = torch.full((1,), -1, dtype=torch.int64, device="cuda")
+
+    def forward() -> torch.Tensor:
+        return decoder.logits(decoder.forward(ids, positions, slots, runner.kv_cache, meta))
+
+    return forward
+
+
+def b1_forward_by_pdl_8b(runner: GpuModelRunner, context: int) -> dict[str, Any]:
+    """`b1_forward` replayed from a graph with and without programmatic dependent launch: two
+    decoders over the runner's weights."""
     by_pdl = {}
     for pdl in (False, True):
         decoder = FusedDecoder(runner.model, runner.fused.gemv_table, pdl=pdl)
-
-        def forward(decoder: FusedDecoder = decoder) -> None:
-            decoder.logits(decoder.forward(ids, positions, slots, runner.kv_cache, meta))
-
-        by_pdl["pdl" if pdl else "no_pdl"] = round(graph_ms(forward, 20), 3)
+        by_pdl["pdl" if pdl else "no_pdl"] = round(graph_ms(b1_forward(runner, context, decoder), 20), 3)
     return {"b1_forward_graph_ms_8b": by_pdl, "pdl_8b": runner.fused.pdl}
 
 

@@ -33,15 +33,15 @@ from baton_engine.model.kernels.triton_gemv import GemvLaunch, GemvTable
 from baton_engine.model.linear import ParallelLinear
 from baton_engine.model.quantization.fp8 import fp8_dtype_for_device
 from baton_engine.model.quantization.fp8_linear import Fp8LinearMethod, Fp8Quantization
-from baton_engine.worker.gpu.fused_decoder import DecodeMeta, FusedDecoder
+from baton_engine.worker.gpu.fused_decoder import FusedDecoder
 from baton_engine.worker.gpu.model_runner import GpuModelRunner
 from baton_support.model_logits import prefill_logits
 from bench.gpu import (
     LLAMA_31_8B,
+    b1_forward,
     cuda_time_ms,
     graph_kernel_us,
     graph_ms,
-    graph_step_ms,
     make_core,
     random_weights,
 )
@@ -90,19 +90,9 @@ def tune_fp8_products(
     site: each candidate's forward ms and its logits' relative difference from the shipped
     table's; then the shipped and tuned tables' forwards interleaved, against bf16's forward."""
     forwards: dict[str, Any] = {}
-    ids = torch.zeros(1, dtype=torch.int64, device="cuda")
-    positions = torch.full((1,), context - 1, dtype=torch.int64, device="cuda")
-    slots = torch.full((1,), -1, dtype=torch.int64, device="cuda")  # no K/V written
     for name, run in (("fp8", runner), ("bf16", bf16_runner)):
-        meta = run._graphs[1].meta
-        assert isinstance(meta, DecodeMeta)
-        graph_step_ms(run, 1, context)  # one row's tables and length at `context` positions
         decoder = FusedDecoder(run.model, run.fused.gemv_table)
-
-        def forward(d: FusedDecoder = decoder, r: GpuModelRunner = run, m: DecodeMeta = meta) -> torch.Tensor:
-            return d.logits(d.forward(ids, positions, slots, r.kv_cache, m))
-
-        forwards[name] = (decoder, forward)
+        forwards[name] = (decoder, b1_forward(run, context, decoder))
     decoder, forward = forwards["fp8"]
     shipped = decoder.projection_table
     reference = forward().float()
