@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from baton_engine.config import EngineConfig
-from baton_engine.model.cpu_linear import pack_linears
+from baton_engine.model import cpu_linear
+from baton_engine.model.cpu_linear import onednn_bf16_supported, pack_linears
 from baton_engine.model.layers import GatedMLP
 from baton_engine.model.linear import ColumnParallelLinear, ParallelLinear, onednn_rows
 from baton_engine.worker.model_runner import ModelRunner
@@ -23,7 +24,12 @@ from tests.model.driver import TestDriver
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+ONEDNN_BF16 = pytest.mark.skipif(
+    not onednn_bf16_supported(), reason="this CPU has no oneDNN bfloat16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT)"
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=ONEDNN_BF16)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(dtype: torch.dtype, bias: bool) -> None:
     generator = torch.Generator().manual_seed(3)
@@ -102,6 +108,20 @@ def test_float64_keeps_f_linear(tmp_path: Path) -> None:
     assert all(m.packed is None for m in runner.model.modules() if isinstance(m, ParallelLinear))
     assert runner.model.logits_packed is None
     assert pack_linears(runner.model) == 0
+
+
+def test_bfloat16_on_a_cpu_without_onednn_bfloat16_keeps_f_linear_and_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # oneDNN refuses to reorder a bfloat16 weight on an AVX2-only CPU: the runner must not try.
+    monkeypatch.setattr(cpu_linear, "onednn_bf16_supported", lambda: False)
+    runner = _runner(tmp_path, "bfloat16")
+    assert all(m.packed is None for m in runner.model.modules() if isinstance(m, ParallelLinear))
+    assert runner.model.logits_packed is None
+    outputs = TestDriver(runner, max_num_batched_tokens=16, max_num_seqs=2).generate(
+        [[5, 17, 200], [40, 41]], [6, 6]
+    )
+    assert [len(seq.outputs) for seq in outputs] == [6, 6]
 
 
 def test_packed_and_plain_linears_generate_the_same_tokens(tmp_path: Path) -> None:

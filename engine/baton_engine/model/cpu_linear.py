@@ -3,7 +3,8 @@
 On CPU, `F.linear` goes to the BLAS PyTorch was built with (MKL in the PyPI wheels), which runs
 its generic code on AMD CPUs: measured on an AMD EPYC (AVX-512), oneDNN with pre-reordered
 weights is 2.5-3.4x faster for 4..2048 rows (the same library vLLM-CPU uses). Float32 and
-bfloat16 only (oneDNN has no float64 matmul); elsewhere layers keep `F.linear`.
+bfloat16 only (oneDNN has no float64 matmul), bfloat16 only where the CPU has oneDNN's bfloat16
+instructions; elsewhere layers keep `F.linear`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ def can_pack(model: CausalLM) -> bool:
         weight.device.type == "cpu"
         and weight.dtype in PACKED_DTYPES
         and bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+        and (weight.dtype != torch.bfloat16 or onednn_bf16_supported())
     )
+
+
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN runs bfloat16 matmuls on this CPU: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and refuses to reorder a bfloat16 weight elsewhere (an AVX2-only CPU)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_linears(model: CausalLM) -> int:
