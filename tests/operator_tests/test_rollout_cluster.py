@@ -285,9 +285,19 @@ def test_a_stuck_rollout_is_rolled_forward_and_a_deleted_resource_takes_every_ge
 
     wait_for(stuck, timeout=120, interval=0.5, message="the first step stuck on an unschedulable pod")
     assert [is_ready(p) for p in res.pods("prefill")] == [True]  # the old generation serves on
-    progressing = condition(res.get(), "Progressing")
-    assert progressing is not None and progressing["reason"] == "RollingOut"
-    assert "decode: 0/1 new Ready, 1 old" in progressing["message"]
+
+    def rolling_out() -> str:
+        progressing = condition(res.get(), "Progressing") or {}
+        return str(progressing.get("message", "")) if progressing.get("reason") == "RollingOut" else ""
+
+    # The status follows the pods through the operator's debounced refresh, a moment after the
+    # pods and ReplicaSets the watch saw: wait for it (it read "decode: 0/0 new" just before).
+    wait_for(
+        lambda: "decode: 0/1 new Ready, 1 old" in rolling_out(),
+        timeout=60,
+        interval=0.5,
+        message="the Progressing condition reports the stuck step",
+    )
 
     forward = copy.deepcopy(body)
     forward["engine"]["blockSize"] = 64
