@@ -367,7 +367,9 @@ def graph_ms(fn: Callable[[], object], repeats: int = 10) -> float:
 def graph_kernel_us(replay: Callable[[], object], replays: int = 5, top: int = 14) -> dict[str, list[float]]:
     """Where a captured graph's device time goes: each kernel's time per replay (µs) and launches
     per replay, from the profiler's device trace (CUPTI on NVIDIA, roctracer on ROCm) over
-    `replays` replays — the `top` longest by name, the rest as "other", and "total"."""
+    `replays` replays — the `top` longest by name, the rest as "other", and "total". Under PDL a
+    kernel's span starts before its producer ends, so spans overlap and "total" can exceed the
+    replay's time."""
     from torch.profiler import ProfilerActivity, profile
 
     replay()
@@ -576,9 +578,9 @@ def b1_step_ms(core: EngineCore, prompt: list[int], request_id: str) -> float:
     return statistics.median(times[8:])
 
 
-def graph_step_ms(runner: GpuModelRunner, batch: int, context: int) -> float:
-    """Device time of the captured decode graph of `batch` rows, each at `context` positions on
-    blocks of its own (no padding rows read anything, no slot written)."""
+def set_graph_rows(runner: GpuModelRunner, batch: int, context: int) -> None:
+    """The captured graphs' inputs for `batch` rows, each at `context` positions on blocks of its
+    own, in order (no padding rows read anything, no slot written)."""
     blocks = -(-context // runner.block_size)
     runner._g_seq_lens.zero_()
     runner._g_seq_lens[:batch].fill_(context)
@@ -586,6 +588,11 @@ def graph_step_ms(runner: GpuModelRunner, batch: int, context: int) -> float:
     runner._g_tables[:batch, :blocks].copy_(
         torch.arange(batch * blocks, device="cuda", dtype=torch.int32).view(batch, blocks)
     )
+
+
+def graph_step_ms(runner: GpuModelRunner, batch: int, context: int) -> float:
+    """Device time of the captured decode graph of `batch` rows on `set_graph_rows`' inputs."""
+    set_graph_rows(runner, batch, context)
     graph = runner._graphs[batch].graph
     graph.replay()
     return statistics.median(cuda_time_ms(graph.replay, 10))
@@ -602,7 +609,7 @@ def b1_attention_8b(runner: GpuModelRunner, context: int, copy_bps: float) -> di
     assert isinstance(meta, DecodeMeta)
     fused = runner.fused
     h, d, layers = fused.num_heads, runner.model_config.head_dim, len(fused.layers)
-    graph_step_ms(runner, 1, context)  # tables and lengths of one row at `context` positions
+    set_graph_rows(runner, 1, context)
     q = torch.randn(1, h, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     engine_splits = meta.workspace.num_splits
@@ -633,7 +640,7 @@ def b1_forward(runner: GpuModelRunner, context: int, decoder: FusedDecoder) -> C
     logits: one row's token at position ``context - 1``, its slot -1 (no K/V written)."""
     meta = runner._graphs[1].meta
     assert isinstance(meta, DecodeMeta)
-    graph_step_ms(runner, 1, context)  # tables and lengths of one row at `context` positions
+    set_graph_rows(runner, 1, context)
     ids = torch.zeros(1, dtype=torch.int64, device="cuda")
     positions = torch.full((1,), context - 1, dtype=torch.int64, device="cuda")
     slots = torch.full((1,), -1, dtype=torch.int64, device="cuda")
@@ -821,12 +828,8 @@ def one_b(result: dict[str, Any], quick: bool) -> None:
     runner.decode_ahead = True
     result["baton_steps_1b_total"] = core.stats().num_steps
     # The device time of one captured decode step at batch 256, every row at 640 tokens of context.
-    ctx, blocks = 640, 640 // runner.block_size
-    runner._g_seq_lens.fill_(ctx)
-    runner._g_slots.fill_(-1)
-    runner._g_tables[:, :blocks].copy_(
-        torch.arange(256 * blocks, device="cuda", dtype=torch.int32).view(256, blocks)
-    )
+    ctx = 640
+    set_graph_rows(runner, 256, ctx)
     graph_ms = statistics.median(cuda_time_ms(runner._graphs[256].graph.replay, 20))
     try:
         result["decode_graph_kernels_us_1b_b256_ctx640"] = graph_kernel_us(runner._graphs[256].graph.replay)
