@@ -69,6 +69,13 @@ class EngineConfig(BaseModel):
         "OMP_NUM_THREADS if set, else one per CPU the core runs on (the affinity mask, or the "
         "cgroup CPU quota where that is narrower; see --cpu-bind).",
     )
+    cpu_adaptive_threads: bool = Field(
+        True,
+        description="On CPU, run each decode step of at most 8 tokens on one intra-op thread or on "
+        "all of them, whichever the engine measures faster on this host (each step size tries both, "
+        "then re-checks one step in 16); larger steps always use every thread. Off: every step uses "
+        "every thread.",
+    )
     cpu_bind: Literal["none", "split"] = Field(
         "none",
         description="CPU pinning of a served engine on CPU: none = nothing pinned, the core on every "

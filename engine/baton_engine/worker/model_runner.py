@@ -8,6 +8,8 @@ returns a `ModelRunnerOutput`: forward, the step's grammar bitmasks applied to t
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -19,6 +21,7 @@ from baton_engine.model.cpu_linear import pack_linears
 from baton_engine.model.loader.model_loading import LoadedModel, load_model
 from baton_engine.model.parallel import SINGLE, TensorParallel
 from baton_engine.text.tokenizer import Tokenizer
+from baton_engine.worker.cpu_step_threads import StepThreadChooser
 from baton_engine.worker.distributed import agree_min, rank_device
 from baton_engine.worker.kv_cache import (
     allocate_kv_cache,
@@ -107,6 +110,15 @@ class ModelRunner:
         )
         self.backend = get_attention_backend(attention_backend, self.device)
         self.sampler = Sampler(config.seed, self.device)
+        self.step_threads: StepThreadChooser | None = None
+        """The intra-op thread count of each small CPU step (None: every step on every thread)."""
+        if (
+            self.device.type == "cpu"
+            and config.cpu_adaptive_threads
+            and not parallel.is_parallel
+            and torch.get_num_threads() > 1
+        ):
+            self.step_threads = StepThreadChooser(torch.get_num_threads())
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -142,6 +154,18 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         if step.num_tokens == 0:
             return ModelRunnerOutput(step_id=step.step_id, sampled_token_ids=[])
+        if self.step_threads is None:
+            return self._execute(step)
+        threads = self.step_threads.threads_for(step.num_tokens)
+        torch.set_num_threads(threads)
+        start = time.perf_counter()
+        try:
+            return self._execute(step)
+        finally:
+            self.step_threads.record(step.num_tokens, threads, time.perf_counter() - start)
+            torch.set_num_threads(self.step_threads.all_threads)
+
+    def _execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         logits = self.compute_logits(step)
         if len(step.sample_rows) == 0:
             return ModelRunnerOutput(step_id=step.step_id, sampled_token_ids=[])
