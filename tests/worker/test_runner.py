@@ -203,3 +203,30 @@ def test_a_preloaded_model_must_match_the_configured_dtype(tiny_llama: tuple[Pat
         ModelRunner(EngineConfig(model=str(directory), dtype="float32", num_kv_blocks=4), loaded=loaded)
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         ModelRunner(EngineConfig(model=str(directory), dtype="float64", num_kv_blocks=4), loaded, "flash")
+
+
+def test_adaptive_cpu_threads_change_no_greedy_token(tiny_llama: tuple[Path, Any]) -> None:
+    directory, _ = tiny_llama
+    prompts = _prompts(2, seed=13)
+    new_tokens = [16, 16]
+    torch.set_num_threads(2)  # the chooser acts only with more than one thread (the fixture restores 1)
+
+    def run(adaptive: bool) -> tuple[list[list[int]], ModelRunner]:
+        config = EngineConfig(
+            model=str(directory),
+            dtype="float64",
+            block_size=4,
+            num_kv_blocks=300,
+            cpu_adaptive_threads=adaptive,
+        )
+        runner = ModelRunner(config)
+        return [s.tokens for s in TestDriver(runner, 32, 2).generate(prompts, new_tokens)], runner
+
+    fixed, fixed_runner = run(adaptive=False)
+    adaptive, adaptive_runner = run(adaptive=True)
+    assert fixed_runner.step_threads is None
+    chooser = adaptive_runner.step_threads
+    assert chooser is not None and chooser.all_threads == 2
+    assert chooser.chosen(2) in (1, 2)  # the two-row decode steps ran on both counts and picked one
+    assert torch.get_num_threads() == 2  # every step gives its threads back
+    assert adaptive == fixed
