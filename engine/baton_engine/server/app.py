@@ -644,6 +644,14 @@ def _chat_stream(
     return _finish_stream(gen, request_id, include_usage, chunk, events())
 
 
+async def _client_disconnect(request: Request) -> None:
+    """Return once the client has closed its connection (the request body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
 async def _collect(
     state: ServerState,
     request: Request,
@@ -669,29 +677,30 @@ async def _collect(
 
     state.in_flight += 1
     task = asyncio.create_task(run())
+    # Waiting on the ASGI receive channel sees the disconnect the moment the socket closes; polling
+    # is_disconnected() on a timer let a fast model finish the whole request first.
+    gone = asyncio.create_task(_client_disconnect(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                task.result()
-                if gen.kv_transfer_params_out is not None and await request.is_disconnected():
-                    # nobody will pass these params on to a consumer: free the lease now
-                    log.info("request %s: client gone before its kv_transfer_params; releasing", request_id)
-                    gen.release_transfer()
-                    return Response(status_code=499)
-                break
-            if await request.is_disconnected():
-                log.info("request %s: client disconnected; aborting", request_id)
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                gen.release_transfer()  # the prefill may have finished meanwhile (lease held)
-                return Response(status_code=499)
-    finally:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
+            log.info("request %s: client disconnected; aborting", request_id)
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
+            gen.release_transfer()  # the prefill may have finished meanwhile (lease held)
+            return Response(status_code=499)
+        task.result()
+        if gen.kv_transfer_params_out is not None and (gone.done() or await request.is_disconnected()):
+            # nobody will pass these params on to a consumer: free the lease now
+            log.info("request %s: client gone before its kv_transfer_params; releasing", request_id)
+            gen.release_transfer()
+            return Response(status_code=499)
+    finally:
+        for pending in (task, gone):
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await pending
         state.in_flight -= 1
 
     token_text = state.token_text
