@@ -195,13 +195,18 @@ class EngineClient:
         payload = [request_id, prompt_token_ids, _params_dict(params), arrival_time, kv_transfer_params]
         self._input.send(ipc.encode(ipc.ADD, payload))
 
-    def abort(self, request_ids: list[str], message: str) -> None:
-        """Abort in the core (frees KV); outputs still in flight for them are dropped."""
+    def abort(self, request_ids: list[str], message: str, *, undelivered: bool = False) -> None:
+        """Abort in the core (frees KV); outputs still in flight for them are dropped.
+
+        Only requests still open here are sent, unless `undelivered`: their answer will not
+        reach the client, so a request whose final output already came (and was never read) is
+        aborted too; the core then releases its P/D producer lease."""
         live = [r for r in request_ids if self._queues.pop(r, None) is not None]
         for r in live:
             self._not_started.discard(r)
-        if live and self.dead is None and not self._closed:
-            self._input.send(ipc.encode(ipc.ABORT, [live, message]))
+        aborted = request_ids if undelivered else live
+        if aborted and self.dead is None and not self._closed:
+            self._input.send(ipc.encode(ipc.ABORT, [aborted, message]))
 
     def release_transfer(self, request_ids: list[str]) -> None:
         """P/D producer: the response carrying these finished requests' kv_transfer_params was

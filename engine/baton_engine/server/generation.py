@@ -182,7 +182,11 @@ class Generation:
         finally:
             unfinished = [c for c in self._choices.values() if c.finish_reason is None]
             if unfinished:
-                self.client.abort([c.engine_id for c in unfinished], "client gone or request cancelled")
+                # undelivered: a final output may already be in our queue, unread (the client
+                # forgot the request), its blocks leased by a P/D producer core
+                self.client.abort(
+                    [c.engine_id for c in unfinished], "client gone or request cancelled", undelivered=True
+                )
                 now = time.monotonic()
                 for choice in unfinished:
                     choice.finish_reason = "abort"
