@@ -163,6 +163,14 @@ class ServerProcess(LoopbackProcess):
         result: dict[str, Any] = response.json()
         return result
 
+    def aborted_requests(self, model: str) -> float:
+        """baton_request_success_total{finished_reason="abort"} of `model` (0 before any abort)."""
+        wanted = f'baton_request_success_total{{finished_reason="abort",model_name="{model}"}} '
+        for line in self.http.get("/metrics").text.splitlines():
+            if line.startswith(wanted):
+                return float(line.split()[-1])
+        return 0.0
+
     def wait_idle(self, timeout: float = 30.0) -> dict[str, Any]:
         """Wait until no request is queued or running and no KV block is in use."""
 

@@ -62,17 +62,8 @@ def test_64_concurrent_streaming_clients_times_4(tiny_server: ServerProcess) -> 
     assert stats["num_used_kv_blocks"] == 0
 
 
-def _aborted(server: ServerProcess) -> float:
-    """baton_request_success_total{finished_reason="abort"} (0 before any abort)."""
-    wanted = f'baton_request_success_total{{finished_reason="abort",model_name="{MODEL}"}} '
-    for line in server.http.get("/metrics").text.splitlines():
-        if line.startswith(wanted):
-            return float(line.split()[-1])
-    return 0.0
-
-
 def test_disconnected_streams_free_their_blocks(tiny_server: ServerProcess) -> None:
-    aborted_before = _aborted(tiny_server)
+    aborted_before = tiny_server.aborted_requests(MODEL)
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=tiny_server.url, timeout=60.0) as client:
@@ -98,11 +89,11 @@ def test_disconnected_streams_free_their_blocks(tiny_server: ServerProcess) -> N
     assert stats["num_running"] == 0
     # each dropped stream is counted once as an aborted request
     wait_for(
-        lambda: _aborted(tiny_server) >= aborted_before + 4,
+        lambda: tiny_server.aborted_requests(MODEL) >= aborted_before + 4,
         timeout=30,
         message="4 aborts in the request metric",
     )
-    assert _aborted(tiny_server) == aborted_before + 4
+    assert tiny_server.aborted_requests(MODEL) == aborted_before + 4
 
 
 def test_disconnected_non_streaming_request_is_aborted(tiny_server: ServerProcess) -> None:
@@ -127,7 +118,7 @@ def test_disconnected_non_streaming_request_is_aborted(tiny_server: ServerProces
 
 
 def test_deadline_aborts_with_408(tiny_server: ServerProcess) -> None:
-    aborted_before = _aborted(tiny_server)
+    aborted_before = tiny_server.aborted_requests(MODEL)
     response = tiny_server.http.post(
         "/v1/completions",
         # 250 engine steps and their outputs' trips to the server take well over 0.05 s on a CPU
@@ -135,7 +126,7 @@ def test_deadline_aborts_with_408(tiny_server: ServerProcess) -> None:
         json={"model": MODEL, "prompt": "hi", "max_tokens": 250, "ignore_eos": True, "timeout": 0.05},
     )
     assert response.status_code == 408
-    assert _aborted(tiny_server) == aborted_before + 1  # counted before the 408 was sent
+    assert tiny_server.aborted_requests(MODEL) == aborted_before + 1  # counted before the 408 was sent
     error = response.json()["error"]
     assert error["code"] == "deadline_exceeded" and error["param"] == "timeout"
     assert tiny_server.wait_idle()["num_used_kv_blocks"] == 0

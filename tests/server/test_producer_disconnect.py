@@ -88,22 +88,13 @@ def producer(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             wait_for(lambda: not pid_alive(core_pid), timeout=10, message=f"core {core_pid} to exit")
 
 
-def _aborted(server: ServerProcess) -> float:
-    """baton_request_success_total{finished_reason="abort"} (0 before any abort)."""
-    wanted = f'baton_request_success_total{{finished_reason="abort",model_name="{MODEL}"}} '
-    for line in server.http.get("/metrics").text.splitlines():
-        if line.startswith(wanted):
-            return float(line.split()[-1])
-    return 0.0
-
-
 def _logged(server: ServerProcess, text: str) -> bool:
     return text in server.log_text()
 
 
 def test_client_gone_mid_request_aborts_it_and_holds_no_lease(producer: ServerProcess) -> None:
     core_pid = int(producer.stats()["core_pid"])
-    aborted_before = _aborted(producer)
+    aborted_before = producer.aborted_requests(MODEL)
     request_id = "producer-leg-dropped"
     body = json.dumps(_body("The capital of France is")).encode()
     head = (
@@ -137,7 +128,7 @@ def test_client_gone_mid_request_aborts_it_and_holds_no_lease(producer: ServerPr
     )
     assert (stats["in_flight"], stats["kv_leases_held"], stats["num_used_kv_blocks"]) == (0, 0, 0)
     assert stats["kv_transfer"]["leases_expired"] == 0
-    assert _aborted(producer) == aborted_before + 1
+    assert producer.aborted_requests(MODEL) == aborted_before + 1
     assert f"request {request_id}: done" not in producer.log_text()
 
     # The same server still answers a producer leg, and its lease is the only one.
@@ -285,13 +276,7 @@ async def in_process(tiny_model_dir: Path) -> AsyncIterator[InProcess]:
             state = ServerState(config=config, metrics=EngineMetrics("", block_size=config.block_size))
             state.tokenizer = load_tokenizer(config.model)
             state.max_token_chars = max_token_chars(state.tokenizer)
-            state.client = client
-            state.model_name = str(client.info["model_name"])
-            state.metrics.set_model_name(state.model_name)
-            state.max_model_len = int(client.info["max_model_len"])
-            state.vocab_size = int(client.info["vocab_size"])
-            state.eos_token_ids = tuple(client.info["eos_token_ids"])
-            state.ready = True
+            state.engine_started(client)
             yield InProcess(state, client)
         finally:
             await client.close()

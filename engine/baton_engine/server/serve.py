@@ -66,14 +66,8 @@ async def _load(state: ServerState, server: _Server, on_fatal: Callable[[str], N
             os.sched_setaffinity(0, layout.server_cpus)
             log.info("CPU layout: server on %s, engine core on %s with %d threads",
                      layout.server_cpus, layout.core_cpus, layout.core_threads)  # fmt: skip
+        state.engine_started(client)
         info = client.info
-        state.model_name = config.served_model_name or str(info["model_name"])
-        state.metrics.set_model_name(state.model_name)
-        state.max_model_len = int(info["max_model_len"])
-        state.vocab_size = int(info["vocab_size"])
-        state.eos_token_ids = tuple(info["eos_token_ids"])
-        state.metrics.kv_blocks.labels(state.model_name).set(int(info["num_kv_blocks"]))
-        state.ready = True
         log.info(
             "ready in %.1f s: serving %s on http://%s:%d (%d KV blocks, max_model_len %d, core pid %s)",
             time.monotonic() - started, state.model_name, config.host, config.port, info["num_kv_blocks"],

@@ -46,6 +46,18 @@ class ServerState:
             self._token_text = TokenText(self.tokenizer)
         return self._token_text
 
+    def engine_started(self, client: EngineClient) -> None:
+        """Take what the started core told `client` (model, limits, EOS ids, KV blocks); ready."""
+        info = client.info
+        self.client = client
+        self.model_name = self.config.served_model_name or str(info["model_name"])
+        self.metrics.set_model_name(self.model_name)
+        self.max_model_len = int(info["max_model_len"])
+        self.vocab_size = int(info["vocab_size"])
+        self.eos_token_ids = tuple(info["eos_token_ids"])
+        self.metrics.kv_blocks.labels(self.model_name).set(int(info["num_kv_blocks"]))
+        self.ready = True
+
 
 def max_token_chars(tokenizer: Tokenizer) -> int:
     """The longest text any single token of `tokenizer` decodes to, in characters."""
