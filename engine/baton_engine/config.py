@@ -67,7 +67,8 @@ class EngineConfig(BaseModel):
         le=4096,
         description="Intra-op (torch/OpenMP) threads of the engine core on CPU; default: "
         "OMP_NUM_THREADS if set, else one per CPU the core runs on (the affinity mask, or the "
-        "cgroup CPU quota where that is narrower; see --cpu-bind).",
+        "cgroup CPU quota where that is narrower; see --cpu-bind). The offline LLM sets its "
+        "process's torch threads to it when given, and otherwise keeps torch's own count.",
     )
     cpu_adaptive_threads: bool = Field(
         True,
