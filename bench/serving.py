@@ -17,7 +17,11 @@ streaming, 200 input / 64 output tokens (synthetic prompts, fixed seed, ``ignore
 bench reads the CPU time of each server's process tree over each level
 (``cpu_ms_per_output_token``: what the neighbours' load disturbs least on a shared machine), split
 into the HTTP server process (``server_cpu_...``: parsing, tokenizing, detokenizing, streaming)
-and its descendants (``core_cpu_...``: the engine core).
+and its descendants (``core_cpu_...``: the engine core). Two conditions of each level are
+reported beside them: ``prefix_cache_hit_rate`` (prompt tokens found in the server's prefix cache
+over those looked up, from its own counters; aiperf's prompts repeat within a level and across
+levels) and ``load_generator_cpu_cores`` (aiperf's whole process tree, CPU seconds over the
+level's wall time: on two cores, the share of the machine the load generator itself takes).
 
 Offline: Baton's `LLM` and ``vllm.LLM`` generate the same random token-id prompts
 (``--offline-prompts``: 16 and 64 of 200 tokens, 64 greedy output tokens each), each in a fresh
@@ -44,6 +48,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import statistics
@@ -357,16 +362,29 @@ def _metric(summary: dict[str, Any], name: str, stat: str) -> float | None:
 
 GENERATION_TOKENS_METRIC = "vllm:generation_tokens_total"
 """Both servers export it (Baton under vLLM's name too): every token generated, warm-up included."""
+PREFIX_QUERIES_METRIC = "vllm:prefix_cache_queries_total"
+PREFIX_HITS_METRIC = "vllm:prefix_cache_hits_total"
+"""Prompt tokens looked up in the prefix cache and found there, counted by both servers."""
+SERVER_COUNTERS = (GENERATION_TOKENS_METRIC, PREFIX_QUERIES_METRIC, PREFIX_HITS_METRIC)
 
 
-def generated_tokens(server: Server) -> float:
-    """The server's own count of generated tokens so far (its Prometheus counter)."""
+def server_counters(server: Server) -> dict[str, float]:
+    """The server's own totals of `SERVER_COUNTERS` so far (its Prometheus counters, summed over
+    their labels; 0 for one it does not export)."""
     text = httpx.get(server.url + "/metrics", timeout=30.0).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(GENERATION_TOKENS_METRIC + "{") or line.startswith(GENERATION_TOKENS_METRIC + " ")
-    )
+    totals = dict.fromkeys(SERVER_COUNTERS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds of this process's children that have ended and been waited for, and of their
+    own waited-for descendants: around a `subprocess.run` of aiperf, its whole process tree."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_level(
@@ -374,19 +392,25 @@ def run_level(
 ) -> dict[str, Any]:
     artifacts = work / f"aiperf-{server.side}-c{concurrency}-{server.port}"
     load_before = load_average()
-    tokens_before = generated_tokens(server)
+    counters_before = server_counters(server)
     cpu_before = tree_cpu_seconds(server.process.pid)
+    generator_cpu_before = children_cpu_seconds()
+    started = time.monotonic()
     completed = subprocess.run(
         aiperf_command(aiperf, server, settings, concurrency, artifacts),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         timeout=settings.duration_s + settings.grace_s + 900,
     )
+    generator_cores = (children_cpu_seconds() - generator_cpu_before) / (time.monotonic() - started)
     cpu_after = tree_cpu_seconds(server.process.pid)
     cpu = {part: cpu_after[part] - cpu_before.get(part, 0.0) for part in cpu_after}
     core_cpu = {part: seconds for part, seconds in cpu.items() if part != "server"}
+    counters = {name: total - counters_before[name] for name, total in server_counters(server).items()}
     # CPU per generated token over the whole level (warm-up included on both counts).
-    generated = generated_tokens(server) - tokens_before
+    generated = counters[GENERATION_TOKENS_METRIC]
+    queried = counters[PREFIX_QUERIES_METRIC]
+    hit_rate = round(counters[PREFIX_HITS_METRIC] / queried, 3) if queried else None
     summary_path = artifacts / "profile_export_aiperf.json"
     output = completed.stdout.decode(errors="replace")
     if completed.returncode != 0 and "No profile results to export" in output:
@@ -425,6 +449,8 @@ def run_level(
         "core_cpu_ms_per_output_token_by_process": {
             part: _per_token(seconds, generated) for part, seconds in sorted(core_cpu.items())
         },
+        "prefix_cache_hit_rate": hit_rate,
+        "load_generator_cpu_cores": round(generator_cores, 3),
         "load_average": [load_before, load_average()],
     }
 
@@ -595,6 +621,8 @@ SERVING_KEYS = (
     "server_cpu_ms_per_output_token",
     "core_cpu_ms_per_output_token",
 )
+CONDITION_KEYS = ("prefix_cache_hit_rate", "load_generator_cpu_cores")
+"""Reported per side and level, not as ratios: what the level ran under."""
 
 
 def summarize(results: Results, sides: list[str], settings: Settings) -> dict[str, Any]:
@@ -602,7 +630,7 @@ def summarize(results: Results, sides: list[str], settings: Settings) -> dict[st
     for side in sides:
         serving[side] = {
             str(c): {
-                **{key: _median(rounds, key) for key in SERVING_KEYS},
+                **{key: _median(rounds, key) for key in (*SERVING_KEYS, *CONDITION_KEYS)},
                 "completed": sum(r["completed"] for r in rounds),
                 "errors": sum(r["errors"] for r in rounds),
                 "rounds": rounds,

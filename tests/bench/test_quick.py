@@ -212,6 +212,10 @@ def _serving(r: dict[str, Any], stderr: str) -> None:
     level = r["serving"]["baton"]["2"]
     assert (level["completed"], level["errors"]) == (4, 0)
     assert level["output_tokens_per_s"] > 0 and level["ttft_p50_ms"] > 0 and level["itl_p50_ms"] > 0
+    # The server's own prefix-cache counters were read (None only when nothing was looked up),
+    # and aiperf's process tree used CPU of its own while it ran.
+    assert 0 <= level["prefix_cache_hit_rate"] <= 1
+    assert level["load_generator_cpu_cores"] > 0
 
 
 def _pd(r: dict[str, Any], stderr: str) -> None:
