@@ -423,6 +423,8 @@ def run_level(
             "errors": 0,
             "output_tokens": 0,
             "note": "no request completed within the duration and grace period",
+            "prefix_cache_hit_rate": hit_rate,
+            "load_generator_cpu_cores": round(generator_cores, 3),
             "load_average": [load_before, load_average()],
         }
     if completed.returncode != 0 or not summary_path.is_file():

@@ -168,25 +168,27 @@ def test_a_failed_step_frees_its_requests_and_the_next_call_works(llm) -> None: 
 
 def test_cpu_threads_sets_the_offline_engines_torch_threads(tiny_model_dir: Path) -> None:
     """`cpu_threads` was the served core's only: the offline LLM ignored it and ran on torch's
-    default count. One thread also leaves no thread count for the engine to choose."""
+    default count. One thread also leaves no thread count for the engine to choose. The setting
+    is the process's: a later LLM without it keeps the count it finds."""
     import torch
 
     from baton_engine.entrypoints.llm import LLM
 
+    settings = {"model": str(tiny_model_dir), "dtype": "float32", "num_kv_blocks": 16, "max_model_len": 64}
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        single = LLM(
-            model=str(tiny_model_dir), dtype="float32", num_kv_blocks=16, max_model_len=64, cpu_threads=1
-        )
-        assert torch.get_num_threads() == 1
-        assert single.core.runner.step_threads is None  # type: ignore[attr-defined]
-        torch.set_num_threads(2)
-        default = LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=16, max_model_len=64)
+        default = LLM(**settings)
         assert torch.get_num_threads() == 2
         assert default.core.runner.step_threads is not None  # type: ignore[attr-defined]
         assert default.core.runner.step_threads.all_threads == 2  # type: ignore[attr-defined]
+        single = LLM(**settings, cpu_threads=1)
+        assert torch.get_num_threads() == 1
+        assert single.core.runner.step_threads is None  # type: ignore[attr-defined]
         greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         assert len(single.generate([[5, 6, 7]], greedy)[0].outputs[0].token_ids) == 4
+        later = LLM(**settings)
+        assert torch.get_num_threads() == 1
+        assert later.core.runner.step_threads is None  # type: ignore[attr-defined]
     finally:
         torch.set_num_threads(previous)

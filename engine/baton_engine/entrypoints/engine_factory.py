@@ -183,10 +183,6 @@ def build_model_runner(
         # The ranks share the host's cores: one rank's intra-op threads must not take them all.
         usable = host_cpu_layout(config.cpu_threads, "none").core_threads
         torch.set_num_threads(max(1, usable // tp.size))
-    elif config.cpu_threads is not None and torch.device(config.device).type == "cpu":
-        # The served core was started with these threads; the offline LLM runs in the caller's
-        # process, which keeps torch's default unless cpu_threads asks otherwise.
-        torch.set_num_threads(config.cpu_threads)
     return ModelRunner(config, loaded, parallel=tp)
 
 

@@ -51,6 +51,12 @@ class LLM:
         """`engine_settings`: any `EngineConfig` field (``max_model_len=...``, ``device="cuda"``);
         an unknown or invalid one raises pydantic's ValidationError naming it."""
         self.config = EngineConfig(model=model, **engine_settings)
+        if self.config.cpu_threads is not None and self.config.device.split(":")[0] == "cpu":
+            import torch
+
+            # The served core gets its threads when its process starts; this engine runs in the
+            # caller's process, which keeps torch's count unless cpu_threads is given.
+            torch.set_num_threads(self.config.cpu_threads)
         self.core, self.info = build_engine_core(self.config)
         self.tokenizer = self.info.tokenizer
         self._next_id = 0
