@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from baton_engine.config import EngineConfig
 from baton_engine.core.engine_core import Drafter, EngineCore, KVEventSink, SpecDecodeStatsLogger
 from baton_engine.core.sampling_params import SamplingParams
+from baton_engine.entrypoints.cpu_allocator import tune_cpu_allocator
 from baton_engine.entrypoints.cpu_layout import host_cpu_layout
 from baton_engine.prefix.hashing import prefix_hasher
 from baton_engine.structured.manager import StructuredOutputManager
@@ -167,8 +168,9 @@ def build_model_runner(
     config: EngineConfig, loaded: LoadedModel | None = None, parallel: TensorParallel | None = None
 ) -> ModelRunner:
     """The GPU runner (Triton kernels, captured decode graphs) on cuda/ROCm devices unless
-    ``BATON_GPU_FAST_PATH=0``; the reference runner everywhere else. `parallel`: the rank's
-    place in its tensor-parallel group (default: the whole model)."""
+    ``BATON_GPU_FAST_PATH=0``; the reference runner everywhere else, on CPU with this process's
+    allocator tuned for its steps (`tune_cpu_allocator`). `parallel`: the rank's place in its
+    tensor-parallel group (default: the whole model)."""
     import torch
 
     from baton_engine.model.parallel import SINGLE
@@ -179,6 +181,8 @@ def build_model_runner(
         from baton_engine.worker.gpu.model_runner import GpuModelRunner
 
         return GpuModelRunner(config, loaded, parallel=tp)
+    if torch.device(config.device).type == "cpu":
+        tune_cpu_allocator()
     if tp.is_parallel and torch.device(config.device).type == "cpu":
         # The ranks share the host's cores: one rank's intra-op threads must not take them all.
         usable = host_cpu_layout(config.cpu_threads, "none").core_threads
