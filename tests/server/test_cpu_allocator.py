@@ -25,7 +25,6 @@ if sys.argv[1] == "llm":
 elif sys.argv[1] == "direct":
     from baton_engine.entrypoints.cpu_allocator import tune_cpu_allocator
     assert tune_cpu_allocator().applied
-    assert tune_cpu_allocator().applied  # idempotent
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",

@@ -6,7 +6,7 @@ as the heap's free top passes its trim threshold (twice the largest block it has
 freed, at most 64 MiB; a few MiB for the tensors of a small model), and serve a block above the
 mmap threshold with a fresh mapping. Either way the next step touches new pages: measured on the
 2-core VM (SmolLM2-135M, fp32, one thread, 16 prompts x 200 -> 64 tokens), 200-300 thousand minor
-page faults a run and 0.3-0.5 s of system time in 7-8 s, against ~50 thousand (the KV blocks'
+page faults a run and 0.3-0.5 s of system time in 7-9 s, against ~50 thousand (the KV blocks'
 first touch) and under 0.1 s with the settings here; the run was 3-7 % faster.
 
 The settings are glibc's own ceilings for its dynamic thresholds, fixed from the start: blocks
@@ -18,6 +18,7 @@ library (musl) nothing changes.
 from __future__ import annotations
 
 import ctypes
+import logging
 import platform
 from dataclasses import dataclass
 
@@ -45,6 +46,8 @@ class AllocatorTuning:
     """Why not, when not applied (no glibc, a setting refused); empty otherwise."""
 
 
+log = logging.getLogger("baton_engine.cpu_allocator")
+
 _applied: AllocatorTuning | None = None
 
 
@@ -56,6 +59,7 @@ def tune_cpu_allocator() -> AllocatorTuning:
     libc_name, _ = platform.libc_ver()
     if libc_name != "glibc":
         _applied = AllocatorTuning(False, f"not glibc ({libc_name or 'unknown C library'})")
+        log.warning("CPU allocator left at its defaults: %s", _applied.reason)
         return _applied
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
@@ -67,4 +71,6 @@ def tune_cpu_allocator() -> AllocatorTuning:
     )
     refused = [name for name, parameter, value in settings if mallopt(parameter, value) != 1]
     _applied = AllocatorTuning(not refused, f"mallopt refused {', '.join(refused)}" if refused else "")
+    if refused:
+        log.warning("CPU allocator left partly at its defaults: %s", _applied.reason)
     return _applied

@@ -177,13 +177,14 @@ def build_model_runner(
     from baton_engine.worker.model_runner import ModelRunner
 
     tp = SINGLE if parallel is None else parallel
-    if torch.device(config.device).type == "cuda" and os.environ.get("BATON_GPU_FAST_PATH", "1") != "0":
+    device_type = torch.device(config.device).type
+    if device_type == "cuda" and os.environ.get("BATON_GPU_FAST_PATH", "1") != "0":
         from baton_engine.worker.gpu.model_runner import GpuModelRunner
 
         return GpuModelRunner(config, loaded, parallel=tp)
-    if torch.device(config.device).type == "cpu":
+    if device_type == "cpu":
         tune_cpu_allocator()
-    if tp.is_parallel and torch.device(config.device).type == "cpu":
+    if tp.is_parallel and device_type == "cpu":
         # The ranks share the host's cores: one rank's intra-op threads must not take them all.
         usable = host_cpu_layout(config.cpu_threads, "none").core_threads
         torch.set_num_threads(max(1, usable // tp.size))
