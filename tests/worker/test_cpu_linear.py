@@ -72,14 +72,15 @@ def test_the_cpu_runner_packs_every_linear_and_the_head_once(tmp_path: Path) -> 
         assert layer.self_attn.qkv_proj.packed is not None and layer.self_attn.o_proj.packed is not None
         mlp = layer.mlp
         assert isinstance(mlp, GatedMLP)
-        # gate and up apart (silu and the product in their epilogues), the merged one not at all
+        # gate and up apart (each product contiguous for silu and the multiply in place), the merged
+        # one not at all
         assert mlp.gate_packed is not None and mlp.up_packed is not None
         assert mlp.gate_up_proj.packed is None and mlp.down_proj.packed is not None
         assert layer.self_attn.rotate_in_place
     assert pack_linears(runner.model) == 0  # already packed: nothing reordered twice
 
 
-def test_the_fused_epilogues_match_the_separate_passes() -> None:
+def test_the_packed_mlp_matches_the_unpacked_passes() -> None:
     generator = torch.Generator().manual_seed(11)
     mlp = GatedMLP(64, 96, bias=True, prefix="mlp", dtype=torch.float32, device="cpu")
     with torch.no_grad():
@@ -150,21 +151,23 @@ def test_packed_and_plain_linears_generate_the_same_tokens(tmp_path: Path) -> No
 
 
 _CREATED = re.compile(
-    r",create:cache_miss,cpu,inner_product,.*attr-scratchpad:user(?: attr-post-ops:(\S+))?,,"
+    r",create:cache_miss,cpu,inner_product,.* bia:(\w+):.*attr-scratchpad:user(?: attr-post-ops:(\S+))?,,"
     r"mb(\d+)ic(\d+)oc(\d+),"
 )
 
 
 @contextmanager
 def _onednn_log(capfd: pytest.CaptureFixture[str]) -> Iterator[list[tuple[int, int, int, str]]]:
-    """The (rows, in, out, post-ops) of every inner-product primitive oneDNN creates meanwhile
-    (a cache miss: its verbose log, written by the library to file descriptor 1)."""
-    created: list[tuple[int, int, int, str]] = []
+    """The (rows, in, out, biased, post-ops) of every inner-product primitive oneDNN creates
+    meanwhile (a cache miss: its verbose log, written by the library to file descriptor 1)."""
+    created: list[tuple[int, int, int, bool, str]] = []
     capfd.readouterr()
     with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):  # type: ignore[no-untyped-call]
         yield created
     out = capfd.readouterr().out
-    created.extend((int(m), int(i), int(o), post) for post, m, i, o in _CREATED.findall(out))
+    created.extend(
+        (int(m), int(i), int(o), bias != "undef", post) for bias, post, m, i, o in _CREATED.findall(out)
+    )
 
 
 def test_row_buckets() -> None:
@@ -187,7 +190,9 @@ def test_each_row_bucket_builds_one_primitive(capfd: pytest.CaptureFixture[str])
     with torch.inference_mode(), _onednn_log(capfd) as created:
         outputs = {rows: layer(torch.ones(rows, 96)) for rows in range(1, 301)}
         again = layer(torch.ones(37, 96))
-    assert sorted(created) == sorted((rows, 96, 176, "") for rows in {onednn_rows(r) for r in range(1, 301)})
+    assert sorted(created) == sorted(
+        (rows, 96, 176, True, "") for rows in {onednn_rows(r) for r in range(1, 301)}
+    )
     assert all(out.shape == (rows, 176) for rows, out in outputs.items())
     assert torch.equal(again, outputs[37])
 
@@ -205,16 +210,21 @@ def test_an_engine_step_of_any_size_reuses_the_bucket_primitives(
             TestDriver(runner, max_num_batched_tokens=64, max_num_seqs=1).generate([prompt], [1])
     buckets = {onednn_rows(length) for length in lengths}
     # the post-op's name: oneDNN marks a one-row operand as broadcast (its own primitive, named so)
-    kinds = {(i, o, post.split(":")[0]) for _, i, o, post in created}
+    kinds = {(i, o, biased, post.split(":")[0]) for _, i, o, biased, post in created}
     config = runner.model_config
     assert len(buckets) == 18
-    assert {(i, post) for i, _, post in kinds} == {
-        (80, ""),  # qkv, the LM head
+    assert {(i, post) for i, _, _, post in kinds} == {
+        (80, ""),  # qkv, gate and up (one shape, one primitive), the LM head
         (config.num_heads * config.head_dim, "binary_add"),  # o + the residual
-        (80, "eltwise_swish"),  # silu(gate)
-        (80, "binary_mul"),  # up * silu(gate)
         (config.intermediate_size, "binary_add"),  # down + the residual
     }
-    assert len(kinds) == 6
-    assert {rows for rows, i, _, _ in created if i == 80} == buckets  # a step of N rows ran as onednn_rows(N)
-    assert len(created) == len(set(created))  # each (rows, shape, post-ops) built once
+    qkv_width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    assert {(i, o, biased) for i, o, biased, post in kinds if not post} == {
+        (80, qkv_width, True),  # Qwen2's qkv bias
+        (80, config.intermediate_size, False),  # gate and up: one primitive
+        (80, config.vocab_size, False),
+    }
+    assert {
+        rows for rows, i, _, _, _ in created if i == 80
+    } == buckets  # a step of N rows ran as onednn_rows(N)
+    assert len(created) == len(set(created))  # each (rows, shape, bias, post-ops) built once

@@ -39,7 +39,7 @@ def onednn_bf16_supported() -> bool:
 def pack_linears(model: CausalLM) -> int:
     """Reorder every unquantized linear weight (and the LM head's) for oneDNN; returns how many.
     A gated MLP's gate and up weights are reordered apart (`GatedMLP.gate_packed`), so that
-    silu and the product run in their matmuls' epilogues. Idempotent. Layers of other
+    each product is contiguous for silu and the multiply in place. Idempotent. Layers of other
     (quantized) methods keep their own kernels."""
     if not can_pack(model):
         return 0
